@@ -1,0 +1,20 @@
+"""linformer_ds: pretrain Linformer encoders (Wang et al. 2020) with DeepSpeed."""
+
+from linformer_ds.model import (
+    LinformerEncoder,
+    LinformerForMaskedLM,
+    LinformerForSequenceClassification,
+    LinformerSelfAttention,
+    ModelConfig,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig",
+    "LinformerSelfAttention",
+    "LinformerEncoder",
+    "LinformerForMaskedLM",
+    "LinformerForSequenceClassification",
+    "__version__",
+]

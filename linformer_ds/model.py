@@ -1,0 +1,650 @@
+"""Linformer encoder (Wang et al. 2020, arXiv 2006.04768) in plain PyTorch.
+
+This file imports nothing but torch and the standard library: the Hugging Face export ships it
+verbatim as the model's remote code, so an exported model loads without linformer_ds installed.
+
+Attention variants (per layer, see ``ModelConfig.projection_schedule``):
+
+* ``linear``: keys and values are projected along the sequence axis by learned ``E, F`` of shape
+  ``[k, N_max]``: ``softmax(Q (E K)^T / sqrt(d_h)) (F V)``. Cost O(n k), no n x n tensor.
+* ``conv`` (Conv-Linformer): keys and values are compressed by a strided 1-D convolution over the
+  sequence with kernel = stride = ``N_max / k``.
+* ``dense``: full softmax attention (the baseline), through ``scaled_dot_product_attention``.
+
+Sharing modes (the paper's section 4 meaning):
+
+* ``none``: separate ``E_h, F_h`` for every head of every layer.
+* ``headwise``: one ``E`` and one ``F`` per layer, shared by all heads.
+* ``kv``: one matrix per layer, used for keys and values (``E = F``), shared by all heads.
+* ``layerwise``: one matrix for all layers, heads, keys and values (owned by the encoder).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_FORMAT_VERSION = 1
+
+PROJECTIONS = ("linear", "conv", "dense")
+SCHEDULES = PROJECTIONS + ("hybrid",)
+SHARING_MODES = ("none", "headwise", "kv", "layerwise")
+NORM_STYLES = ("pre", "post")
+
+
+class ModelConfigError(ValueError):
+    """A model option is invalid; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    """Every model option in one place. Sizes follow BERT-base by default."""
+
+    vocab_size: int = 16000
+    max_seq_len: int = 4096  # N_max: positions and the width of E/F
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    dropout: float = 0.1  # hidden dropout (embeddings, residual branches)
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-5
+    norm: str = "pre"  # "pre" (pre-LN) or "post" (post-LN, original BERT)
+    # Attention schedule: "linear", "conv", "dense" for every layer, or "hybrid": linear in the
+    # first `hybrid_linear_layers` layers and conv in the rest (Conv-Linformer hybrid).
+    projection: str = "linear"
+    hybrid_linear_layers: int = 6
+    layer_projections: Optional[List[str]] = None  # explicit per-layer schedule, overrides above
+    k: int = 256  # projected length for linear layers; conv stride = max_seq_len // k
+    layer_k: Optional[List[int]] = None  # per-layer k, overrides `k`
+    sharing: str = "layerwise"
+    freeze_projection: bool = False  # keep E/F (or conv kernels) fixed at their init
+    projection_init_std: Optional[float] = None  # default 1/sqrt(max_seq_len)
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    num_labels: int = 2
+    classifier_dropout: Optional[float] = None  # default: `dropout`
+    tie_word_embeddings: bool = True
+    format_version: int = MODEL_FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # free-form metadata, ignored by the model
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------- schedule
+    def projection_schedule(self) -> List[str]:
+        """The attention type of every layer."""
+        if self.layer_projections is not None:
+            return list(self.layer_projections)
+        if self.projection == "hybrid":
+            n_lin = self.hybrid_linear_layers
+            return ["linear"] * n_lin + ["conv"] * (self.num_layers - n_lin)
+        return [self.projection] * self.num_layers
+
+    def k_for_layer(self, layer_idx: int) -> int:
+        return int(self.layer_k[layer_idx]) if self.layer_k is not None else int(self.k)
+
+    def conv_stride(self, layer_idx: int) -> int:
+        return self.max_seq_len // self.k_for_layer(layer_idx)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise ModelConfigError(f"model.{name}: {msg}")
+
+        for name in ("vocab_size", "max_seq_len", "hidden_size", "num_layers", "num_heads"):
+            if int(getattr(self, name)) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size < 1:
+            bad("intermediate_size", f"must be >= 1, got {self.intermediate_size}")
+        if self.hidden_size % self.num_heads:
+            bad(
+                "hidden_size",
+                f"{self.hidden_size} is not divisible by num_heads={self.num_heads}",
+            )
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= float(getattr(self, name)) < 1.0:
+                bad(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.norm not in NORM_STYLES:
+            bad("norm", f"must be one of {NORM_STYLES}, got {self.norm!r}")
+        if self.sharing not in SHARING_MODES:
+            bad("sharing", f"must be one of {SHARING_MODES}, got {self.sharing!r}")
+        if self.projection not in SCHEDULES:
+            bad("projection", f"must be one of {SCHEDULES}, got {self.projection!r}")
+        if self.projection == "hybrid" and not 0 <= self.hybrid_linear_layers <= self.num_layers:
+            bad(
+                "hybrid_linear_layers",
+                f"must be in [0, num_layers={self.num_layers}], got {self.hybrid_linear_layers}",
+            )
+        if self.layer_projections is not None:
+            if len(self.layer_projections) != self.num_layers:
+                bad(
+                    "layer_projections",
+                    f"has {len(self.layer_projections)} entries, num_layers={self.num_layers}",
+                )
+            for i, p in enumerate(self.layer_projections):
+                if p not in PROJECTIONS:
+                    bad(f"layer_projections[{i}]", f"must be one of {PROJECTIONS}, got {p!r}")
+        if self.layer_k is not None and len(self.layer_k) != self.num_layers:
+            bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            bad("pad_token_id", f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.num_labels < 1:
+            bad("num_labels", f"must be >= 1, got {self.num_labels}")
+
+        schedule = self.projection_schedule()
+        kname = "layer_k" if self.layer_k is not None else "k"
+        shared_k: dict = {}
+        for i, p in enumerate(schedule):
+            if p == "dense":
+                continue
+            k = self.k_for_layer(i)
+            where = f"{kname}[{i}]" if self.layer_k is not None else "k"
+            if not 1 <= k <= self.max_seq_len:
+                bad(where, f"k={k} must be in [1, max_seq_len={self.max_seq_len}]")
+            if p == "conv" and self.max_seq_len % k:
+                bad(
+                    where,
+                    f"conv layer {i}: k={k} does not divide max_seq_len={self.max_seq_len} "
+                    "(conv kernel = stride = max_seq_len / k)",
+                )
+            if self.sharing == "layerwise":
+                if shared_k.setdefault(p, k) != k:
+                    bad(
+                        kname,
+                        f"sharing='layerwise' needs one k for all {p} layers, got "
+                        f"{shared_k[p]} and {k}",
+                    )
+
+    # ---------------------------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelConfigError(f"model: unknown option(s) {unknown}")
+        d = dict(d)
+        for key in ("layer_projections", "layer_k"):
+            if d.get(key) is not None:
+                d[key] = list(d[key])
+        return cls(**d)
+
+    # -------------------------------------------------------------------------------- counting
+    def num_projection_parameters(self) -> int:
+        """Parameters in E/F (or conv kernels), by the sharing-mode formulas in README."""
+        h, d, n_max = self.num_heads, self.head_dim, self.max_seq_len
+        total = 0
+        seen_layerwise: set = set()
+        for i, p in enumerate(self.projection_schedule()):
+            if p == "dense":
+                continue
+            k = self.k_for_layer(i)
+            one = k * n_max if p == "linear" else d * d * (n_max // k) + d
+            if self.sharing == "layerwise":
+                if p not in seen_layerwise:
+                    seen_layerwise.add(p)
+                    total += one
+            elif self.sharing == "kv":
+                total += one
+            elif self.sharing == "headwise":
+                total += 2 * one
+            else:  # none
+                total += 2 * h * one
+        return total
+
+
+# ==================================================================================== projections
+class LinearProjection(nn.Module):
+    """Learned projection along the sequence axis: ``[B, n, h, d] -> [B, k, h, d]``.
+
+    ``weight`` is ``[H, k, N_max]`` with ``H = 1`` (shared by all heads) or ``H = num_heads``.
+    Inputs shorter than ``N_max`` use the first ``n`` columns (fairseq's slicing).
+    """
+
+    def __init__(self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool):
+        super().__init__()
+        self.k, self.max_seq_len, self.heads = k, max_seq_len, heads
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(heads, k, max_seq_len), requires_grad=not frozen)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h, d = x.shape
+        w = self.weight[:, :, :n]
+        if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
+            return torch.matmul(w[0], x.reshape(b, n, h * d)).view(b, self.k, h, d)
+        return torch.einsum("hkn,bnhd->bkhd", w, x)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, k={self.k}, max_seq_len={self.max_seq_len}"
+
+
+class ConvProjection(nn.Module):
+    """Strided 1-D convolution over the sequence (Conv-Linformer): ``[B, n, h, d] -> [B, c, h, d]``.
+
+    kernel = stride = ``r``; ``c = ceil(n / r)`` (the input is zero-padded to a multiple of r).
+    ``weight`` is ``[H, d_out, d_in, r]`` (Conv1d layout per head), ``bias`` is ``[H, d]``;
+    ``H = 1`` shares the kernel across heads. Parameters: ``H * (d*d*r + d)``.
+    """
+
+    def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool):
+        super().__init__()
+        self.stride, self.heads, self.head_dim = stride, heads, head_dim
+        self.weight = nn.Parameter(
+            torch.empty(heads, head_dim, head_dim, stride), requires_grad=not frozen
+        )
+        self.bias = nn.Parameter(torch.zeros(heads, head_dim), requires_grad=not frozen)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h, d = x.shape
+        r = self.stride
+        pad = (-n) % r
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        x = x.view(b, (n + pad) // r, r, h, d)
+        if self.heads == 1:
+            y = torch.einsum("bcrhi,oir->bcho", x, self.weight[0])
+        else:
+            y = torch.einsum("bcrhi,hoir->bcho", x, self.weight)
+        return y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, kernel=stride={self.stride}"
+
+
+def _make_projection(config: ModelConfig, layer_idx: int, kind: str, heads: int) -> nn.Module:
+    if kind == "linear":
+        std = config.projection_init_std or 1.0 / math.sqrt(config.max_seq_len)
+        return LinearProjection(
+            config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection
+        )
+    return ConvProjection(
+        config.conv_stride(layer_idx), config.head_dim, heads, config.freeze_projection
+    )
+
+
+# ===================================================================================== attention
+def _nonempty(mask: torch.Tensor) -> torch.Tensor:
+    """Let fully padded rows attend everywhere (their output is ignored) instead of giving NaN."""
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+class LinformerSelfAttention(nn.Module):
+    """Multi-head self-attention with linear, conv or dense key/value handling.
+
+    ``forward(x [B, n, D], attention_mask [B, n] or None, shared_projection) -> [B, n, D]``.
+    Under ``sharing='layerwise'`` the projection is owned by the encoder and passed in as a
+    module; it is always called (never read), so ZeRO-3 gathers its parameters.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.kind = config.projection_schedule()[layer_idx]
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.hidden_size = config.hidden_size
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_dropout
+        self.proj_k: Optional[nn.Module] = None
+        self.proj_v: Optional[nn.Module] = None
+        if self.kind != "dense" and config.sharing != "layerwise":
+            heads = config.num_heads if config.sharing == "none" else 1
+            self.proj_k = _make_projection(config, layer_idx, self.kind, heads)
+            if config.sharing in ("none", "headwise"):
+                self.proj_v = _make_projection(config, layer_idx, self.kind, heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        shared_projection: Optional[nn.Module] = None,
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        qkv = self.qkv(x).view(b, n, 3, h, d)
+        q = qkv[:, :, 0].transpose(1, 2)  # [B, h, n, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        mask = attention_mask.bool() if attention_mask is not None else None
+
+        if self.kind == "dense":
+            k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+            attn_mask = _nonempty(mask)[:, None, None, :] if mask is not None else None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+            return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
+
+        kv = qkv[:, :, 1:]  # [B, n, 2, h, d]
+        if mask is not None:  # padded positions contribute nothing to the projected keys/values
+            kv = kv * mask[:, :, None, None, None].to(kv.dtype)
+        proj_k = self.proj_k
+        if proj_k is None:
+            if shared_projection is None:
+                raise ValueError(
+                    f"layer {self.layer_idx}: sharing='layerwise' needs the encoder's shared "
+                    "projection passed as `shared_projection`"
+                )
+            proj_k = shared_projection
+        if self.proj_v is None:  # E = F: one GEMM projects keys and values together
+            kvp = proj_k(kv.reshape(b, n, 2 * h, d)).view(b, -1, 2, h, d)
+            kp, vp = kvp[:, :, 0], kvp[:, :, 1]
+        else:
+            kp, vp = proj_k(kv[:, :, 0]), self.proj_v(kv[:, :, 1])
+        attn_mask = None
+        if self.kind == "conv" and mask is not None:  # blocks made only of padding are ignored
+            r = proj_k.stride
+            pad = (-n) % r
+            blocks = F.pad(mask, (0, pad)).view(b, -1, r).any(dim=-1)
+            attn_mask = _nonempty(blocks)[:, None, None, :]
+        y = F.scaled_dot_product_attention(
+            q, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask, dropout_p=dropout_p
+        )
+        return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
+
+
+# ======================================================================================= encoder
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    """One transformer block; pre-LN or post-LN per ``config.norm``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.pre_ln = config.norm == "pre"
+        self.attention = LinformerSelfAttention(config, layer_idx)
+        self.ffn = FeedForward(config)
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        shared_projection: Optional[nn.Module] = None,
+    ) -> torch.Tensor:
+        if self.pre_ln:
+            x = x + self.drop(self.attention(self.ln1(x), attention_mask, shared_projection))
+            return x + self.drop(self.ffn(self.ln2(x)))
+        x = self.ln1(x + self.drop(self.attention(x, attention_mask, shared_projection)))
+        return self.ln2(x + self.drop(self.ffn(x)))
+
+
+def check_inputs(
+    config: ModelConfig, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+) -> None:
+    """Clear errors for bad model input, before anything deep inside torch can fail."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+    n = input_ids.shape[1]
+    if n > config.max_seq_len:
+        raise ValueError(
+            f"sequence length {n} exceeds the model's max_seq_len {config.max_seq_len}"
+        )
+    if n == 0:
+        raise ValueError("input_ids has sequence length 0")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError("attention_mask must be a torch.Tensor")
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
+                f"shape {tuple(input_ids.shape)}"
+            )
+
+
+class LinformerEncoder(nn.Module):
+    """Embeddings + ``num_layers`` blocks. ``forward(input_ids [B, n], attention_mask) -> [B, n, D]``.
+
+    Activation checkpointing is applied from outside with ``set_activation_checkpointing``.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+        self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+        schedule = config.projection_schedule()
+        # The single owner of each layerwise-shared projection (one for linear, one for conv).
+        self.shared_linear: Optional[nn.Module] = None
+        self.shared_conv: Optional[nn.Module] = None
+        if config.sharing == "layerwise":
+            if "linear" in schedule:
+                self.shared_linear = _make_projection(config, schedule.index("linear"), "linear", 1)
+            if "conv" in schedule:
+                self.shared_conv = _make_projection(config, schedule.index("conv"), "conv", 1)
+        self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
+        self.final_ln = (
+            nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+            if config.norm == "pre"
+            else nn.Identity()
+        )
+        self._checkpoint_fn: Optional[Callable[..., Any]] = None
+        self._checkpoint_layers: set = set()
+
+    def set_activation_checkpointing(
+        self, fn: Optional[Callable[..., Any]], layers: Optional[List[int]] = None
+    ) -> None:
+        """Wrap layer calls in ``fn(layer, x, mask, shared_projection)`` while training.
+
+        ``fn`` is e.g. ``functools.partial(torch.utils.checkpoint.checkpoint,
+        use_reentrant=False)``; ``layers`` selects which layers (default: all). ``None`` turns
+        checkpointing off.
+        """
+        self._checkpoint_fn = fn
+        self._checkpoint_layers = set(range(len(self.layers)) if layers is None else layers)
+
+    def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
+        kind = layer.attention.kind
+        return self.shared_linear if kind == "linear" else self.shared_conv if kind == "conv" else None
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        check_inputs(self.config, input_ids, attention_mask)
+        n = input_ids.shape[1]
+        pos = torch.arange(n, device=input_ids.device)
+        x = self.token_embeddings(input_ids) + self.position_embeddings(pos)[None]
+        x = self.drop(self.embed_ln(x))
+        for i, layer in enumerate(self.layers):
+            shared = self._shared_for(layer)
+            if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
+                x = self._checkpoint_fn(layer, x, attention_mask, shared)
+            else:
+                x = layer(x, attention_mask, shared)
+        return self.final_ln(x)
+
+
+# ========================================================================================= heads
+@dataclass
+class MaskedLMOutput:
+    loss: Optional[torch.Tensor]
+    logits: torch.Tensor  # [B, n, V]; with labels: [M, V] for the M positions with label != -100
+    labels: Optional[torch.Tensor] = None  # with labels: the [M] targets matching `logits`
+
+
+@dataclass
+class SequenceClassifierOutput:
+    loss: Optional[torch.Tensor]
+    logits: torch.Tensor  # [B, num_labels]
+
+
+class LinformerPreTrainedModel(nn.Module):
+    """Shared init and utilities of the task models."""
+
+    config: ModelConfig
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, (LinearProjection, ConvProjection)):
+            module.reset_parameters()
+
+    def num_parameters(self, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
+        """Unique parameters (a tied or shared tensor counts once)."""
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and "embeddings" in name:
+                continue
+            total += _numel(p)
+        return total
+
+    def flops_per_token(self, seq_len: Optional[int] = None, mlm_fraction: float = 1.0) -> float:
+        return flops_per_token(self.config, seq_len, mlm_fraction)
+
+
+def _numel(p: torch.Tensor) -> int:
+    """Full size, also for a ZeRO-3 partitioned parameter (whose local numel is 0)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+class MLMHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(F.gelu(self.dense(x))))
+
+
+class LinformerForMaskedLM(LinformerPreTrainedModel):
+    """Encoder + MLM head (decoder weight tied to the token embeddings).
+
+    ``forward(input_ids, attention_mask=None, labels=None)``: without labels, logits for every
+    position ``[B, n, V]``; with labels (``-100`` = ignore), the head runs only on labelled
+    positions, returning their logits ``[M, V]`` and the mean cross-entropy.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = LinformerEncoder(config)
+        self.lm_head = MLMHead(config)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.decoder.weight = self.encoder.token_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> MaskedLMOutput:
+        hidden = self.encoder(input_ids, attention_mask)
+        if labels is None:
+            return MaskedLMOutput(loss=None, logits=self.lm_head(hidden))
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}"
+            )
+        sel = labels != -100
+        targets = labels[sel]
+        logits = self.lm_head(hidden[sel])
+        loss = F.cross_entropy(logits.float(), targets, reduction="sum") / max(targets.numel(), 1)
+        return MaskedLMOutput(loss=loss, logits=logits, labels=targets)
+
+
+class LinformerForSequenceClassification(LinformerPreTrainedModel):
+    """Encoder + pooler (first token, dense + tanh) + linear classifier."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = LinformerEncoder(config)
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
+        self.drop = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> SequenceClassifierOutput:
+        hidden = self.encoder(input_ids, attention_mask)
+        pooled = torch.tanh(self.pooler(hidden[:, 0]))
+        logits = self.classifier(self.drop(pooled))
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels.long())
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+# ========================================================================================= FLOPs
+def flops_per_token(
+    config: ModelConfig, seq_len: Optional[int] = None, mlm_fraction: float = 1.0
+) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token of an MLM step.
+
+    Counts matrix multiplies only (2 FLOPs per multiply-add): QKV/output/FFN projections,
+    sequence projections (E/F or conv), attention scores and weighted sum, and the MLM head on
+    ``mlm_fraction`` of the tokens. The benchmark and the trainer's MFU both use this formula.
+    """
+    n = seq_len or config.max_seq_len
+    dm, ff, h = config.hidden_size, config.intermediate_size, config.head_dim
+    fwd = 0.0
+    for i, kind in enumerate(config.projection_schedule()):
+        fwd += 2 * (3 * dm * dm + dm * dm + 2 * dm * ff)  # qkv, out, ffn
+        if kind == "dense":
+            fwd += 2 * 2 * n * dm  # Q K^T and A V
+        elif kind == "linear":
+            k = min(config.k_for_layer(i), n)
+            fwd += 2 * 2 * k * dm  # E K and F V: each token feeds k outputs of width D
+            fwd += 2 * 2 * k * dm  # scores against k keys and weighted sum of k values
+        else:
+            r = config.conv_stride(i)
+            c = math.ceil(n / r)
+            fwd += 2 * 2 * h * dm  # conv: each token feeds one output through a d x d kernel
+            fwd += 2 * 2 * c * dm
+    fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
+    return 3.0 * fwd
