@@ -57,7 +57,7 @@ class ModelConfig:
     # Attention schedule: "linear", "conv", "dense" for every layer, or "hybrid": linear in the
     # first `hybrid_linear_layers` layers and conv in the rest (Conv-Linformer hybrid).
     projection: str = "linear"
-    hybrid_linear_layers: int = 6
+    hybrid_linear_layers: Optional[int] = None  # default: half of the layers (rounded up)
     layer_projections: Optional[List[str]] = None  # explicit per-layer schedule, overrides above
     k: int = 256  # projected length for linear layers; conv stride = max_seq_len // k
     layer_k: Optional[List[int]] = None  # per-layer k, overrides `k`
@@ -81,9 +81,14 @@ class ModelConfig:
         if self.layer_projections is not None:
             return list(self.layer_projections)
         if self.projection == "hybrid":
-            n_lin = self.hybrid_linear_layers
+            n_lin = self.num_hybrid_linear_layers()
             return ["linear"] * n_lin + ["conv"] * (self.num_layers - n_lin)
         return [self.projection] * self.num_layers
+
+    def num_hybrid_linear_layers(self) -> int:
+        if self.hybrid_linear_layers is None:
+            return (self.num_layers + 1) // 2
+        return int(self.hybrid_linear_layers)
 
     def k_for_layer(self, layer_idx: int) -> int:
         return int(self.layer_k[layer_idx]) if self.layer_k is not None else int(self.k)
@@ -118,7 +123,10 @@ class ModelConfig:
             bad("sharing", f"must be one of {SHARING_MODES}, got {self.sharing!r}")
         if self.projection not in SCHEDULES:
             bad("projection", f"must be one of {SCHEDULES}, got {self.projection!r}")
-        if self.projection == "hybrid" and not 0 <= self.hybrid_linear_layers <= self.num_layers:
+        if (
+            self.projection == "hybrid"
+            and not 0 <= self.num_hybrid_linear_layers() <= self.num_layers
+        ):
             bad(
                 "hybrid_linear_layers",
                 f"must be in [0, num_layers={self.num_layers}], got {self.hybrid_linear_layers}",
@@ -135,7 +143,10 @@ class ModelConfig:
         if self.layer_k is not None and len(self.layer_k) != self.num_layers:
             bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
         if not 0 <= self.pad_token_id < self.vocab_size:
-            bad("pad_token_id", f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
+            bad(
+                "pad_token_id",
+                f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
+            )
         if self.num_labels < 1:
             bad("num_labels", f"must be >= 1, got {self.num_labels}")
 
@@ -468,7 +479,9 @@ class LinformerEncoder(nn.Module):
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
-        return self.shared_linear if kind == "linear" else self.shared_conv if kind == "conv" else None
+        return (
+            self.shared_linear if kind == "linear" else self.shared_conv if kind == "conv" else None
+        )
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None

@@ -1,0 +1,5 @@
+"""The one exception type data_prep raises for bad input or a bad output directory."""
+
+
+class DataPrepError(ValueError):
+    """Bad input, configuration or output directory; the message names the problem."""

@@ -1,0 +1,310 @@
+"""Corpus sources: documents (strings) streamed from local files, the stdlib, or a HF dataset.
+
+A *document* is the unit that is split into train/valid, separated by ``sep`` when packed, and
+kept apart in ``pad`` packing:
+
+* plain text files (any suffix not listed below): one document per file; a file larger than
+  ``max_doc_bytes`` is cut at line boundaries into documents of at most that size, so memory
+  stays bounded for huge single-file corpora;
+* ``.jsonl`` / ``.ndjson`` / ``.json`` (JSON lines), ``.csv``, ``.tsv``, ``.parquet``: one
+  document per record, taken from the text column;
+* ``stdlib``: every ``.py`` file of the running interpreter's standard library
+  (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``), sorted;
+* ``hf:NAME[:CONFIG][:SPLIT]``: the rows of a Hugging Face dataset (streamed), text column.
+
+Files are read as UTF-8; undecodable bytes become U+FFFD and are counted
+(``SourceStats.undecodable_bytes``). Directories are walked recursively in sorted order, hidden
+entries skipped; globs are expanded and sorted. Every order is deterministic.
+"""
+
+import codecs
+import csv
+import glob
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from data_prep.errors import DataPrepError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+CSV_SUFFIXES = (".csv", ".tsv")
+PARQUET_SUFFIXES = (".parquet",)
+EXCLUDED_STDLIB_DIRS = ("site-packages", "dist-packages")
+DEFAULT_MAX_DOC_BYTES = 8 << 20
+
+
+@dataclass
+class SourceStats:
+    """Counters filled while a source is read (main process only)."""
+
+    documents: int = 0
+    bytes: int = 0
+    undecodable_bytes: int = 0
+    files: int = 0
+
+
+_ERROR_HANDLER = "data_prep_count_replace"
+_active_stats: List[SourceStats] = []
+
+
+def _count_and_replace(err: UnicodeDecodeError) -> Tuple[str, int]:
+    """Codec error handler: replace each undecodable run with U+FFFD and count its bytes."""
+    if _active_stats:
+        _active_stats[-1].undecodable_bytes += err.end - err.start
+    return "\ufffd", err.end
+
+
+codecs.register_error(_ERROR_HANDLER, _count_and_replace)
+
+
+def _decode(raw: bytes) -> str:
+    text = raw.decode("utf-8", errors=_ERROR_HANDLER)
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def stdlib_files() -> List[str]:
+    """The interpreter's standard-library ``.py`` files, without site/dist-packages, sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_STDLIB_DIRS)
+        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    return sorted(out, key=lambda p: os.path.relpath(p, root))
+
+
+def _walk(directory: str) -> List[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
+    return out
+
+
+def expand_paths(spec: str) -> List[str]:
+    """Files named by one local spec (file, directory or glob); a clear error if there are none."""
+    if any(c in spec for c in "*?["):
+        files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataPrepError(f"input glob {spec!r} matches no files")
+        return files
+    if not os.path.exists(spec):
+        raise DataPrepError(f"input path does not exist: {spec!r}")
+    if os.path.isdir(spec):
+        files = _walk(spec)
+        if not files:
+            raise DataPrepError(f"input directory {spec!r} contains no files")
+        return files
+    return [spec]
+
+
+@dataclass
+class HFSpec:
+    """A parsed ``hf:NAME[:CONFIG][:SPLIT]`` source."""
+
+    name: str
+    config: Optional[str] = None
+    split: str = "train"
+
+
+def parse_hf(spec: str) -> HFSpec:
+    """Parse ``hf:NAME[:CONFIG][:SPLIT]`` (empty CONFIG allowed: ``hf:NAME::SPLIT``)."""
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise DataPrepError(f"bad Hugging Face source {spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 and parts[2] else "train"
+    return HFSpec(parts[0], config, split)
+
+
+@dataclass
+class Source:
+    """A deterministic stream of documents from one or more specs (see module docstring)."""
+
+    specs: List[str]
+    text_column: str = "text"
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    stats: SourceStats = field(default_factory=SourceStats)
+    _files: Dict[str, List[str]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.specs:
+            raise DataPrepError("no --source given")
+        for spec in self.specs:  # resolve local paths up front: missing paths fail before work
+            if spec == "stdlib":
+                self._files[spec] = stdlib_files()
+                if not self._files[spec]:
+                    raise DataPrepError("the stdlib source found no .py files")
+            elif spec.startswith("hf:"):
+                parse_hf(spec)
+            else:
+                self._files[spec] = expand_paths(spec)
+
+    def describe(self) -> Dict[str, Any]:
+        """A JSON-able description of the inputs, recorded in the manifest."""
+        items = []
+        for spec in self.specs:
+            if spec.startswith("hf:"):
+                hf = parse_hf(spec)
+                items.append({"kind": "huggingface", "name": hf.name, "config": hf.config,
+                              "split": hf.split, "text_column": self.text_column})
+            else:
+                files = self._files[spec]
+                kind = "stdlib" if spec == "stdlib" else "files"
+                item = {"kind": kind, "spec": spec, "files": len(files),
+                        "bytes": sum(os.path.getsize(f) for f in files)}
+                if spec == "stdlib":
+                    item["root"] = sysconfig.get_paths()["stdlib"]
+                    item["python"] = sys.version.split()[0]
+                items.append(item)
+        return {"specs": list(self.specs), "text_column": self.text_column, "items": items}
+
+    def total_bytes(self) -> Optional[int]:
+        """Total input size when every spec is local, else None."""
+        if any(s.startswith("hf:") for s in self.specs):
+            return None
+        return sum(os.path.getsize(f) for files in self._files.values() for f in files)
+
+    def __iter__(self) -> Iterator[str]:
+        _active_stats.append(self.stats)
+        try:
+            for spec in self.specs:
+                if spec.startswith("hf:"):
+                    yield from self._iter_hf(parse_hf(spec))
+                    continue
+                for path in self._files[spec]:
+                    self.stats.files += 1
+                    for doc in self._iter_file(path):
+                        self.stats.documents += 1
+                        yield doc
+        finally:
+            _active_stats.remove(self.stats)
+
+    # ------------------------------------------------------------------------------ readers
+    def _iter_file(self, path: str) -> Iterator[str]:
+        lower = path.lower()
+        try:
+            if lower.endswith(JSONL_SUFFIXES):
+                yield from self._iter_jsonl(path)
+            elif lower.endswith(CSV_SUFFIXES):
+                yield from self._iter_csv(path, "\t" if lower.endswith(".tsv") else ",")
+            elif lower.endswith(PARQUET_SUFFIXES):
+                yield from self._iter_parquet(path)
+            else:
+                yield from self._iter_text(path)
+        except OSError as e:
+            raise DataPrepError(f"cannot read input file {path!r}: {e}") from e
+
+    def _iter_text(self, path: str) -> Iterator[str]:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size <= self.max_doc_bytes:
+                raw = f.read()
+                self.stats.bytes += len(raw)
+                yield _decode(raw)
+                return
+            buf: List[bytes] = []
+            n = 0
+            for line in f:
+                buf.append(line)
+                n += len(line)
+                if n >= self.max_doc_bytes:
+                    self.stats.bytes += n
+                    yield _decode(b"".join(buf))
+                    buf, n = [], 0
+            if buf:
+                self.stats.bytes += n
+                yield _decode(b"".join(buf))
+
+    def _column_error(self, where: str, columns: Any) -> DataPrepError:
+        return DataPrepError(
+            f"{where}: no text column {self.text_column!r} (columns: {sorted(columns)}); "
+            "choose one with --text-column"
+        )
+
+    def _text_value(self, value: Any, where: str) -> Optional[str]:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise DataPrepError(
+                f"{where}: column {self.text_column!r} holds {type(value).__name__}, not text"
+            )
+        return value
+
+    def _iter_jsonl(self, path: str) -> Iterator[str]:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                self.stats.bytes += len(raw)
+                line = _decode(raw).strip()
+                if not line:
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataPrepError(f"{where}: invalid JSON ({e.msg})") from e
+                if not isinstance(record, dict):
+                    raise DataPrepError(f"{where}: expected a JSON object per line")
+                if self.text_column not in record:
+                    raise self._column_error(where, record.keys())
+                text = self._text_value(record[self.text_column], where)
+                if text is not None:
+                    yield text
+
+    def _iter_csv(self, path: str, delimiter: str) -> Iterator[str]:
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+        self.stats.bytes += os.path.getsize(path)
+        with open(path, encoding="utf-8-sig", errors=_ERROR_HANDLER, newline="") as f:
+            reader = csv.DictReader(f, delimiter=delimiter)
+            if reader.fieldnames is None or self.text_column not in reader.fieldnames:
+                raise self._column_error(path, reader.fieldnames or [])
+            for row in reader:
+                text = self._text_value(row[self.text_column], f"{path}:{reader.line_num}")
+                if text is not None:
+                    yield text
+
+    def _iter_parquet(self, path: str) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        self.stats.bytes += os.path.getsize(path)
+        pf = pq.ParquetFile(path)
+        if self.text_column not in pf.schema_arrow.names:
+            raise self._column_error(path, pf.schema_arrow.names)
+        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_column]):
+            for value in batch.column(0).to_pylist():
+                text = self._text_value(value, path)
+                if text is not None:
+                    yield text
+
+    def _iter_hf(self, hf: HFSpec) -> Iterator[str]:
+        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
+            rows = iter(ds)
+            first = next(rows, None)
+        except Exception as e:
+            raise DataPrepError(
+                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
+                "or the Hub is unreachable, download the data elsewhere and pass local files "
+                "(text, .jsonl, .csv, .parquet) to --source instead."
+            ) from e
+        if first is None:
+            return
+        if self.text_column not in first:
+            raise self._column_error(where, first.keys())
+        for i, row in enumerate(_chain_first(first, rows)):
+            text = self._text_value(row[self.text_column], f"{where} row {i}")
+            if text is not None:
+                self.stats.bytes += len(text.encode("utf-8"))
+                self.stats.documents += 1
+                yield text
+
+
+def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest

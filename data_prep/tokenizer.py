@@ -1,0 +1,163 @@
+"""SentencePiece tokenizer: train one with the project's fixed special ids, or check a given one.
+
+Fixed ids (the model and the reader rely on them): pad=0 ``<pad>``, unk=1 ``<unk>``,
+bos/cls=2 ``<s>``, eos/sep=3 ``</s>``, mask=4 ``<mask>``. ``<mask>`` is a *control* symbol, so
+no input text can ever produce id 4 (a user-defined symbol would match the literal text).
+
+Documents are encoded line by line (``text.split("\\n")``, blank lines dropped) and the ids of
+the lines concatenated; training samples lines the same way.
+"""
+
+import hashlib
+import random
+from collections.abc import Iterable
+from typing import Any, Dict, List, Optional
+
+from data_prep.errors import DataPrepError
+
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
+SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "cls": CLS_ID, "sep": SEP_ID, "mask": MASK_ID}
+SPECIAL_PIECES = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+MODEL_TYPES = ("unigram", "bpe")
+MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length; longer lines skipped
+
+
+def document_lines(text: str) -> List[str]:
+    """The lines of a document that are encoded (non-blank lines, in order)."""
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def file_sha256(path: str) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int) -> List[str]:
+    """Uniform reservoir sample of at most ``max_sentences`` training lines (bounded memory)."""
+    rng = random.Random(seed)
+    sample: List[str] = []
+    seen = 0
+    for doc in documents:
+        for line in document_lines(doc):
+            if len(line) > MAX_SENTENCE_BYTES:
+                continue
+            seen += 1
+            if len(sample) < max_sentences:
+                sample.append(line)
+            else:
+                j = rng.randrange(seen)
+                if j < max_sentences:
+                    sample[j] = line
+    return sample
+
+
+def train_tokenizer(
+    sentences: List[str],
+    model_prefix: str,
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 0.9995,
+    num_threads: int = 2,
+    seed: int = 0,
+) -> str:
+    """Train a SentencePiece model with the fixed special ids; returns the ``.model`` path."""
+    import sentencepiece as spm
+
+    if model_type not in MODEL_TYPES:
+        raise DataPrepError(f"--model-type must be one of {MODEL_TYPES}, got {model_type!r}")
+    if vocab_size <= len(SPECIAL_IDS):
+        raise DataPrepError(
+            f"--vocab-size {vocab_size} is too small: it must exceed the {len(SPECIAL_IDS)} "
+            "special tokens"
+        )
+    if not sentences:
+        raise DataPrepError("the corpus is empty: no non-blank lines to train a tokenizer on")
+    # Shuffle deterministically so SentencePiece sees a representative order.
+    sentences = list(sentences)
+    random.Random(seed).shuffle(sentences)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_prefix=model_prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=CLS_ID,
+            eos_id=SEP_ID,
+            pad_piece=SPECIAL_PIECES["pad"],
+            unk_piece=SPECIAL_PIECES["unk"],
+            bos_piece=SPECIAL_PIECES["cls"],
+            eos_piece=SPECIAL_PIECES["sep"],
+            control_symbols=[SPECIAL_PIECES["mask"]],
+            num_threads=num_threads,
+            minloglevel=2,
+            shuffle_input_sentence=False,
+        )
+    except RuntimeError as e:
+        msg = str(e)
+        if "Vocabulary size" in msg or "vocab_size" in msg:
+            raise DataPrepError(
+                f"--vocab-size {vocab_size} is too large for this corpus "
+                f"({len(sentences)} training lines): {msg.strip()}. Use a smaller --vocab-size "
+                "or a larger corpus."
+            ) from e
+        raise DataPrepError(f"SentencePiece training failed: {msg.strip()}") from e
+    return model_prefix + ".model"
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load a ``.model`` file and check the fixed special ids; a clear error on mismatch."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as e:
+        raise DataPrepError(f"cannot load SentencePiece model {path!r}: {e}") from e
+    check_special_ids(sp, path)
+    return sp
+
+
+def check_special_ids(sp: Any, where: str) -> None:
+    """Raise unless ``sp`` has pad=0, unk=1, bos=2, eos=3 and ``<mask>`` = 4."""
+    found = {
+        "pad": sp.pad_id(),
+        "unk": sp.unk_id(),
+        "cls": sp.bos_id(),
+        "sep": sp.eos_id(),
+        "mask": sp.piece_to_id(SPECIAL_PIECES["mask"]) if sp.get_piece_size() > MASK_ID else -1,
+    }
+    if found["mask"] == sp.unk_id():  # piece_to_id returns unk for unknown pieces
+        found["mask"] = -1
+    if found != SPECIAL_IDS:
+        raise DataPrepError(
+            f"tokenizer {where!r} has special ids {found}, expected {SPECIAL_IDS} "
+            f"(train it with pad_id=0 unk_id=1 bos_id=2 eos_id=3 and control_symbols=<mask>, "
+            "or let data_prep train one)"
+        )
+
+
+def tokenizer_info(path: str, sp: Any, trained: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The manifest's tokenizer entry."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    with open(path, "rb") as f:
+        proto.ParseFromString(f.read())
+    model_type = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    info: Dict[str, Any] = {
+        "file": "tokenizer.model",
+        "sha256": file_sha256(path),
+        "model_type": model_type,
+        "vocab_size": sp.get_piece_size(),
+        "special_pieces": dict(SPECIAL_PIECES),
+        "encoding": "each non-blank line encoded separately, ids concatenated per document",
+    }
+    if trained is not None:
+        info["trained"] = trained
+    return info

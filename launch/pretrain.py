@@ -1,0 +1,17 @@
+"""Pretrain a Linformer encoder with DeepSpeed.
+
+deepspeed launch/pretrain.py --config configs/base_4096.yaml [key=value ...]
+torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_cpu.yaml
+srun python launch/pretrain.py --config ...      (ranks from SLURM variables)
+mpirun -np 2 python launch/pretrain.py --config ...
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from linformer_ds.train import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

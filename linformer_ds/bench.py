@@ -1,0 +1,626 @@
+"""Training-step time, peak memory and MFU of Linformer attention variants against dense.
+
+``python -m linformer_ds.bench`` times one full MLM training step (forward, backward, AdamW)
+for each attention variant (linear, conv, hybrid, dense) at each sequence length N, in one
+process, alternating the variants in the inner loop so that machine drift hits all of them
+alike. Model FLOP/s come from ``flops_per_token`` in ``linformer_ds/model.py`` (the trainer's
+MFU uses the same formula); MFU is taken against a bf16 GEMM peak measured in the same run.
+
+Peak memory is "own persistent bytes + transient peak of one step": the bytes of the model's
+parameters, optimizer state and inputs, plus the highest net allocation during a training step.
+On CUDA the transient part is ``torch.cuda.max_memory_allocated`` minus the bytes allocated
+before the step; on CPU it is the running total of tensor allocations that the PyTorch CPU
+allocator reports to ``torch.profiler`` (``profile_memory=True``) during one step. Both count
+tensor memory only (not the allocator's cache, the code, or oneDNN's private scratch buffers).
+
+Writes ``results.json``, ``results.md``, ``time_per_token.png`` and ``peak_memory.png`` to
+``--out``.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from linformer_ds.model import LinformerForMaskedLM, ModelConfig, flops_per_token
+
+VARIANTS = ("linear", "conv", "hybrid", "dense")
+PRECISIONS = ("autocast", "bf16")
+DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+class BenchError(ValueError):
+    """A benchmark option is invalid; the message names the option."""
+
+
+@dataclass
+class BenchConfig:
+    """Everything one benchmark run depends on (stored in results.json)."""
+
+    seq_lens: List[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
+    variants: List[str] = field(default_factory=lambda: list(VARIANTS))
+    layers: int = 2
+    hidden: int = 768
+    heads: int = 12
+    k: int = 256
+    intermediate: int = 3072
+    vocab: int = 16000
+    batch: int = 1
+    warmup: int = 1
+    iters: int = 3
+    precision: str = "autocast"
+    compile: bool = False
+    mlm_fraction: float = 0.15
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    max_n: Dict[str, int] = field(default_factory=dict)  # per-variant largest N
+    step_budget_s: float = 120.0  # a variant whose step exceeds this is not run at larger N
+    device: str = "auto"
+    gemm_n: int = 4096
+    gemm_reps: int = 10
+    seed: int = 0
+    out: str = "bench/results"
+    plots: bool = True
+
+    def validate(self) -> None:
+        """Raise BenchError naming the first bad option."""
+        for v in self.variants:
+            if v not in VARIANTS:
+                raise BenchError(f"--variants: unknown variant {v!r}, choose from {VARIANTS}")
+        if not self.variants:
+            raise BenchError("--variants: give at least one variant")
+        if not self.seq_lens:
+            raise BenchError("--seq-lens: give at least one sequence length")
+        for n in self.seq_lens:
+            if n < 1 or n % self.k and any(v in ("conv", "hybrid") for v in self.variants):
+                raise BenchError(
+                    f"--seq-lens: N={n} must be >= 1 and a multiple of k={self.k} "
+                    "(conv stride = N / k)"
+                )
+            if n < self.k:
+                raise BenchError(f"--seq-lens: N={n} is smaller than k={self.k}")
+        for name in ("layers", "hidden", "heads", "intermediate", "vocab", "batch", "iters"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise BenchError(f"--warmup: must be >= 0, got {self.warmup}")
+        if self.hidden % self.heads:
+            raise BenchError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.precision not in PRECISIONS:
+            raise BenchError(f"--precision: must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0.0 < self.mlm_fraction <= 1.0:
+            raise BenchError(f"--mlm-fraction: must be in (0, 1], got {self.mlm_fraction}")
+        for v in self.max_n:
+            if v not in VARIANTS:
+                raise BenchError(f"--max-n: unknown variant {v!r}, choose from {VARIANTS}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise BenchError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise BenchError("--device cuda: torch.cuda.is_available() is False")
+
+
+# ==================================================================================== measuring
+def resolve_device(name: str) -> torch.device:
+    """``auto`` means CUDA when available, else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes (CUDA events on GPU, perf_counter on CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure_gemm_peak(device: torch.device, n: int = 4096, reps: int = 10) -> float:
+    """Best-of-``reps`` FLOP/s of an ``n x n x n`` bf16 matrix multiply."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    torch.matmul(a, b, out=c)  # warm up kernels
+    best = min(time_call(lambda: torch.matmul(a, b, out=c), device) for _ in range(reps))
+    return 2.0 * n**3 / best
+
+
+def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared or tied ones count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def _cpu_allocation_peak(prof: torch.profiler.profile) -> int:
+    """Highest running total of CPU tensor bytes allocated within a profiled window."""
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        stack.extend(ev.children)
+        ef = ev.extra_fields
+        if type(ef).__name__ == "_ExtraFields_Allocation" and ef.device.type == "cpu":
+            peak = max(peak, int(ef.total_allocated))
+    return peak
+
+
+def transient_peak(fn: Callable[[], Any], device: torch.device) -> int:
+    """Highest net bytes allocated while ``fn`` runs, above what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return _cpu_allocation_peak(prof)
+
+
+# ===================================================================================== one model
+def model_config(bc: BenchConfig, variant: str, n: int) -> ModelConfig:
+    """The benchmarked model: base width, ``bc.layers`` layers, ``max_seq_len = N``."""
+    return ModelConfig(
+        vocab_size=bc.vocab,
+        max_seq_len=n,
+        hidden_size=bc.hidden,
+        num_layers=bc.layers,
+        num_heads=bc.heads,
+        intermediate_size=bc.intermediate,
+        dropout=bc.dropout,
+        attention_dropout=bc.attention_dropout,
+        projection=variant,
+        hybrid_linear_layers=bc.layers // 2 if variant == "hybrid" else 6,
+        k=bc.k,
+        sharing="layerwise",
+    )
+
+
+class MasterWeightAdamW:
+    """bf16 model parameters with fp32 master copies updated by AdamW (DeepSpeed's bf16 mode)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], **kw: Any):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, **kw)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float() if p.grad is not None else None
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        yield from self.master
+        for st in self.opt.state.values():
+            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _adamw(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
+    kw: Dict[str, Any] = {"lr": 1e-4, "weight_decay": 0.01}
+    try:  # fused AdamW exists for CPU and CUDA in recent torch
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, foreach=True, **kw)
+
+
+class Trainee:
+    """One model + optimizer + a fixed MLM batch; ``step()`` runs one training step."""
+
+    def __init__(self, bc: BenchConfig, variant: str, n: int, device: torch.device):
+        self.variant, self.n, self.device = variant, n, device
+        self.config = model_config(bc, variant, n)
+        torch.manual_seed(bc.seed)
+        model = LinformerForMaskedLM(self.config).to(device).train()
+        self.model = model
+        if bc.precision == "bf16":
+            model.to(torch.bfloat16)
+            self.opt: Any = MasterWeightAdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
+            self.autocast: Callable[[], Any] = contextlib.nullcontext
+        else:
+            self.opt = _adamw(list(model.parameters()), device)
+            self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        self.forward = torch.compile(model) if bc.compile else model
+        g = torch.Generator().manual_seed(bc.seed + n)
+        ids = torch.randint(1, bc.vocab, (bc.batch, n), generator=g)
+        labels = torch.full_like(ids, -100)
+        n_mask = max(1, round(bc.mlm_fraction * n))
+        for b in range(bc.batch):
+            pos = torch.randperm(n, generator=g)[:n_mask]
+            labels[b, pos] = ids[b, pos]
+        self.ids, self.labels = ids.to(device), labels.to(device)
+        self.mlm_fraction = n_mask / n
+        self.tokens = bc.batch * n
+        self.flops_per_token = flops_per_token(self.config, n, self.mlm_fraction)
+
+    def step(self) -> float:
+        """One forward + backward + AdamW step; returns the loss."""
+        with self.autocast():
+            loss = self.forward(self.ids, labels=self.labels).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())  # also synchronises the device
+
+    def persistent_bytes(self) -> int:
+        """Parameters, optimizer state and inputs (gradients are freed between steps)."""
+        opt_state: Iterator[torch.Tensor]
+        if isinstance(self.opt, MasterWeightAdamW):
+            opt_state = self.opt.state_tensors()
+        else:
+            opt_state = (
+                v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)
+            )
+        params = list(self.model.parameters())
+        return tensor_bytes(iter(params + list(opt_state) + [self.ids, self.labels]))
+
+
+# ========================================================================================== run
+def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Run the grid; returns the results dict that ``write_outputs`` stores."""
+    bc.validate()
+    device = resolve_device(bc.device)
+    log(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    gemm_before = measure_gemm_peak(device, bc.gemm_n, bc.gemm_reps)
+    log(f"bf16 GEMM {bc.gemm_n}^3: {gemm_before / 1e12:.3f} TFLOP/s")
+    rows: List[Dict[str, Any]] = []
+    active = list(bc.variants)
+    for n in sorted(bc.seq_lens):
+        runnable = [v for v in active if n <= bc.max_n.get(v, n)]
+        for v in active:
+            if v not in runnable:
+                rows.append(_skipped(v, n, bc, f"N > --max-n {v}={bc.max_n[v]}"))
+        trainees = {}
+        for v in runnable:
+            t = Trainee(bc, v, n, device)
+            t0 = time.perf_counter()
+            for _ in range(max(bc.warmup, 1)):  # also creates the optimizer state
+                loss = t.step()
+            first = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                raise RuntimeError(f"{v} N={n}: loss is {loss} after warm-up")
+            trainees[v] = t
+            log(f"N={n:6d} {v:7s} warm-up {first:.2f}s")
+        times: Dict[str, List[float]] = {v: [] for v in trainees}
+        for _ in range(bc.iters):  # variants alternate so drift cancels in the ratios
+            for v, t in trainees.items():
+                times[v].append(time_call(t.step, device))
+        for v, t in trainees.items():
+            transient = transient_peak(t.step, device)
+            rows.append(_row(t, bc, times[v], t.persistent_bytes() + transient, transient))
+            r = rows[-1]
+            log(
+                f"N={n:6d} {v:7s} {r['step_s']:.3f}s/step {r['us_per_token']:.2f}us/tok "
+                f"{r['model_tflops']:.3f} TFLOP/s mem {r['peak_mem_mib']:.0f} MiB"
+            )
+            if min(times[v]) > bc.step_budget_s:
+                log(f"{v}: step {min(times[v]):.1f}s > --step-budget-s; not run at larger N")
+                active.remove(v)
+        del trainees
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    gemm_after = measure_gemm_peak(device, bc.gemm_n, bc.gemm_reps)
+    peak = max(gemm_before, gemm_after)
+    log(f"bf16 GEMM {bc.gemm_n}^3 after: {gemm_after / 1e12:.3f} TFLOP/s")
+    for r in rows:
+        if r["step_s"] is not None:
+            r["mfu"] = r["model_tflops"] * 1e12 / peak
+    return {
+        "config": asdict(bc),
+        "environment": environment(device),
+        "gemm_peak_flops": peak,
+        "gemm_flops_before": gemm_before,
+        "gemm_flops_after": gemm_after,
+        "rows": rows,
+        "summary": summarize(rows),
+    }
+
+
+def _row(
+    t: Trainee, bc: BenchConfig, times: List[float], peak_mem: int, transient: int
+) -> Dict[str, Any]:
+    step = statistics.median(times)
+    return {
+        "variant": t.variant,
+        "n": t.n,
+        "batch": bc.batch,
+        "tokens": t.tokens,
+        "step_s": step,
+        "step_s_min": min(times),
+        "step_s_all": times,
+        "us_per_token": step / t.tokens * 1e6,
+        "tokens_per_s": t.tokens / step,
+        "flops_per_token": t.flops_per_token,
+        "model_tflops": t.flops_per_token * t.tokens / step / 1e12,
+        "mfu": None,
+        "peak_mem_bytes": peak_mem,
+        "peak_mem_mib": peak_mem / 2**20,
+        "transient_mem_bytes": transient,
+        "skipped": None,
+    }
+
+
+def _skipped(variant: str, n: int, bc: BenchConfig, why: str) -> Dict[str, Any]:
+    keys = ("step_s", "step_s_min", "step_s_all", "us_per_token", "tokens_per_s")
+    keys += ("flops_per_token", "model_tflops", "mfu", "peak_mem_bytes", "peak_mem_mib")
+    row: Dict[str, Any] = {"variant": variant, "n": n, "batch": bc.batch, "tokens": bc.batch * n}
+    row.update(dict.fromkeys(keys + ("transient_mem_bytes",)))
+    row["skipped"] = why
+    return row
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Speed-ups over dense, linear scaling and memory growth (the issue's targets)."""
+    by = {(r["variant"], r["n"]): r for r in rows if r["step_s"] is not None}
+    ns = sorted({r["n"] for r in rows})
+    out: Dict[str, Any] = {"speedup_vs_dense": {}, "mem_ratio_vs_dense": {}}
+    for v in VARIANTS:
+        if v == "dense":
+            continue
+        for n in ns:
+            a, d = by.get((v, n)), by.get(("dense", n))
+            if a and d:
+                out["speedup_vs_dense"].setdefault(v, {})[str(n)] = d["step_s"] / a["step_s"]
+                out["mem_ratio_vs_dense"].setdefault(v, {})[str(n)] = (
+                    d["peak_mem_bytes"] / a["peak_mem_bytes"]
+                )
+    lin = {n: by[("linear", n)] for n in ns if ("linear", n) in by}
+    if lin:
+        n_lo, n_hi = (1024 if 1024 in lin else min(lin)), max(lin)
+        out["linear_time_per_token_ratio"] = {
+            "n_hi": n_hi,
+            "n_lo": n_lo,
+            "ratio": lin[n_hi]["us_per_token"] / lin[n_lo]["us_per_token"],
+        }
+        n_mid = 4096 if 4096 in lin else min(lin)
+        out["linear_mem_ratio"] = {
+            "n_hi": n_hi,
+            "n_lo": n_mid,
+            "ratio": lin[n_hi]["peak_mem_bytes"] / lin[n_mid]["peak_mem_bytes"],
+            "n_ratio": n_hi / n_mid,
+        }
+    return out
+
+
+def environment(device: torch.device) -> Dict[str, Any]:
+    """Machine and versions, for the record."""
+    env: Dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "command": " ".join([Path(sys.executable).name, "-m", "linformer_ds.bench"] + sys.argv[1:]),
+    }
+    try:
+        import deepspeed
+
+        env["deepspeed"] = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - optional, and its import can fail in many ways
+        env["deepspeed"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# ====================================================================================== outputs
+def markdown_table(results: Dict[str, Any]) -> str:
+    """The results as a markdown table plus the target ratios."""
+    peak = results["gemm_peak_flops"]
+    lines = [
+        f"bf16 GEMM peak ({results['config']['gemm_n']}^3, best of run): "
+        f"{peak / 1e12:.3f} TFLOP/s",
+        "",
+        "| variant | N | step (s) | us/token | tokens/s | model TFLOP/s | MFU | peak mem (MiB) "
+        "| speed-up vs dense |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    sp = results["summary"]["speedup_vs_dense"]
+    for r in sorted(results["rows"], key=lambda r: (r["n"], VARIANTS.index(r["variant"]))):
+        if r["step_s"] is None:
+            lines.append(f"| {r['variant']} | {r['n']} | skipped: {r['skipped']} |||||||")
+            continue
+        s = sp.get(r["variant"], {}).get(str(r["n"]))
+        lines.append(
+            f"| {r['variant']} | {r['n']} | {r['step_s']:.3f} | {r['us_per_token']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3f} | {100 * r['mfu']:.1f}% | "
+            f"{r['peak_mem_mib']:.0f} | {'' if s is None else f'{s:.2f}x'} |"
+        )
+    summ = results["summary"]
+    if "linear_time_per_token_ratio" in summ:
+        t, m = summ["linear_time_per_token_ratio"], summ["linear_mem_ratio"]
+        lines += [
+            "",
+            f"- linear time/token N={t['n_hi']} / N={t['n_lo']}: {t['ratio']:.2f}",
+            f"- linear peak memory N={m['n_hi']} / N={m['n_lo']}: {m['ratio']:.2f} "
+            f"(N grows {m['n_ratio']:.0f}x)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: Dict[str, Any], out: Path, plots: bool = True) -> List[Path]:
+    """Write results.json, results.md and (with matplotlib) the two PNG plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    written[0].write_text(json.dumps(results, indent=1) + "\n")
+    written[1].write_text(markdown_table(results))
+    if plots:
+        written += _plots(results, out)
+    return written
+
+
+def _plots(results: Dict[str, Any], out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env = results["environment"]
+    where = env.get("gpu") or env["cpu"]
+    paths = []
+    for key, ylabel, name, scale in (
+        ("us_per_token", "training step time per token (us)", "time_per_token.png", 1.0),
+        ("peak_mem_bytes", "peak memory (MiB)", "peak_memory.png", 2.0**-20),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for v in VARIANTS:
+            pts = sorted(
+                (r["n"], r[key] * scale)
+                for r in results["rows"]
+                if r["variant"] == v and r[key] is not None
+            )
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=v)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(ylabel)
+        c = results["config"]
+        ax.set_title(
+            f"{c['layers']} layers, d={c['hidden']}, k={c['k']}, {c['precision']}, {where}",
+            fontsize=8,
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+# ========================================================================================== CLI
+def _parse_max_n(items: Sequence[str]) -> Dict[str, int]:
+    out = {}
+    for item in items:
+        v, sep, n = item.partition("=")
+        if not sep or not n.isdigit():
+            raise BenchError(f"--max-n: expected VARIANT=N (e.g. dense=8192), got {item!r}")
+        out[v] = int(n)
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
+    """Command line -> BenchConfig (defaults: the CPU benchmark in BENCHMARKS.md)."""
+    d = BenchConfig()
+    p = argparse.ArgumentParser(prog="python -m linformer_ds.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
+    p.add_argument("--variants", nargs="+", default=d.variants)
+    for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch"):
+        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--iters", type=int, default=d.iters, help="timed steps per variant and N")
+    p.add_argument("--precision", default=d.precision, help=f"one of {PRECISIONS}")
+    p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    p.add_argument("--mlm-fraction", type=float, default=d.mlm_fraction)
+    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--attention-dropout", type=float, default=d.attention_dropout)
+    p.add_argument("--max-n", nargs="*", default=[], help="per-variant largest N, e.g. dense=8192")
+    p.add_argument("--step-budget-s", type=float, default=d.step_budget_s)
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--gemm-n", type=int, default=d.gemm_n)
+    p.add_argument("--gemm-reps", type=int, default=d.gemm_reps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--no-plots", action="store_true")
+    a = p.parse_args(argv)
+    bc = BenchConfig(
+        seq_lens=a.seq_lens,
+        variants=a.variants,
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        k=a.k,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        batch=a.batch,
+        warmup=a.warmup,
+        iters=a.iters,
+        precision=a.precision,
+        compile=a.compile,
+        mlm_fraction=a.mlm_fraction,
+        dropout=a.dropout,
+        attention_dropout=a.attention_dropout,
+        max_n=_parse_max_n(a.max_n),
+        step_budget_s=a.step_budget_s,
+        device=a.device,
+        gemm_n=a.gemm_n,
+        gemm_reps=a.gemm_reps,
+        seed=a.seed,
+        out=a.out,
+        plots=not a.no_plots,
+    )
+    bc.validate()
+    return bc
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m linformer_ds.bench``."""
+    try:
+        bc = parse_args(argv)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = run_benchmark(bc)
+    for path in write_outputs(results, Path(bc.out), bc.plots):
+        print(f"wrote {path}")
+    print(markdown_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The typed job config: the single source of truth for a pretraining run.
+
+YAML files and ``key=value`` command-line overrides (OmegaConf dotlist) are merged onto the
+structured schema below; unknown keys and wrong types are errors naming the key path. The
+DeepSpeed JSON config is derived from it by ``deepspeed_config``.
+"""
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from linformer_ds.model import ModelConfig, ModelConfigError
+
+
+class ConfigError(ValueError):
+    """A job config problem; the message names the key path."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib"  # a data_prep output directory
+    train_split: str = "train"
+    valid_split: str = "valid"
+    mlm_probability: float = 0.15
+    verify_checksums: bool = False  # full sha256 of every shard at start (slow on big data)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+
+
+@dataclass
+class SchedulerConfig:
+    warmup_steps: int = 1000
+    decay: str = "linear"  # linear | cosine | constant
+    min_lr_ratio: float = 0.0  # final LR as a fraction of optimizer.lr
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100_000  # optimizer steps
+    micro_batch_size: int = 8  # per rank
+    gradient_accumulation_steps: int = 1
+    global_batch_size: Optional[int] = None  # if set: must equal micro x ranks x accumulation
+    seed: int = 42
+    log_interval: int = 10
+    eval_interval: int = 1000
+    eval_batches: int = 20  # validation micro-batches per rank per evaluation
+    peak_tflops: Optional[float] = None  # per rank, for MFU; None: measure a bf16 GEMM at start
+    save_on_signal: bool = True  # SIGUSR1/SIGTERM: checkpoint, then exit with EXIT_PREEMPTED
+    nonfinite: str = "stop"  # non-finite loss: "stop" (keep last good checkpoint) or "skip"
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 2  # 0-3
+    offload_optimizer: bool = False  # optimizer state on CPU (ZeRO-Offload)
+    offload_param: bool = False  # parameters on CPU (stage 3 only)
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    enabled: bool = False
+    partition_activations: bool = False  # DeepSpeed: shard checkpoints across model-parallel ranks
+    cpu_checkpointing: bool = False  # DeepSpeed: keep checkpoints in CPU memory
+    number_checkpoints: Optional[int] = None  # checkpoint the first N layers (None: all)
+
+
+@dataclass
+class DeepSpeedConfig:
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    gradient_clipping: float = 1.0
+    fp32_grad_accum: bool = True  # accumulate gradients in fp32 under bf16/fp16
+    # fp16 dynamic loss scaling (loss_scale 0 = dynamic)
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    dist_backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    extra: Dict[str, Any] = field(default_factory=dict)  # merged into the DeepSpeed JSON as is
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/${name}"
+    tensorboard: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${logging.dir}/checkpoints"
+    save_interval: int = 1000  # optimizer steps; 0 = only the final checkpoint
+    keep_last: int = 3  # older checkpoints are deleted (0 = keep all)
+    resume: str = "auto"  # auto: latest in dir if any | never | a tag name in dir
+    save_final: bool = True
+
+
+@dataclass
+class JobConfig:
+    name: str = "linformer"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ====================================================================================== loading
+def _load_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml parse errors
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    base = cfg.pop("defaults", None)  # `defaults: other.yaml` (relative to this file)
+    if base is not None:
+        parent = _load_yaml(os.path.join(os.path.dirname(path), str(base)))
+        cfg = OmegaConf.merge(parent, cfg)
+    return cfg
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> JobConfig:
+    """Schema <- YAML file <- ``key=value`` overrides; validated; interpolations resolved."""
+    schema = OmegaConf.structured(JobConfig)
+    try:
+        merged = schema
+        if path:
+            merged = OmegaConf.merge(merged, _load_yaml(path))
+        if overrides:
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError(f"override {item!r} is not of the form key=value")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        OmegaConf.resolve(merged)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    assert isinstance(cfg, JobConfig)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: JobConfig) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_dict(d: Dict[str, Any]) -> JobConfig:
+    """Rebuild a JobConfig from ``to_dict`` output (e.g. a checkpoint's saved config)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), d))  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_message(e)) from None
+
+
+# =================================================================================== validation
+def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
+    """Impossible combinations, with the key path in the message. ``world_size`` if known."""
+
+    def bad(key: str, msg: str) -> None:
+        raise ConfigError(f"{key}: {msg}")
+
+    cfg.model.validate()
+    t, ds, z = cfg.train, cfg.deepspeed, cfg.deepspeed.zero
+    for key in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "log_interval"):
+        if getattr(t, key) < 1:
+            bad(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    if t.eval_interval < 0 or t.eval_batches < 0:
+        bad("train.eval_interval", "eval_interval and eval_batches must be >= 0")
+    if t.nonfinite not in ("stop", "skip"):
+        bad("train.nonfinite", f"must be 'stop' or 'skip', got {t.nonfinite!r}")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        bad("train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
+    if not 0.0 < cfg.data.mlm_probability < 1.0:
+        bad("data.mlm_probability", f"must be in (0, 1), got {cfg.data.mlm_probability}")
+    if cfg.optimizer.lr <= 0:
+        bad("optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
+    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        bad("optimizer.betas", f"must be two numbers in [0, 1), got {cfg.optimizer.betas}")
+    if cfg.scheduler.decay not in ("linear", "cosine", "constant"):
+        bad("scheduler.decay", f"must be linear, cosine or constant, got {cfg.scheduler.decay!r}")
+    if cfg.scheduler.warmup_steps < 0:
+        bad("scheduler.warmup_steps", f"must be >= 0, got {cfg.scheduler.warmup_steps}")
+    if not 0.0 <= cfg.scheduler.min_lr_ratio <= 1.0:
+        bad("scheduler.min_lr_ratio", f"must be in [0, 1], got {cfg.scheduler.min_lr_ratio}")
+    if ds.precision not in ("fp32", "bf16", "fp16"):
+        bad("deepspeed.precision", f"must be fp32, bf16 or fp16, got {ds.precision!r}")
+    if z.stage not in (0, 1, 2, 3):
+        bad("deepspeed.zero.stage", f"must be 0, 1, 2 or 3, got {z.stage}")
+    if z.offload_param and z.stage != 3:
+        bad("deepspeed.zero.offload_param", f"needs zero.stage=3, got stage {z.stage}")
+    if z.offload_optimizer and z.stage == 0:
+        bad("deepspeed.zero.offload_optimizer", "needs zero.stage >= 1")
+    if ds.gradient_clipping < 0:
+        bad("deepspeed.gradient_clipping", f"must be >= 0, got {ds.gradient_clipping}")
+    ac = ds.activation_checkpointing
+    if ac.number_checkpoints is not None and not 1 <= ac.number_checkpoints <= cfg.model.num_layers:
+        bad(
+            "deepspeed.activation_checkpointing.number_checkpoints",
+            f"must be in [1, model.num_layers={cfg.model.num_layers}], got {ac.number_checkpoints}",
+        )
+    if cfg.checkpoint.resume not in ("auto", "never") and "/" in cfg.checkpoint.resume:
+        bad("checkpoint.resume", "must be auto, never or a tag name inside checkpoint.dir")
+    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.save_interval < 0:
+        bad("checkpoint.keep_last", "keep_last and save_interval must be >= 0")
+    if world_size is not None:
+        per_step = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        if t.global_batch_size is not None and t.global_batch_size != per_step:
+            bad(
+                "train.global_batch_size",
+                f"{t.global_batch_size} is not micro_batch_size ({t.micro_batch_size}) x ranks "
+                f"({world_size}) x gradient_accumulation_steps ({t.gradient_accumulation_steps})"
+                f" = {per_step}",
+            )
+
+
+# ========================================================================= DeepSpeed JSON config
+def _deep_update(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def deepspeed_config(cfg: JobConfig, world_size: int) -> Dict[str, Any]:
+    """The DeepSpeed JSON config derived from the job config (plus ``deepspeed.extra``)."""
+    t, ds, z = cfg.train, cfg.deepspeed, cfg.deepspeed.zero
+    zero: Dict[str, Any] = {"stage": z.stage}
+    if z.stage > 0:
+        zero.update(
+            overlap_comm=z.overlap_comm,
+            contiguous_gradients=z.contiguous_gradients,
+            reduce_bucket_size=int(z.reduce_bucket_size),
+            allgather_bucket_size=int(z.allgather_bucket_size),
+        )
+    if z.stage == 3:
+        zero.pop("allgather_bucket_size")
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if z.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if z.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    out: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world_size,
+        "gradient_clipping": ds.gradient_clipping,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.optimizer.lr,
+                "betas": list(cfg.optimizer.betas),
+                "eps": cfg.optimizer.eps,
+                "weight_decay": cfg.optimizer.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if ds.precision == "bf16":
+        out["bf16"] = {"enabled": True}
+    elif ds.precision == "fp16":
+        out["fp16"] = {
+            "enabled": True,
+            "loss_scale": ds.loss_scale,
+            "initial_scale_power": ds.initial_scale_power,
+            "loss_scale_window": ds.loss_scale_window,
+            "hysteresis": ds.hysteresis,
+            "min_loss_scale": ds.min_loss_scale,
+        }
+    if ds.precision != "fp32" and ds.fp32_grad_accum:
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    ac = ds.activation_checkpointing
+    if ac.enabled:
+        out["activation_checkpointing"] = {
+            "partition_activations": ac.partition_activations,
+            "cpu_checkpointing": ac.cpu_checkpointing,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": ac.number_checkpoints,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    return _deep_update(out, OmegaConf.to_container(OmegaConf.create(ds.extra)) or {})

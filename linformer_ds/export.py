@@ -1,0 +1,431 @@
+"""Export a DeepSpeed checkpoint to a self-contained Hugging Face model directory.
+
+    python launch/export.py --checkpoint CKPT_DIR [--tag step_00001000] --out OUT [--dtype bfloat16]
+
+The weights are consolidated with DeepSpeed's own ``zero_to_fp32`` functions (ZeRO 1-3, and
+stage 0 with a bf16 optimizer); a stage-0 checkpoint without ZeRO optimizer files is read from
+DeepSpeed's model-states file. The model is described by the ``linformer_meta.json`` the trainer
+writes (JSON, never a pickle). ``OUT`` holds::
+
+    config.json                 model_type "linformer", architectures, auto_map, every model option
+    model.safetensors           weights (the tied MLM decoder weight is not stored)
+    configuration_linformer.py  remote code: LinformerConfig
+    modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification
+    linformer_model.py          a verbatim copy of linformer_ds/model.py (torch + stdlib only)
+    tokenizer.model             the SentencePiece model
+    tokenizer_config.json       AutoTokenizer -> SentencePieceBackend, special tokens, <s> X </s>
+    special_tokens_map.json
+    linformer_export.json       provenance: source checkpoint, tag, step, dtype, training config
+
+and loads with ``transformers`` alone (``trust_remote_code=True``), no linformer_ds installed.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
+
+META_FILE = "linformer_meta.json"  # written by linformer_ds.checkpointing.save
+COMPLETE_FILE = "COMPLETE"
+META_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 1
+TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Special tokens of the SentencePiece models made by data_prep: piece -> id.
+SPECIAL_TOKENS = {
+    "pad_token": ("<pad>", 0),
+    "unk_token": ("<unk>", 1),
+    "bos_token": ("<s>", 2),
+    "eos_token": ("</s>", 3),
+    "mask_token": ("<mask>", 4),
+}
+CLS_SEP = {"cls_token": "<s>", "sep_token": "</s>"}
+
+_PKG = Path(__file__).resolve().parent
+# exported file name -> (source file, import rewrites that make it a flat remote-code module)
+REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
+    "linformer_model.py": (_PKG / "model.py", ()),
+    "configuration_linformer.py": (
+        _PKG / "hf" / "configuration_linformer.py",
+        (("from ..model import", "from .linformer_model import"),),
+    ),
+    "modeling_linformer.py": (
+        _PKG / "hf" / "modeling_linformer.py",
+        (("from ..model import", "from .linformer_model import"),),
+    ),
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_linformer.LinformerConfig",
+    "AutoModel": "modeling_linformer.LinformerModel",
+    "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+}
+
+
+class ExportError(RuntimeError):
+    """The export cannot proceed; the message names the problem and the path."""
+
+
+# ==================================================================================== checkpoint
+def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
+    """``(checkpoint_dir, tag)`` after checking both; a tag directory itself is accepted too."""
+    ckpt = os.path.abspath(checkpoint)
+    if not os.path.isdir(ckpt):
+        raise ExportError(f"--checkpoint {checkpoint}: no such directory")
+    if tag is None and os.path.isfile(os.path.join(ckpt, META_FILE)):
+        ckpt, tag = os.path.dirname(ckpt), os.path.basename(ckpt)  # given the tag directory
+    if tag is None:
+        latest = os.path.join(ckpt, "latest")
+        if not os.path.isfile(latest):
+            raise ExportError(
+                f"--checkpoint {checkpoint} is not a DeepSpeed checkpoint directory: it has no "
+                f"'latest' file naming the newest tag (found: {_listing(ckpt)}); pass --tag"
+            )
+        with open(latest) as f:
+            tag = f.read().strip()
+        if not tag:
+            raise ExportError(f"{latest} is empty; pass --tag")
+    tag_dir = os.path.join(ckpt, tag)
+    if not os.path.isdir(tag_dir):
+        tags = sorted(d for d in os.listdir(ckpt) if os.path.isdir(os.path.join(ckpt, d)))
+        raise ExportError(f"tag {tag!r} not found in {ckpt} (tags there: {tags or 'none'})")
+    if not os.path.isfile(os.path.join(tag_dir, META_FILE)):
+        raise ExportError(
+            f"{tag_dir} is not a linformer_ds checkpoint: {META_FILE} is missing "
+            f"(found: {_listing(tag_dir)})"
+        )
+    if not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
+        raise ExportError(
+            f"{tag_dir} is incomplete (no {COMPLETE_FILE} marker: the save was interrupted); "
+            "export an older tag with --tag"
+        )
+    return ckpt, tag
+
+
+def _listing(d: str, n: int = 8) -> str:
+    names = sorted(os.listdir(d))
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
+
+
+def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
+    """The checkpoint's metadata JSON and the ``ModelConfig`` it describes."""
+    path = os.path.join(tag_dir, META_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: not valid JSON ({e})") from e
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > META_FORMAT_VERSION:
+        raise ExportError(
+            f"{path}: format_version {version!r} is not supported by this exporter "
+            f"(knows <= {META_FORMAT_VERSION})"
+        )
+    if not isinstance(meta.get("model"), dict):
+        raise ExportError(f"{path}: has no 'model' section")
+    try:
+        model_config = ModelConfig.from_dict(meta["model"])
+    except (ModelConfigError, TypeError) as e:
+        raise ExportError(f"{path}: invalid model config: {e}") from e
+    return meta, model_config
+
+
+def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+    """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation."""
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        lazy = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag, lazy_mode=True)
+        out: Dict[str, torch.Tensor] = {}
+        done: Dict[int, str] = {}
+        for name, t in lazy.items():  # shared entries are one object: materialise it once
+            if id(t) in done:
+                out[name] = out[done[id(t)]]
+            else:
+                done[id(t)] = name
+                out[name] = t.contiguous().float() if t.is_floating_point() else t.contiguous()
+        return out
+    # ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file.
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        raise ExportError(
+            f"{tag_dir} holds neither ZeRO optimizer shards (*_optim_states.pt) nor "
+            f"mp_rank_00_model_states.pt: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
+        )
+    states = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own format
+    if "module" not in states:
+        raise ExportError(f"{path} has no 'module' state dict")
+    module = states["module"]
+    if any(t.dtype in (torch.float16, torch.bfloat16) for t in module.values()):
+        print(
+            f"warning: {path} holds 16-bit weights and no fp32 master copy; exporting those",
+            file=sys.stderr,
+        )
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
+
+
+def check_state_dict(
+    state_dict: Dict[str, torch.Tensor], model_config: ModelConfig, where: str
+) -> Dict[str, torch.Tensor]:
+    """Match the consolidated weights to the model the config builds; returns what to store.
+
+    Missing, unexpected or mis-shaped keys mean the config does not describe these weights. The
+    tied decoder weight is dropped (the model re-ties it); if DeepSpeed recovered it, it must be
+    the embedding itself (DeepSpeed issue 1896: a shared parameter recovered from the wrong
+    partner).
+    """
+    with torch.device("meta"):
+        reference = LinformerForMaskedLM(model_config).state_dict()
+    tied = model_config.tie_word_embeddings
+    expected = {k: tuple(v.shape) for k, v in reference.items() if not (tied and k == TIED_KEY)}
+    got = {k: v for k, v in state_dict.items() if not (tied and k == TIED_KEY)}
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(got[k].shape)} vs config {expected[k]}"
+        for k in set(expected) & set(got)
+        if tuple(got[k].shape) != expected[k]
+    )
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {_short(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_short(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatch {_short(shapes)}")
+        raise ExportError(
+            f"{where}: the weights do not match the model config in {META_FILE} ("
+            + "; ".join(parts)
+            + ")"
+        )
+    if tied and TIED_KEY in state_dict and not torch.equal(state_dict[TIED_KEY], got[TIED_SOURCE]):
+        raise ExportError(
+            f"{where}: {TIED_KEY} is tied to {TIED_SOURCE} but the consolidated values differ "
+            "(shared-parameter recovery went wrong, cf. DeepSpeed issue 1896)"
+        )
+    return {k: got[k] for k in sorted(got)}
+
+
+def _short(items: List[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+# ===================================================================================== writing
+def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
+    """Check the SentencePiece model's special ids and size against the model; returns its size."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=sp_model_path)
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"{sp_model_path}: not a SentencePiece model ({e})") from e
+    size = sp.get_piece_size()
+    if size > model_config.vocab_size:
+        raise ExportError(
+            f"{sp_model_path}: {size} pieces, more than the model's vocab_size "
+            f"{model_config.vocab_size}"
+        )
+    for piece, want in SPECIAL_TOKENS.values():
+        got = sp.piece_to_id(piece)
+        if got != want or sp.id_to_piece(got) != piece:
+            raise ExportError(
+                f"{sp_model_path}: special token {piece!r} has id {got}, expected {want}"
+            )
+    if model_config.pad_token_id != SPECIAL_TOKENS["pad_token"][1]:
+        raise ExportError(
+            f"model.pad_token_id={model_config.pad_token_id} but the tokenizer pads with id "
+            f"{SPECIAL_TOKENS['pad_token'][1]}"
+        )
+    return size
+
+
+def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None:
+    """Copy the SentencePiece model and write the files ``AutoTokenizer`` needs.
+
+    ``SentencePieceBackend`` (transformers >= 5) runs the SentencePiece model itself, so ids equal
+    SentencePiece's own; ``special_tokens_pattern='bos_eos'`` adds ``<s> ... </s>``.
+    """
+    shutil.copyfile(sp_model_path, os.path.join(out, "tokenizer.model"))
+    special = {name: piece for name, (piece, _) in SPECIAL_TOKENS.items()} | CLS_SEP
+    config = {
+        "tokenizer_class": "SentencePieceBackend",
+        "vocab_file": "tokenizer.model",
+        "special_tokens_pattern": "bos_eos",
+        "model_max_length": int(model_max_length),
+        "padding_side": "right",
+        "legacy": True,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    _write_json(os.path.join(out, "tokenizer_config.json"), config)
+    _write_json(os.path.join(out, "special_tokens_map.json"), special)
+
+
+def write_remote_code(out: str) -> None:
+    """Copy ``model.py`` and the HF wrappers, with their package imports made flat."""
+    for name, (src, rewrites) in REMOTE_CODE.items():
+        text = src.read_text()
+        for old, new in rewrites:
+            if old not in text:
+                raise ExportError(f"{src}: expected import {old!r} not found (remote code layout)")
+            text = text.replace(old, new)
+        Path(out, name).write_text(text)
+
+
+def write_model_dir(
+    out: str,
+    model_config: ModelConfig,
+    state_dict: Dict[str, torch.Tensor],
+    sp_model_path: str,
+    architecture: str = "LinformerForMaskedLM",
+    dtype: str = "float32",
+    config_extra: Optional[Dict[str, Any]] = None,
+    provenance: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
+
+    ``state_dict`` uses the training model's names (tied decoder weight left out);
+    ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
+    """
+    from safetensors.torch import save_file
+
+    from linformer_ds.hf.configuration_linformer import LinformerConfig
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_tokenizer(sp_model_path, model_config)
+    os.makedirs(out, exist_ok=True)
+    tensors = {
+        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in state_dict.items()
+    }
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+    extra = dict(config_extra or {})
+    hf_config = LinformerConfig.from_model_config(model_config, **extra)
+    hf_config.architectures = [architecture]
+    hf_config.auto_map = dict(AUTO_MAP)
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out)
+    write_remote_code(out)
+    write_tokenizer(out, sp_model_path, model_config.max_seq_len)
+    if provenance is not None:
+        _write_json(
+            os.path.join(out, "linformer_export.json"),
+            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance},
+        )
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# ======================================================================================= export
+def export_checkpoint(
+    checkpoint: str,
+    out: str,
+    tag: Optional[str] = None,
+    dtype: str = "float32",
+    tokenizer: Optional[str] = None,
+    overwrite: bool = False,
+) -> str:
+    """Export ``checkpoint`` (tag ``tag``, default: ``latest``) to ``out``; returns ``out``."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    ckpt, tag = resolve_tag(checkpoint, tag)
+    tag_dir = os.path.join(ckpt, tag)
+    meta, model_config = read_meta(tag_dir)
+    sp_path = tokenizer or os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
+    if not os.path.isfile(sp_path):
+        raise ExportError(
+            f"tokenizer {sp_path} not found: the checkpoint has no SentencePiece model; "
+            "pass --tokenizer PATH/tokenizer.model"
+        )
+    out = os.path.abspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        if not overwrite:
+            raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
+    state_dict = check_state_dict(consolidate(ckpt, tag), model_config, tag_dir)
+
+    # Write next to the target, then swap in: a failed export leaves no half-written model.
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        write_model_dir(
+            tmp,
+            model_config,
+            state_dict,
+            sp_path,
+            dtype=dtype,
+            provenance={
+                "checkpoint": ckpt,
+                "tag": tag,
+                "step": meta.get("step"),
+                "dtype": dtype,
+                "training_config": meta.get("config"),
+            },
+        )
+        _verify_weights(tmp, state_dict, dtype)
+        if os.path.exists(out):
+            shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _verify_weights(out: str, state_dict: Dict[str, torch.Tensor], dtype: str) -> None:
+    """Read the written file back: every tensor equals the consolidated one (after the cast)."""
+    from safetensors.torch import load_file
+
+    written = load_file(os.path.join(out, "model.safetensors"))
+    if set(written) != set(state_dict):
+        raise ExportError(f"{out}/model.safetensors: keys differ from the consolidated weights")
+    for k, v in state_dict.items():
+        want = v.to(DTYPES[dtype]) if v.is_floating_point() else v
+        if not torch.equal(written[k], want):
+            raise ExportError(f"{out}/model.safetensors: {k} differs from the consolidated weights")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Command line of ``launch/export.py``."""
+    p = argparse.ArgumentParser(
+        description="Export a linformer_ds DeepSpeed checkpoint to a Hugging Face model directory."
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint.dir of the training run")
+    p.add_argument("--tag", default=None, help="tag to export (default: the one in 'latest')")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the tag's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """CLI entry point; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        out = export_checkpoint(
+            args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite
+        )
+    except ExportError as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out} ({args.dtype})")
+    return 0
