@@ -24,8 +24,15 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from linformer_ds import checkpointing as ckpt
-from linformer_ds.config import ConfigError, JobConfig, deepspeed_config, load_config, to_dict
-from linformer_ds.config import to_yaml, validate
+from linformer_ds.config import (
+    ConfigError,
+    JobConfig,
+    deepspeed_config,
+    load_config,
+    to_dict,
+    to_yaml,
+    validate,
+)
 from linformer_ds.model import LinformerForMaskedLM
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
@@ -138,8 +145,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     # Data first: a bad dataset should fail before any collective starts.
-    from linformer_ds.data import MLMMasking, ResumableDistributedSampler, ShardDataset
-    from linformer_ds.data import check_compatible
+    from linformer_ds.data import (
+        MLMMasking,
+        ResumableDistributedSampler,
+        ShardDataset,
+        check_compatible,
+    )
 
     train_ds = ShardDataset(cfg.data.path, cfg.data.train_split, cfg.data.verify_checksums)
     check_compatible(train_ds, cfg.model)
