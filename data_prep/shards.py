@@ -100,6 +100,16 @@ class ShardWriter:
         self.shards = list(state["shards"])
         self.index = state["index"]
         self.rows = state["rows"]
+        # A shard finished after the checkpoint: turn it back into the partial shard. Files of
+        # later shards (and later partials) are not recorded anywhere: delete them.
+        final = os.path.join(self.out_dir, self._rel(self.index))
+        if os.path.exists(final):
+            os.replace(final, self._partial_path())
+        keep = {s["file"] for s in self.shards} | {self._rel(self.index) + ".partial"}
+        split_dir = os.path.join(self.out_dir, self.split)
+        for name in os.listdir(split_dir):
+            if f"{self.split}/{name}" not in keep:
+                os.remove(os.path.join(split_dir, name))
         if self.rows:
             path = self._partial_path()
             want = self.header_len + self.rows * self.row_bytes

@@ -149,13 +149,24 @@ class Source:
         for spec in self.specs:
             if spec.startswith("hf:"):
                 hf = parse_hf(spec)
-                items.append({"kind": "huggingface", "name": hf.name, "config": hf.config,
-                              "split": hf.split, "text_column": self.text_column})
+                items.append(
+                    {
+                        "kind": "huggingface",
+                        "name": hf.name,
+                        "config": hf.config,
+                        "split": hf.split,
+                        "text_column": self.text_column,
+                    }
+                )
             else:
                 files = self._files[spec]
                 kind = "stdlib" if spec == "stdlib" else "files"
-                item = {"kind": kind, "spec": spec, "files": len(files),
-                        "bytes": sum(os.path.getsize(f) for f in files)}
+                item = {
+                    "kind": kind,
+                    "spec": spec,
+                    "files": len(files),
+                    "bytes": sum(os.path.getsize(f) for f in files),
+                }
                 if spec == "stdlib":
                     item["root"] = sysconfig.get_paths()["stdlib"]
                     item["python"] = sys.version.split()[0]

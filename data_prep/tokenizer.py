@@ -100,11 +100,12 @@ def train_tokenizer(
             shuffle_input_sentence=False,
         )
     except RuntimeError as e:
-        msg = str(e)
-        if "Vocabulary size" in msg or "vocab_size" in msg:
+        msg = str(e).strip()
+        if "Vocabulary size" in msg:
+            detail = msg[msg.index("Vocabulary size") :].rstrip(".")
             raise DataPrepError(
                 f"--vocab-size {vocab_size} is too large for this corpus "
-                f"({len(sentences)} training lines): {msg.strip()}. Use a smaller --vocab-size "
+                f"({len(sentences)} training lines): {detail}. Use a smaller --vocab-size "
                 "or a larger corpus."
             ) from e
         raise DataPrepError(f"SentencePiece training failed: {msg.strip()}") from e

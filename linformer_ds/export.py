@@ -154,7 +154,8 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
                 out[name] = out[done[id(t)]]
             else:
                 done[id(t)] = name
-                out[name] = t.contiguous().float() if t.is_floating_point() else t.contiguous()
+                full = t.contiguous()  # a GatheredTensor: concatenates this tensor's fragments
+                out[name] = full.float() if full.is_floating_point() else full
         return out
     # ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file.
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
@@ -355,6 +356,7 @@ def export_checkpoint(
             f"tokenizer {sp_path} not found: the checkpoint has no SentencePiece model; "
             "pass --tokenizer PATH/tokenizer.model"
         )
+    check_tokenizer(sp_path, model_config)
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         if not overwrite:

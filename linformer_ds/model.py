@@ -332,20 +332,23 @@ class LinformerSelfAttention(nn.Module):
     ) -> torch.Tensor:
         b, n, _ = x.shape
         h, d = self.num_heads, self.head_dim
-        qkv = self.qkv(x).view(b, n, 3, h, d)
-        q = qkv[:, :, 0].transpose(1, 2)  # [B, h, n, d]
+        qkv = self.qkv(x)  # [B, n, 3D]
         dropout_p = self.dropout_p if self.training else 0.0
         mask = attention_mask.bool() if attention_mask is not None else None
 
+        # unbind/split rather than slicing: their backward writes the three gradients into one
+        # [B, n, 3D] tensor (a stack/cat) instead of zero-filling and summing three of them.
         if self.kind == "dense":
-            k, v = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, h, d).unbind(2))
             attn_mask = _nonempty(mask)[:, None, None, :] if mask is not None else None
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
             return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
-        kv = qkv[:, :, 1:]  # [B, n, 2, h, d]
+        q, kv = qkv.split([self.hidden_size, 2 * self.hidden_size], dim=-1)
+        q = q.view(b, n, h, d).transpose(1, 2)  # [B, h, n, d] (a strided view, no copy)
+        kv = kv.view(b, n, 2 * h, d)  # keys then values of each token, still a view of qkv
         if mask is not None:  # padded positions contribute nothing to the projected keys/values
-            kv = kv * mask[:, :, None, None, None].to(kv.dtype)
+            kv = kv * mask[:, :, None, None].to(kv.dtype)
         proj_k = self.proj_k
         if proj_k is None:
             if shared_projection is None:
@@ -355,10 +358,10 @@ class LinformerSelfAttention(nn.Module):
                 )
             proj_k = shared_projection
         if self.proj_v is None:  # E = F: one GEMM projects keys and values together
-            kvp = proj_k(kv.reshape(b, n, 2 * h, d)).view(b, -1, 2, h, d)
-            kp, vp = kvp[:, :, 0], kvp[:, :, 1]
+            kp, vp = proj_k(kv).view(b, -1, 2, h, d).unbind(2)
         else:
-            kp, vp = proj_k(kv[:, :, 0]), self.proj_v(kv[:, :, 1])
+            k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
+            kp, vp = proj_k(k_in), self.proj_v(v_in)
         attn_mask = None
         if self.kind == "conv" and mask is not None:  # blocks made only of padding are ignored
             r = proj_k.stride
@@ -651,7 +654,7 @@ def flops_per_token(
         if kind == "dense":
             fwd += 2 * 2 * n * dm  # Q K^T and A V
         elif kind == "linear":
-            k = min(config.k_for_layer(i), n)
+            k = config.k_for_layer(i)  # k rows even when n < k: E[:, :n] is [k, n]
             fwd += 2 * 2 * k * dm  # E K and F V: each token feeds k outputs of width D
             fwd += 2 * 2 * k * dm  # scores against k keys and weighted sum of k values
         else:

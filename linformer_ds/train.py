@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -121,6 +120,17 @@ def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 
 # ========================================================================================= main
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
+    from linformer_ds.data import DataError
+
+    try:
+        return _main(argv)
+    except (ckpt.CheckpointError, DataError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -228,6 +238,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"train_rows={len(train_ds)} seq_len={train_ds.seq_len}"
     )
 
+    if cfg.deepspeed.zero.stage == 3:
+        for name, p in model.named_parameters():
+            if name.startswith("encoder.shared_"):
+                print(
+                    f"[zero3] rank {rank} holds {p.ds_tensor.numel()}/{p.ds_numel} of {name}",
+                    flush=True,
+                )
+
     peak = cfg.train.peak_tflops
     if peak is None:
         from linformer_ds.perf import measure_matmul_peak_tflops
@@ -235,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             cfg.deepspeed.precision, torch.float32
         )
-        peak = measure_matmul_peak_tflops(dtype, str(device), size=1024 if on_cpu else 8192)
+        peak = measure_matmul_peak_tflops(dtype, str(device), size=2048 if on_cpu else 8192)
     seq_len = train_ds.seq_len
     flops_tok = model.flops_per_token(seq_len, mlm_fraction=cfg.data.mlm_probability)
 
@@ -454,12 +472,6 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
-
-
-def copy_tokenizer(src_dir: str, dst_dir: str) -> None:
-    src = os.path.join(src_dir, "tokenizer.model")
-    if os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(dst_dir, "tokenizer.model"))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ ClusterName=ci
 SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120).
+AuthInfo=cred_expire=5
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -118,6 +120,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# Schedule every second (defaults: 30 s backfill, 60 s main) so a requeued job restarts quickly.
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

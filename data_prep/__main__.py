@@ -1,0 +1,110 @@
+"""Command line: ``python -m data_prep --source stdlib --out data/stdlib --seq-len 128 --vocab-size 8000``."""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from data_prep.errors import DataPrepError
+from data_prep.pipeline import PrepConfig, prepare
+from data_prep.sources import DEFAULT_MAX_DOC_BYTES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (one flag per :class:`PrepConfig` field)."""
+    p = argparse.ArgumentParser(
+        prog="python -m data_prep",
+        description="Turn raw corpora into a SentencePiece tokenizer and packed shards of "
+        "fixed-length rows (OUT/manifest.json, OUT/tokenizer.model, OUT/{train,valid}/*.npy).",
+    )
+    p.add_argument(
+        "--source",
+        nargs="+",
+        required=True,
+        metavar="SRC",
+        help="'stdlib' (this interpreter's standard library .py files), local files, "
+        "directories or globs (text: one document per file; .jsonl/.csv/.tsv/.parquet: one per "
+        "record), or hf:NAME[:CONFIG][:SPLIT] (a Hugging Face dataset; needs the Hub)",
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per row (N)")
+    p.add_argument(
+        "--vocab-size", type=int, help="tokenizer vocabulary (required unless --tokenizer)"
+    )
+    p.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    p.add_argument("--tokenizer", help="reuse this SentencePiece .model instead of training one")
+    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument(
+        "--max-sentences-for-tokenizer",
+        type=int,
+        default=300_000,
+        help="lines sampled (reservoir) to train the tokenizer",
+    )
+    p.add_argument("--text-column", default="text", help="column of jsonl/csv/parquet/HF inputs")
+    p.add_argument(
+        "--packing",
+        default="full",
+        choices=["full", "pad"],
+        help="full: documents joined with sep and cut into rows; pad: one document per row(s)",
+    )
+    p.add_argument("--valid-fraction", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0, help="seed of the split and tokenizer sample")
+    p.add_argument("--shard-rows", type=int, help="rows per shard (default: about 64 MiB)")
+    p.add_argument("--max-docs", type=int, help="stop after this many documents")
+    p.add_argument("--max-bytes", type=int, help="stop after about this many input bytes")
+    p.add_argument(
+        "--max-doc-bytes",
+        type=int,
+        default=DEFAULT_MAX_DOC_BYTES,
+        help="cut larger text files into documents of this size (at line boundaries)",
+    )
+    p.add_argument(
+        "--workers", type=int, help="tokenizer processes (default: CPU count; 0: inline)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="delete an existing output first")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m data_prep`` and the ``linformer-data-prep`` script."""
+    args = build_parser().parse_args(argv)
+    if args.overwrite and args.resume:
+        print("error: --overwrite and --resume exclude each other", file=sys.stderr)
+        return 2
+    kwargs = dict(
+        sources=args.source,
+        out=args.out,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        tokenizer=args.tokenizer,
+        character_coverage=args.character_coverage,
+        max_sentences_for_tokenizer=args.max_sentences_for_tokenizer,
+        text_column=args.text_column,
+        packing=args.packing,
+        valid_fraction=args.valid_fraction,
+        seed=args.seed,
+        shard_rows=args.shard_rows,
+        max_docs=args.max_docs,
+        max_bytes=args.max_bytes,
+        max_doc_bytes=args.max_doc_bytes,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        progress=not args.quiet,
+    )
+    if args.workers is not None:
+        kwargs["workers"] = args.workers
+    try:
+        prepare(PrepConfig(**kwargs))
+    except DataPrepError as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("data_prep: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Tokenization (in worker processes) and packing of documents into rows of exactly N tokens.
+
+Row layouts (``N`` = seq_len):
+
+* ``full`` (full-sentences packing, the default): every document's tokens are followed by
+  ``sep``; the stream of a split is cut into pieces of ``N - 1`` tokens and every row is
+  ``[cls] + piece``. A document may continue into the next row (after its ``cls``). Only the
+  last row of a split is padded (``pad`` after the stream's end).
+* ``pad``: documents never share a row. A document is cut into chunks of at most ``N - 2``
+  tokens and each chunk becomes ``[cls] + chunk + [sep] + [pad] * rest``.
+
+Empty documents (no non-blank line) produce nothing. The train/valid split is by document:
+a document goes to ``valid`` when a keyed hash of its text (key = seed) falls below
+``valid_fraction``, so the same text always lands in the same split whatever the corpus order.
+"""
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from data_prep.tokenizer import CLS_ID, PAD_ID, SEP_ID, document_lines
+
+SPLITS = ("train", "valid")
+PACKINGS = ("full", "pad")
+
+
+def assign_split(text: str, valid_fraction: float, seed: int) -> str:
+    """``"valid"`` for a deterministic ``valid_fraction`` of documents (by keyed hash), else train."""
+    if valid_fraction <= 0.0:
+        return "train"
+    digest = hashlib.blake2b(
+        text.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+        key=int(seed).to_bytes(8, "little", signed=True),
+    ).digest()
+    return "valid" if int.from_bytes(digest, "little") / 2.0**64 < valid_fraction else "train"
+
+
+@dataclass
+class EncodeSettings:
+    """What a worker needs besides the tokenizer."""
+
+    seq_len: int
+    packing: str
+    valid_fraction: float
+    seed: int
+    dtype: str
+
+
+_worker: Dict[str, Any] = {}
+
+
+def init_worker(model_proto: bytes, settings: EncodeSettings) -> None:
+    """Pool initializer: load the tokenizer once per worker process."""
+    import sentencepiece as spm
+
+    _worker["sp"] = spm.SentencePieceProcessor(model_proto=model_proto)
+    _worker["settings"] = settings
+
+
+def encode_task(texts: List[str]) -> Dict[str, Any]:
+    """Tokenize a batch of documents in the worker; see :func:`encode_documents`."""
+    return encode_documents(_worker["sp"], _worker["settings"], texts)
+
+
+def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dict[str, Any]:
+    """Tokenize documents and lay them out per split.
+
+    Returns ``{"splits": {split: {"tokens", "documents", "content", "pad"}}, "empty": int}``
+    where ``tokens`` is the 1-D stream (doc tokens + sep per document) for ``full`` packing
+    and the finished rows ``[k, N]`` for ``pad`` packing.
+    """
+    dtype = np.dtype(settings.dtype)
+    doc_lines = [document_lines(t) for t in texts]
+    all_lines = list(itertools.chain.from_iterable(doc_lines))
+    encoded = sp.encode(all_lines, num_threads=1) if all_lines else []
+    line_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(encoded), dtype=dtype, count=int(line_lens.sum())
+    )
+    # Token offsets of each document in `flat`.
+    lines_per_doc = np.fromiter(map(len, doc_lines), dtype=np.int64, count=len(doc_lines))
+    line_ends = np.concatenate([[0], np.cumsum(line_lens)])
+    doc_bounds = line_ends[np.concatenate([[0], np.cumsum(lines_per_doc)])]
+
+    pieces: Dict[str, List[np.ndarray]] = {s: [] for s in SPLITS}
+    counts = {s: {"documents": 0, "content": 0, "pad": 0} for s in SPLITS}
+    empty = 0
+    n = settings.seq_len
+    sep = np.array([SEP_ID], dtype=dtype)
+    for i, text in enumerate(texts):
+        tokens = flat[doc_bounds[i] : doc_bounds[i + 1]]
+        if len(tokens) == 0:
+            empty += 1
+            continue
+        split = assign_split(text, settings.valid_fraction, settings.seed)
+        counts[split]["documents"] += 1
+        counts[split]["content"] += len(tokens)
+        if settings.packing == "full":
+            pieces[split].append(tokens)
+            pieces[split].append(sep)
+        else:
+            chunk = n - 2
+            k = -(-len(tokens) // chunk)
+            rows = np.full((k, n), PAD_ID, dtype=dtype)
+            rows[:, 0] = CLS_ID
+            for r in range(k):
+                part = tokens[r * chunk : (r + 1) * chunk]
+                rows[r, 1 : 1 + len(part)] = part
+                rows[r, 1 + len(part)] = SEP_ID
+            counts[split]["pad"] += k * n - len(tokens) - 2 * k
+            pieces[split].append(rows)
+    splits = {}
+    for s in SPLITS:
+        if settings.packing == "full":
+            tokens = np.concatenate(pieces[s]) if pieces[s] else np.zeros(0, dtype=dtype)
+        else:
+            tokens = np.concatenate(pieces[s]) if pieces[s] else np.zeros((0, n), dtype=dtype)
+        splits[s] = {"tokens": tokens, **counts[s]}
+    return {"splits": splits, "empty": empty}
+
+
+class FullPacker:
+    """Main-process side of ``full`` packing: cuts a split's token stream into ``[cls] + N-1``."""
+
+    def __init__(self, seq_len: int, dtype: np.dtype, carry: Optional[List[int]] = None) -> None:
+        self.seq_len = seq_len
+        self.dtype = np.dtype(dtype)
+        self.carry = np.asarray(carry if carry is not None else [], dtype=self.dtype)
+
+    def add(self, stream: np.ndarray) -> np.ndarray:
+        """Append stream tokens; returns the rows ``[k, N]`` that are now complete."""
+        body = self.seq_len - 1
+        buf = np.concatenate([self.carry, stream]) if len(self.carry) else stream
+        k = len(buf) // body
+        rows = np.empty((k, self.seq_len), dtype=self.dtype)
+        rows[:, 0] = CLS_ID
+        rows[:, 1:] = buf[: k * body].reshape(k, body)
+        self.carry = np.array(buf[k * body :], dtype=self.dtype)
+        return rows
+
+    def finish(self) -> np.ndarray:
+        """The last, padded row (``[1, N]``), or ``[0, N]`` if nothing is left over."""
+        if len(self.carry) == 0:
+            return np.zeros((0, self.seq_len), dtype=self.dtype)
+        row = np.full((1, self.seq_len), PAD_ID, dtype=self.dtype)
+        row[0, 0] = CLS_ID
+        row[0, 1 : 1 + len(self.carry)] = self.carry
+        self.carry = np.zeros(0, dtype=self.dtype)
+        return row
+
+    def pending_pad(self) -> int:
+        """Pad tokens :meth:`finish` will add."""
+        return self.seq_len - 1 - len(self.carry) if len(self.carry) else 0

@@ -1,0 +1,605 @@
+"""The data_prep pipeline: source -> tokenizer -> parallel tokenization -> packed shards.
+
+Output directory::
+
+    OUT/manifest.json            written last (atomically): the run is complete
+    OUT/tokenizer.model          trained here or copied from --tokenizer
+    OUT/train/shard_00000.npy    [rows, N] uint16 (vocab <= 65535) else uint32
+    OUT/valid/shard_00000.npy
+    OUT/progress.json            only while a run is unfinished (resume state)
+
+Memory is bounded independently of corpus size: documents are read one at a time, at most
+``2 * workers + 2`` batches of about ``task_bytes`` text are in flight, tokenizer training uses a
+reservoir sample of at most ``max_sentences_for_tokenizer`` lines, and rows go to disk as soon
+as they are complete. The output is identical for any ``workers`` and ``task_bytes``.
+
+Resume: a checkpoint (``progress.json``) records, every ``checkpoint_seconds`` and at the end,
+the number of documents fully packed, the finished shards, the rows of each partial shard and
+the packer carry. A rerun with ``resume=True`` truncates the partial shards to the recorded rows,
+skips the recorded documents and continues; the result is byte-identical to an uninterrupted run.
+"""
+
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from data_prep import packing as pk
+from data_prep.errors import DataPrepError
+from data_prep.shards import ShardWriter, fsync_dir
+from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source
+from data_prep.tokenizer import (
+    MODEL_TYPES,
+    SPECIAL_IDS,
+    SPECIAL_PIECES,
+    file_sha256,
+    load_tokenizer,
+    sample_sentences,
+    tokenizer_info,
+    train_tokenizer,
+)
+
+FORMAT_VERSION = 1
+MIN_SEQ_LEN = 8
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+TOKENIZER = "tokenizer.model"
+SHARD_TARGET_BYTES = 64 << 20
+
+
+@dataclass
+class PrepConfig:
+    """Every data_prep option (the CLI maps one flag to each field)."""
+
+    sources: List[str]
+    out: str
+    seq_len: int
+    vocab_size: Optional[int] = None
+    model_type: str = "unigram"
+    tokenizer: Optional[str] = None
+    character_coverage: float = 0.9995
+    max_sentences_for_tokenizer: int = 300_000
+    text_column: str = "text"
+    packing: str = "full"
+    valid_fraction: float = 0.01
+    seed: int = 0
+    shard_rows: Optional[int] = None  # default: about 64 MiB per shard
+    max_docs: Optional[int] = None
+    max_bytes: Optional[int] = None
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    task_bytes: int = 1 << 20
+    overwrite: bool = False
+    resume: bool = False
+    checkpoint_seconds: float = 10.0
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise :class:`DataPrepError` naming the first bad option."""
+        if self.seq_len < MIN_SEQ_LEN:
+            raise DataPrepError(
+                f"--seq-len {self.seq_len} is too small: the minimum is {MIN_SEQ_LEN}"
+            )
+        if self.packing not in pk.PACKINGS:
+            raise DataPrepError(f"--packing must be one of {pk.PACKINGS}, got {self.packing!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise DataPrepError(
+                f"--model-type must be one of {MODEL_TYPES}, got {self.model_type!r}"
+            )
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise DataPrepError(f"--valid-fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.tokenizer is None and self.vocab_size is None:
+            raise DataPrepError("--vocab-size is required unless --tokenizer is given")
+        if self.vocab_size is not None and self.vocab_size <= len(SPECIAL_IDS):
+            raise DataPrepError(
+                f"--vocab-size {self.vocab_size} is too small: it must exceed the "
+                f"{len(SPECIAL_IDS)} special tokens"
+            )
+        if self.vocab_size is not None and self.vocab_size > 2**32 - 1:
+            raise DataPrepError(f"--vocab-size {self.vocab_size} does not fit in uint32")
+        for name in ("workers",):
+            if getattr(self, name) < 0:
+                raise DataPrepError(f"--{name} must be >= 0")
+        for name in ("shard_rows", "max_docs", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DataPrepError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_sentences_for_tokenizer < 1:
+            raise DataPrepError("--max-sentences-for-tokenizer must be >= 1")
+        if self.max_doc_bytes < 1 or self.task_bytes < 1:
+            raise DataPrepError("--max-doc-bytes and task_bytes must be >= 1")
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """The options that determine the output (a resumed run must match them)."""
+        keys = (
+            "sources",
+            "seq_len",
+            "vocab_size",
+            "model_type",
+            "character_coverage",
+            "max_sentences_for_tokenizer",
+            "text_column",
+            "packing",
+            "valid_fraction",
+            "seed",
+            "shard_rows",
+            "max_docs",
+            "max_bytes",
+            "max_doc_bytes",
+        )
+        fp = {k: getattr(self, k) for k in keys}
+        fp["tokenizer_sha256"] = file_sha256(self.tokenizer) if self.tokenizer else None
+        return fp
+
+
+@dataclass
+class PrepResult:
+    """What :func:`prepare` returns: the manifest plus run statistics (not in the manifest)."""
+
+    manifest: Dict[str, Any]
+    elapsed_s: float
+    encode_elapsed_s: float
+    tokens_per_s: float
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
+def _atomic_write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _log(cfg: PrepConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"data_prep: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- output dir
+def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
+    """Check/clear the output directory; returns (progress state to resume or None, created)."""
+    out = cfg.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataPrepError(f"output path {out!r} exists and is not a directory")
+    entries = os.listdir(out) if os.path.isdir(out) else []
+    has_manifest = MANIFEST in entries
+    has_progress = PROGRESS in entries
+    if entries and cfg.overwrite:
+        if not (has_manifest or has_progress):
+            raise DataPrepError(
+                f"refusing to --overwrite {out!r}: it is not empty and holds no data_prep output "
+                f"({MANIFEST} or {PROGRESS}); choose another --out"
+            )
+        shutil.rmtree(out)
+        entries = []
+    elif entries and cfg.resume:
+        if has_manifest:
+            raise DataPrepError(
+                f"output directory {out!r} already holds a finished run ({MANIFEST}); "
+                "nothing to resume (use --overwrite to rebuild)"
+            )
+        if not has_progress:
+            raise DataPrepError(
+                f"cannot --resume: {out!r} holds no {PROGRESS} from an interrupted run"
+            )
+        with open(os.path.join(out, PROGRESS)) as f:
+            state = json.load(f)
+        if state.get("fingerprint") != cfg.fingerprint():
+            raise DataPrepError(
+                f"cannot --resume: the interrupted run in {out!r} used different options "
+                f"({state.get('fingerprint')}); rerun with the same options or --overwrite"
+            )
+        return state, False
+    elif entries:
+        if has_manifest:
+            why = "already holds a finished data_prep output"
+        elif has_progress:
+            why = "holds an interrupted data_prep run (pass --resume to continue it)"
+        else:
+            why = "exists and is not empty"
+        raise DataPrepError(f"output directory {out!r} {why}; pass --overwrite to start over")
+    elif cfg.resume:
+        raise DataPrepError(f"cannot --resume: {out!r} holds no interrupted run")
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    return None, created
+
+
+def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
+    """The source's documents, stopped by --max-docs / --max-bytes (at document granularity).
+
+    Stops right after the document that reaches a limit, without reading the next one.
+    """
+    for i, doc in enumerate(source):
+        yield doc
+        if cfg.max_docs is not None and i + 1 >= cfg.max_docs:
+            return
+        if cfg.max_bytes is not None and source.stats.bytes >= cfg.max_bytes:
+            return
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[Any, Dict[str, Any]]:
+    dest = os.path.join(cfg.out, TOKENIZER)
+    if state is not None:
+        if file_sha256(dest) != state["tokenizer"]["sha256"]:
+            raise DataPrepError(f"cannot resume: {dest!r} changed since the interrupted run")
+        return load_tokenizer(dest), state["tokenizer"]
+    trained = None
+    if cfg.tokenizer is not None:
+        if not os.path.isfile(cfg.tokenizer):
+            raise DataPrepError(f"--tokenizer file does not exist: {cfg.tokenizer!r}")
+        sp = load_tokenizer(cfg.tokenizer)
+        if cfg.vocab_size is not None and cfg.vocab_size != sp.get_piece_size():
+            raise DataPrepError(
+                f"--vocab-size {cfg.vocab_size} does not match --tokenizer {cfg.tokenizer!r} "
+                f"(vocab {sp.get_piece_size()}); omit --vocab-size"
+            )
+        shutil.copyfile(cfg.tokenizer, dest + ".tmp")
+        os.replace(dest + ".tmp", dest)
+    else:
+        t0 = time.time()
+        source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes)
+        sentences = sample_sentences(
+            _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed
+        )
+        if not sentences:
+            raise DataPrepError(
+                f"the corpus is empty: {source.stats.documents} documents from {cfg.sources} "
+                "hold no non-blank text"
+            )
+        _log(
+            cfg,
+            f"training a {cfg.model_type} tokenizer (vocab {cfg.vocab_size}) on "
+            f"{len(sentences)} sampled lines",
+        )
+        prefix = os.path.join(cfg.out, "tokenizer.tmp")
+        path = train_tokenizer(
+            sentences,
+            prefix,
+            cfg.vocab_size,
+            cfg.model_type,
+            cfg.character_coverage,
+            num_threads=max(1, cfg.workers),
+            seed=cfg.seed,
+        )
+        os.replace(path, dest)
+        vocab_file = prefix + ".vocab"
+        if os.path.exists(vocab_file):
+            os.remove(vocab_file)
+        sp = load_tokenizer(dest)
+        trained = {
+            "sampled_lines": len(sentences),
+            "max_sentences": cfg.max_sentences_for_tokenizer,
+            "character_coverage": cfg.character_coverage,
+            "seconds": round(time.time() - t0, 2),
+        }
+    return sp, tokenizer_info(dest, sp, trained)
+
+
+# ------------------------------------------------------------------------------- encoding
+class _Encoder:
+    """Runs ``encode_task`` in a process pool (or inline when workers == 0), in order."""
+
+    def __init__(self, workers: int, model_proto: bytes, settings: pk.EncodeSettings) -> None:
+        self.workers = workers
+        self.pool = None
+        if workers > 0:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            self.pool = ctx.Pool(
+                workers, initializer=pk.init_worker, initargs=(model_proto, settings)
+            )
+        else:
+            pk.init_worker(model_proto, settings)
+
+    def map(self, tasks: Iterable[Tuple[List[str], Any]]) -> Iterator[Tuple[Dict[str, Any], Any]]:
+        """Yield ``(result, meta)`` for each ``(texts, meta)`` task, in submission order."""
+        if self.pool is None:
+            for texts, meta in tasks:
+                yield pk.encode_task(texts), meta
+            return
+        window: Deque[Tuple[Any, Any]] = collections.deque()
+        limit = 2 * self.workers + 2
+        for texts, meta in tasks:
+            window.append((self.pool.apply_async(pk.encode_task, (texts,)), meta))
+            if len(window) >= limit:
+                res, m = window.popleft()
+                yield res.get(), m
+        while window:
+            res, m = window.popleft()
+            yield res.get(), m
+
+    def close(self, ok: bool) -> None:
+        """Stop the workers (terminate them after an error)."""
+        if self.pool is not None:
+            if ok:
+                self.pool.close()
+            else:
+                self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+
+def _tasks(
+    docs: Iterator[str], source: Source, task_bytes: int
+) -> Iterator[Tuple[List[str], Dict[str, int]]]:
+    """Batch documents into tasks of about ``task_bytes``; meta holds the source counters."""
+    texts: List[str] = []
+    size = 0
+    stats = source.stats
+    before = (stats.bytes, stats.undecodable_bytes)
+    for doc in docs:
+        texts.append(doc)
+        size += len(doc)
+        if size >= task_bytes:
+            meta = {
+                "documents": len(texts),
+                "bytes": stats.bytes - before[0],
+                "undecodable_bytes": stats.undecodable_bytes - before[1],
+            }
+            yield texts, meta
+            texts, size = [], 0
+            before = (stats.bytes, stats.undecodable_bytes)
+    if texts:
+        meta = {
+            "documents": len(texts),
+            "bytes": stats.bytes - before[0],
+            "undecodable_bytes": stats.undecodable_bytes - before[1],
+        }
+        yield texts, meta
+
+
+def _skip(docs: Iterator[str], n: int) -> Iterator[str]:
+    """Consume the first ``n`` documents now (so their bytes are not counted again)."""
+    it = iter(docs)
+    for _ in range(n):
+        if next(it, None) is None:
+            raise DataPrepError(
+                f"cannot resume: the source now has fewer than the {n} documents already packed"
+            )
+    return it
+
+
+def _empty_counters() -> Dict[str, Any]:
+    return {
+        "documents_read": 0,
+        "bytes": 0,
+        "undecodable_bytes": 0,
+        "empty_documents": 0,
+        "splits": {s: {"documents": 0, "content": 0, "pad": 0} for s in pk.SPLITS},
+    }
+
+
+def prepare(cfg: PrepConfig) -> PrepResult:
+    """Run data_prep end to end; returns the manifest (also written to ``OUT/manifest.json``)."""
+    t_start = time.time()
+    cfg.validate()
+    source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes)  # missing paths fail here
+    state, created = _prepare_out_dir(cfg)
+    try:
+        return _run(cfg, source, state, t_start)
+    except DataPrepError:
+        if created and _documents_done(cfg.out) == 0:
+            shutil.rmtree(cfg.out, ignore_errors=True)  # nothing of value was written
+        raise
+
+
+def _documents_done(out: str) -> int:
+    try:
+        with open(os.path.join(out, PROGRESS)) as f:
+            return int(json.load(f)["counters"]["documents_read"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _run(
+    cfg: PrepConfig, source: Source, state: Optional[Dict[str, Any]], t_start: float
+) -> PrepResult:
+    sp, tok_info = _get_tokenizer(cfg, state)
+    vocab_size = sp.get_piece_size()
+    dtype = dtype_for_vocab(vocab_size)
+    shard_rows = cfg.shard_rows or max(1, SHARD_TARGET_BYTES // (cfg.seq_len * dtype.itemsize))
+    fingerprint = cfg.fingerprint()
+    counters = state["counters"] if state else _empty_counters()
+    docs_done = counters["documents_read"]
+    writers = {
+        s: ShardWriter(
+            cfg.out, s, cfg.seq_len, dtype, shard_rows, state["writers"][s] if state else None
+        )
+        for s in pk.SPLITS
+    }
+    packers = {
+        s: pk.FullPacker(cfg.seq_len, dtype, state["carry"][s] if state else None)
+        for s in pk.SPLITS
+    }
+
+    def checkpoint() -> None:
+        for w in writers.values():
+            w.flush()
+        _atomic_write_json(
+            os.path.join(cfg.out, PROGRESS),
+            {
+                "fingerprint": fingerprint,
+                "tokenizer": tok_info,
+                "counters": counters,
+                "writers": {s: w.state() for s, w in writers.items()},
+                "carry": {s: p.carry.tolist() for s, p in packers.items()},
+            },
+        )
+
+    checkpoint()  # the tokenizer is done: a rerun can --resume from here
+    if docs_done:
+        _log(cfg, f"resuming after {docs_done} documents")
+    settings = pk.EncodeSettings(cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name)
+    encoder = _Encoder(cfg.workers, sp.serialized_model_proto(), settings)
+    docs = _skip(_limited(cfg, source), docs_done)
+    from tqdm import tqdm
+
+    bar = tqdm(
+        unit="tok",
+        unit_scale=True,
+        desc="data_prep",
+        disable=not cfg.progress,
+        smoothing=0.1,
+        mininterval=0.5,
+    )
+    t_encode = time.time()
+    new_tokens = 0
+    consistent = True
+    ok = False
+    try:
+        last_ckpt = time.time()
+        shards_at_ckpt = sum(len(w.shards) for w in writers.values())
+        for result, meta in encoder.map(_tasks(docs, source, cfg.task_bytes)):
+            consistent = False
+            for s in pk.SPLITS:
+                part = result["splits"][s]
+                rows = packers[s].add(part["tokens"]) if cfg.packing == "full" else part["tokens"]
+                writers[s].write(rows)
+                for key in ("documents", "content", "pad"):
+                    counters["splits"][s][key] += part[key]
+                new_tokens += part["content"]
+                bar.update(part["content"])
+            counters["documents_read"] += meta["documents"]
+            counters["bytes"] += meta["bytes"]
+            counters["undecodable_bytes"] += meta["undecodable_bytes"]
+            counters["empty_documents"] += result["empty"]
+            consistent = True
+            shards_done = sum(len(w.shards) for w in writers.values())
+            if shards_done != shards_at_ckpt or time.time() - last_ckpt >= cfg.checkpoint_seconds:
+                checkpoint()
+                last_ckpt = time.time()
+                shards_at_ckpt = shards_done
+        ok = True
+    finally:
+        bar.close()
+        encoder.close(ok)
+        if not ok:
+            if consistent:
+                checkpoint()
+            for w in writers.values():
+                w.abort()
+    encode_elapsed = time.time() - t_encode
+
+    content = sum(counters["splits"][s]["content"] for s in pk.SPLITS)
+    if content == 0:
+        for w in writers.values():
+            w.abort()
+        raise DataPrepError(
+            f"the corpus is empty: {counters['documents_read']} documents from {cfg.sources} "
+            "produced no tokens"
+        )
+    for s in pk.SPLITS:
+        counters["splits"][s]["pad"] += packers[s].pending_pad()
+        writers[s].write(packers[s].finish())
+    checkpoint()
+    manifest = _manifest(cfg, source, tok_info, vocab_size, dtype, shard_rows, counters, writers)
+    _atomic_write_json(os.path.join(cfg.out, MANIFEST), manifest)
+    os.remove(os.path.join(cfg.out, PROGRESS))
+    elapsed = time.time() - t_start
+    tps = new_tokens / max(encode_elapsed, 1e-9)
+    train, valid = manifest["splits"]["train"], manifest["splits"]["valid"]
+    _log(
+        cfg,
+        f"{counters['documents_read']} documents, {content} tokens -> "
+        f"train {train['rows']} rows, valid {valid['rows']} rows of {cfg.seq_len}; "
+        f"padding {train['padding_fraction']:.4f}; {tps:,.0f} tokens/s; "
+        f"{elapsed:.1f} s total",
+    )
+    if counters["undecodable_bytes"]:
+        _log(cfg, f"replaced {counters['undecodable_bytes']} undecodable bytes with U+FFFD")
+    return PrepResult(manifest, elapsed, encode_elapsed, tps)
+
+
+def _manifest(
+    cfg: PrepConfig,
+    source: Source,
+    tok_info: Dict[str, Any],
+    vocab_size: int,
+    dtype: np.dtype,
+    shard_rows: int,
+    counters: Dict[str, Any],
+    writers: Dict[str, ShardWriter],
+) -> Dict[str, Any]:
+    splits = {}
+    for s, w in writers.items():
+        shards = w.close()
+        c = counters["splits"][s]
+        rows = sum(sh["rows"] for sh in shards)
+        total = rows * cfg.seq_len
+        special = total - c["content"] - c["pad"]
+        splits[s] = {
+            "shards": shards,
+            "rows": rows,
+            "documents": c["documents"],
+            "tokens": {
+                "content": c["content"],
+                "special": special,
+                "pad": c["pad"],
+                "total": total,
+            },
+            "padding_fraction": c["pad"] / total if total else 0.0,
+        }
+    layout = {
+        "full": "each row is [cls] + N-1 tokens of the split's stream, where every document is "
+        "followed by sep; documents continue across rows; only the split's last row is padded",
+        "pad": "each row is [cls] + up to N-2 tokens of one document + [sep] + pad; a longer "
+        "document continues in the next row; documents never share a row",
+    }[cfg.packing]
+    return {
+        "format_version": FORMAT_VERSION,
+        "created_by": "data_prep",
+        "seq_len": cfg.seq_len,
+        "vocab_size": vocab_size,
+        "dtype": dtype.name,
+        "packing": cfg.packing,
+        "row_layout": layout,
+        "special_ids": dict(SPECIAL_IDS),
+        "special_pieces": dict(SPECIAL_PIECES),
+        "tokenizer": tok_info,
+        "source": {
+            **source.describe(),
+            "documents": counters["documents_read"],
+            "empty_documents": counters["empty_documents"],
+            "bytes": counters["bytes"],
+            "undecodable_bytes": counters["undecodable_bytes"],
+            "max_docs": cfg.max_docs,
+            "max_bytes": cfg.max_bytes,
+            "max_doc_bytes": cfg.max_doc_bytes,
+        },
+        "split": {
+            "by": "document",
+            "method": "blake2b-64 of the document text keyed by seed < valid_fraction -> valid",
+            "valid_fraction": cfg.valid_fraction,
+            "seed": cfg.seed,
+        },
+        "shard_rows": shard_rows,
+        "splits": splits,
+    }
+
+
+def config_from_dict(d: Dict[str, Any]) -> PrepConfig:
+    """Build a :class:`PrepConfig` from a dict; unknown keys are errors."""
+    names = {f.name for f in dataclasses.fields(PrepConfig)}
+    unknown = set(d) - names
+    if unknown:
+        raise DataPrepError(f"unknown data_prep options: {sorted(unknown)}")
+    return PrepConfig(**d)

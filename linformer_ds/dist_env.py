@@ -1,0 +1,277 @@
+"""Rank discovery for every launcher, before ``deepspeed.init_distributed``.
+
+``deepspeed.init_distributed`` reads only RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT (and falls back to mpi4py, on port 29500, when one is missing). This module fills them
+in from whichever launcher started the process, in this order of preference:
+
+1. ``env``: the deepspeed launcher or torchrun already set RANK and WORLD_SIZE; kept as they are.
+2. ``mpi``: ``mpirun`` (Open MPI's OMPI_COMM_WORLD_*, MPICH/Intel MPI's PMI_RANK/PMI_SIZE).
+   Under ``mpirun`` inside an sbatch job every rank inherits SLURM_PROCID=0, so MPI comes first.
+3. ``slurm``: a task of an ``srun`` step (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID),
+   also under ``srun --mpi=pmix``. The batch script itself (no SLURM_STEP_ID) is not a step.
+4. ``single``: one process, rank 0 of 1, on 127.0.0.1 and a free port.
+
+A variable that is already set is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import zlib
+from collections.abc import MutableMapping
+from typing import Any, Dict, Optional
+
+REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHERS = ("env", "mpi", "slurm", "single")
+PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
+PORT_SPAN = 15000
+LOOPBACK = "127.0.0.1"
+
+
+class DistEnvError(RuntimeError):
+    """The launcher's environment is inconsistent or incomplete; the message names the variable."""
+
+
+def _int_var(env: MutableMapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistEnvError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def _first_int(env: MutableMapping[str, str], *names: str) -> Optional[int]:
+    """The integer value of the first of ``names`` that is set, or None."""
+    for name in names:
+        if env.get(name, "") != "":
+            return _int_var(env, name)
+    return None
+
+
+def slurm_port(job_id: int, step_id: int = 0) -> int:
+    """A port for one SLURM job step: 15000 + (job_id % 1000) * 15 + step_id % 15.
+
+    1000 consecutive jobs, and up to 15 concurrent steps of each, get distinct ports.
+    """
+    return PORT_BASE + (job_id % 1000) * 15 + step_id % 15
+
+
+def job_key_port(key: str) -> int:
+    """A port in [15000, 30000) from an MPI job id (digits: modulo, other text: CRC32)."""
+    number = int(key) if key.isdigit() else zlib.crc32(key.encode())
+    return PORT_BASE + number % PORT_SPAN
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, e.g. ``gpu[007-009,12],cpu1`` -> ``gpu007``.
+
+    Uses ``scontrol show hostnames`` when it is installed, else expands the first entry here.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise DistEnvError("the SLURM node list (SLURM_STEP_NODELIST/SLURM_JOB_NODELIST) is empty")
+    if shutil.which("scontrol"):
+        proc = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True
+        )
+        hosts = proc.stdout.split()
+        if proc.returncode == 0 and hosts:
+            return hosts[0]
+    return _first_host_parse(nodelist)
+
+
+def _first_host_parse(nodelist: str) -> str:
+    """``first_host`` without scontrol: the prefix plus the first number of the first range."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist)
+    if m is None or not m.group(0):
+        raise DistEnvError(f"cannot parse the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    first = re.split(r"[,-]", ranges)[0]
+    if not first.isdigit():
+        raise DistEnvError(f"cannot parse the SLURM node list {nodelist!r}")
+    return prefix + first
+
+
+def _check_ranks(launcher: str, rank: int, world: int, local: int) -> None:
+    if world < 1:
+        raise DistEnvError(f"{launcher}: world size must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise DistEnvError(f"{launcher}: rank {rank} is outside [0, world size {world})")
+    if local < 0:
+        raise DistEnvError(f"{launcher}: local rank must be >= 0, got {local}")
+
+
+def _mpi_bcast_master(port: Optional[int]) -> tuple:
+    """Rank 0's hostname and a port (given, or free on rank 0), broadcast with mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise DistEnvError(
+            "a multi-node mpirun launch needs mpi4py to find rank 0's host "
+            "(pip install mpi4py), or set MASTER_ADDR and MASTER_PORT yourself"
+        ) from e
+    comm = MPI.COMM_WORLD
+    payload = (socket.gethostname(), port or free_port()) if comm.Get_rank() == 0 else None
+    host, port = comm.bcast(payload, root=0)
+    return host, int(port)
+
+
+def _discover_mpi(env: MutableMapping[str, str], default_port: int) -> Optional[Dict[str, Any]]:
+    """Ranks from Open MPI or PMI (MPICH, Intel MPI) variables, or None when not under mpirun."""
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        rank = _int_var(env, "OMPI_COMM_WORLD_RANK")
+        world = _int_var(env, "OMPI_COMM_WORLD_SIZE")
+        local = _first_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_size = _first_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        job_key = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:
+        rank = _int_var(env, "PMI_RANK")
+        world = _int_var(env, "PMI_SIZE")
+        local = _first_int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+        local_size = _first_int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+        job_key = env.get("PMI_KVSNAME") or env.get("PMI_JOBID")
+    else:
+        return None
+    if local is None:
+        raise DistEnvError(
+            "mpirun: no local rank variable (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or "
+            "PMI_LOCAL_RANK); set LOCAL_RANK yourself"
+        )
+    port = _first_int(env, "MASTER_PORT")
+    single_node = local_size is not None and local_size == world
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif single_node:
+        addr = LOOPBACK
+    else:
+        addr, port = _mpi_bcast_master(port)
+    if port is None:
+        port = job_key_port(job_key) if job_key else default_port
+    return dict(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=port)
+
+
+def _discover_slurm(env: MutableMapping[str, str]) -> Optional[Dict[str, Any]]:
+    """Ranks of a task of an ``srun`` step, or None outside a step."""
+    step = _first_int(env, "SLURM_STEP_ID", "SLURM_STEPID")
+    if step is None or "SLURM_PROCID" not in env:
+        return None
+    rank = _int_var(env, "SLURM_PROCID")
+    world = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if world is None:
+        raise DistEnvError("srun: SLURM_PROCID is set but SLURM_STEP_NUM_TASKS/SLURM_NTASKS is not")
+    local = _first_int(env, "SLURM_LOCALID")
+    if local is None:
+        raise DistEnvError("srun: SLURM_PROCID is set but SLURM_LOCALID is not")
+    nodes = _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif nodes == 1:
+        addr = LOOPBACK
+    else:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            nodelist = env.get("SLURM_NODELIST", "")
+        addr = first_host(nodelist)
+    port = _first_int(env, "MASTER_PORT")
+    if port is None:
+        job = _first_int(env, "SLURM_JOB_ID", "SLURM_JOBID")
+        if job is None:
+            raise DistEnvError("srun: SLURM_JOB_ID is not set; set MASTER_PORT yourself")
+        port = slurm_port(job, step)
+    return dict(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=port)
+
+
+def _discover_env(env: MutableMapping[str, str], default_port: int) -> Dict[str, Any]:
+    """RANK and WORLD_SIZE set by the deepspeed launcher or torchrun; fill in only what's missing."""
+    rank = _int_var(env, "RANK")
+    world = _int_var(env, "WORLD_SIZE")
+    if "LOCAL_RANK" in env:
+        local = _int_var(env, "LOCAL_RANK")
+    elif world == 1:
+        local = 0
+    else:
+        raise DistEnvError(
+            f"RANK={rank} and WORLD_SIZE={world} are set but LOCAL_RANK is not; set LOCAL_RANK "
+            "(the deepspeed launcher and torchrun set all three)"
+        )
+    if "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    elif world == 1:
+        addr = LOOPBACK
+    else:
+        raise DistEnvError(f"RANK and WORLD_SIZE={world} are set but MASTER_ADDR is not")
+    port = _first_int(env, "MASTER_PORT")
+    return dict(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        master_addr=addr,
+        master_port=default_port if port is None else port,
+    )
+
+
+def setup_distributed_env(
+    default_port: int = 29500, environ: Optional[MutableMapping[str, str]] = None
+) -> Dict[str, Any]:
+    """Make sure RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set; say how.
+
+    Returns ``{"launcher": "env"|"mpi"|"slurm"|"single", "rank", "world_size", "local_rank",
+    "master_addr", "master_port", "set": [variables this call added]}``. ``default_port`` is
+    used when the launcher gives no port and no job id to derive one from.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        if not ("RANK" in env and "WORLD_SIZE" in env):
+            missing = "WORLD_SIZE" if "RANK" in env else "RANK"
+            raise DistEnvError(f"RANK and WORLD_SIZE must be set together; {missing} is missing")
+        launcher, info = "env", _discover_env(env, default_port)
+    else:
+        info = _discover_mpi(env, default_port)
+        launcher = "mpi"
+        if info is None:
+            info, launcher = _discover_slurm(env), "slurm"
+        if info is None:
+            port = _first_int(env, "MASTER_PORT")
+            info = dict(
+                rank=0,
+                world_size=1,
+                local_rank=0,
+                master_addr=env.get("MASTER_ADDR", LOOPBACK),
+                master_port=free_port() if port is None else port,
+            )
+            launcher = "single"
+    _check_ranks(launcher, info["rank"], info["world_size"], info["local_rank"])
+    if not 0 < info["master_port"] < 65536:
+        raise DistEnvError(f"{launcher}: MASTER_PORT {info['master_port']} is not a TCP port")
+    values = {
+        "RANK": info["rank"],
+        "WORLD_SIZE": info["world_size"],
+        "LOCAL_RANK": info["local_rank"],
+        "MASTER_ADDR": info["master_addr"],
+        "MASTER_PORT": info["master_port"],
+    }
+    added = [name for name in values if name not in env]
+    for name in added:
+        env[name] = str(values[name])
+    return {
+        "launcher": launcher,
+        "rank": _int_var(env, "RANK"),
+        "world_size": _int_var(env, "WORLD_SIZE"),
+        "local_rank": _int_var(env, "LOCAL_RANK"),
+        "master_addr": env["MASTER_ADDR"],
+        "master_port": _int_var(env, "MASTER_PORT"),
+        "set": added,
+    }

@@ -1,0 +1,306 @@
+"""Fine-tune an exported Linformer model for sequence classification.
+
+    python launch/finetune.py --model exported/tiny --train train.csv --validation valid.csv \\
+        --out finetuned/tiny [--text-column text --label-column label --max-length 512]
+    python launch/finetune.py --model exported/tiny --dataset imdb --out finetuned/imdb
+
+Loads the model and tokenizer through the Auto classes (``trust_remote_code=True``), trains with
+AdamW and a linear warmup/decay schedule on padded batches (padding masked out), reports accuracy
+on the validation split after every epoch and writes the fine-tuned model in the same
+self-contained format as ``launch/export.py`` (plus ``finetune_results.json``).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from linformer_ds.export import ExportError, write_model_dir
+from linformer_ds.model import ModelConfig
+
+LOCAL_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+class FinetuneError(ValueError):
+    """Bad fine-tuning input; the message names the option or file."""
+
+
+# ========================================================================================== data
+def _load(source: str, config_name: Optional[str] = None) -> Any:
+    """A ``datasets`` DatasetDict from a local csv/jsonl file, a local directory or a Hub name."""
+    import datasets
+
+    ext = os.path.splitext(source)[1].lower()
+    if ext in LOCAL_FORMATS:
+        if not os.path.isfile(source):
+            raise FinetuneError(f"data file {source} not found")
+        kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
+        return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs)
+    try:
+        return datasets.load_dataset(source, config_name)
+    except Exception as e:  # noqa: BLE001  (datasets raises many types for a bad name)
+        raise FinetuneError(f"cannot load dataset {source!r}: {type(e).__name__}: {e}") from e
+
+
+def load_splits(
+    train: str,
+    validation: Optional[str] = None,
+    text_column: str = "text",
+    label_column: str = "label",
+    dataset_config: Optional[str] = None,
+    train_split: str = "train",
+    validation_split: str = "validation",
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+) -> Tuple[List[str], List[Any], List[str], List[Any]]:
+    """``(train_texts, train_labels, valid_texts, valid_labels)``.
+
+    The validation rows come from ``validation`` (a file), else the source's ``validation_split``,
+    else a seeded ``validation_fraction`` of the training rows.
+    """
+    data = _load(train, dataset_config)
+    if train_split not in data:
+        raise FinetuneError(f"{train}: no split {train_split!r} (has {sorted(data)})")
+    train_ds = data[train_split]
+    if validation is not None:
+        valid_ds = _load(validation)["train"]
+    elif validation_split in data:
+        valid_ds = data[validation_split]
+    else:
+        if not 0.0 < validation_fraction < 1.0:
+            raise FinetuneError(f"--validation-fraction must be in (0, 1), got {validation_fraction}")
+        parts = train_ds.train_test_split(test_size=validation_fraction, seed=seed)
+        train_ds, valid_ds = parts["train"], parts["test"]
+    out: List[List[Any]] = []
+    for name, ds in (("train", train_ds), ("validation", valid_ds)):
+        for col in (text_column, label_column):
+            if col not in ds.column_names:
+                raise FinetuneError(
+                    f"{name} data has no column {col!r} (columns: {ds.column_names}); "
+                    "use --text-column / --label-column"
+                )
+        texts, labels = ds[text_column], ds[label_column]
+        if not texts:
+            raise FinetuneError(f"{name} data is empty")
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if bad:
+            raise FinetuneError(f"{name} data: {text_column!r} is not text in row {bad[0]}")
+        if any(lab is None for lab in labels):
+            raise FinetuneError(f"{name} data: missing {label_column!r} value")
+        out += [list(texts), list(labels)]
+    return out[0], out[1], out[2], out[3]
+
+
+def label_mapping(train_labels: Sequence[Any], valid_labels: Sequence[Any]) -> List[Any]:
+    """Sorted distinct training labels; integer labels 0..C-1 keep their values."""
+    labels = sorted(set(train_labels), key=lambda x: (str(type(x)), x))
+    unseen = sorted({str(v) for v in valid_labels} - {str(v) for v in labels})
+    if unseen:
+        raise FinetuneError(f"validation labels {unseen} never occur in the training data")
+    if len(labels) < 2:
+        raise FinetuneError(f"need at least 2 distinct labels, got {labels}")
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
+    if ints and labels[0] >= 0:
+        return list(range(max(labels) + 1))
+    return labels
+
+
+def encode(tokenizer: Any, texts: List[str], max_length: int) -> List[List[int]]:
+    """Token ids with ``<s> ... </s>``, truncated to ``max_length``."""
+    return tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+
+
+def pad_batch(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids, attention_mask`` ``[B, longest]`` (right padding, mask 0 on padding)."""
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def evaluate(model: Any, seqs: List[List[int]], labels: List[int], pad_id: int, bs: int) -> float:
+    """Accuracy of ``model`` on the encoded ``seqs``."""
+    model.eval()
+    correct = 0
+    for i in range(0, len(seqs), bs):
+        ids, mask = pad_batch(seqs[i : i + bs], pad_id)
+        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        correct += int((pred == torch.tensor(labels[i : i + bs])).sum())
+    return correct / len(seqs)
+
+
+# ======================================================================================== train
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Command line of ``launch/finetune.py``."""
+    p = argparse.ArgumentParser(description="Fine-tune an exported Linformer for classification.")
+    p.add_argument("--model", required=True, help="exported model directory (launch/export.py)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--train", help="training data: .csv/.tsv/.jsonl/.json file")
+    src.add_argument("--dataset", help="a Hugging Face dataset name or local dataset directory")
+    p.add_argument("--dataset-config", default=None, help="dataset configuration name")
+    p.add_argument("--validation", default=None, help="validation file (same format as --train)")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--validation-split", default="validation")
+    p.add_argument("--validation-fraction", type=float, default=0.1,
+                   help="held-out share of the training rows when there is no validation split")  # fmt: skip
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per sequence incl. <s> </s> (default and maximum: N_max)")  # fmt: skip
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup-ratio", type=float, default=0.06)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="where to write the fine-tuned model")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return p.parse_args(argv)
+
+
+def finetune(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run fine-tuning as configured by ``args``; returns the results written to the output."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
+    if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
+        raise FinetuneError(f"--out {args.out} exists and is not empty (use --overwrite)")
+    for name in ("epochs", "batch_size", "eval_batch_size", "lr"):
+        if getattr(args, name) <= 0:
+            raise FinetuneError(f"--{name.replace('_', '-')} must be > 0")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    source = args.train or args.dataset
+    tr_x, tr_y, va_x, va_y = load_splits(
+        source, args.validation, args.text_column, args.label_column, args.dataset_config,
+        args.train_split, args.validation_split, args.validation_fraction, args.seed,
+    )  # fmt: skip
+    labels = label_mapping(tr_y, va_y)
+    label_ids = {str(v): i for i, v in enumerate(labels)}
+    tr_l = [label_ids[str(v)] for v in tr_y]
+    va_l = [label_ids[str(v)] for v in va_y]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model,
+        trust_remote_code=True,
+        num_labels=len(labels),
+        id2label={i: str(v) for i, v in enumerate(labels)},
+        label2id={str(v): i for i, v in enumerate(labels)},
+        ignore_mismatched_sizes=True,
+        dtype=torch.float32,
+    )
+    n_max = int(model.config.max_seq_len)
+    max_length = args.max_length or n_max
+    if not 3 <= max_length <= n_max:
+        raise FinetuneError(f"--max-length must be in [3, N_max={n_max}], got {max_length}")
+    tr_s, va_s = encode(tokenizer, tr_x, max_length), encode(tokenizer, va_x, max_length)
+    pad_id = int(tokenizer.pad_token_id)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embeddings" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+    )  # fmt: skip
+    steps_per_epoch = math.ceil(len(tr_s) / args.batch_size)
+    total = max(1, math.ceil(args.epochs * steps_per_epoch))
+    warmup = int(args.warmup_ratio * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+    )  # fmt: skip
+
+    history: List[Dict[str, Any]] = []
+    step, t0 = 0, time.time()
+    order = list(range(len(tr_s)))
+    rng = random.Random(args.seed)
+    print(
+        f"[finetune] train={len(tr_s)} valid={len(va_s)} labels={[str(v) for v in labels]} "
+        f"max_length={max_length} steps={total}",
+        flush=True,
+    )
+    while step < total:
+        rng.shuffle(order)
+        model.train()
+        losses = []
+        for i in range(0, len(order), args.batch_size):
+            if step >= total:
+                break
+            idx = order[i : i + args.batch_size]
+            ids, mask = pad_batch([tr_s[j] for j in idx], pad_id)
+            out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([tr_l[j] for j in idx]))
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(out.loss))
+            step += 1
+        acc = evaluate(model, va_s, va_l, pad_id, args.eval_batch_size)
+        epoch = {"epoch": len(history) + 1, "step": step, "train_loss": sum(losses) / len(losses),
+                 "val_accuracy": acc, "seconds": round(time.time() - t0, 2)}  # fmt: skip
+        history.append(epoch)
+        print(f"[finetune] {json.dumps(epoch)}", flush=True)
+
+    results = {
+        "val_accuracy": history[-1]["val_accuracy"],
+        "num_train": len(tr_s),
+        "num_validation": len(va_s),
+        "labels": [str(v) for v in labels],
+        "max_length": max_length,
+        "history": history,
+        "base_model": os.path.abspath(args.model),
+    }
+    _save(model, args, results)
+    return results
+
+
+def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None:
+    """Write the fine-tuned classifier in the export format."""
+    import shutil
+
+    model_config = ModelConfig.from_dict(model.config.to_model_config().to_dict())
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if os.path.exists(args.out):
+        shutil.rmtree(args.out)
+    write_model_dir(
+        args.out,
+        model_config,
+        state,
+        os.path.join(args.model, "tokenizer.model"),
+        architecture="LinformerForSequenceClassification",
+        config_extra={
+            "id2label": dict(model.config.id2label),
+            "label2id": dict(model.config.label2id),
+            "problem_type": "single_label_classification",
+        },
+        provenance={"finetuned_from": os.path.abspath(args.model), "dtype": "float32"},
+    )
+    with open(os.path.join(args.out, "finetune_results.json"), "w") as f:
+        json.dump({**results, "args": vars(args)}, f, indent=2)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """CLI entry point; returns the exit status."""
+    args = parse_args(argv)
+    try:
+        results = finetune(args)
+    except (FinetuneError, ExportError) as e:
+        print(f"finetune failed: {e}", file=sys.stderr)
+        return 2
+    print(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
+    return 0

@@ -1,0 +1,92 @@
+"""Helpers shared by tests that run the real trainer: a small corpus and 2-rank launches."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = str(REPO / "launch" / "pretrain.py")
+TINY_CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+
+# A small, fast variant of configs/tiny_cpu.yaml for tests.
+TEST_OVERRIDES = [
+    "model.vocab_size=2000",
+    "model.max_seq_len=128",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.intermediate_size=128",
+    "model.k=32",
+    "model.dropout=0.0",
+    "train.micro_batch_size=4",
+    "train.log_interval=1",
+    "train.eval_interval=0",
+    "train.peak_tflops=1.0",
+    "scheduler.warmup_steps=2",
+    "logging.tensorboard=false",
+]
+
+
+def make_corpus(out: Path, seq_len: int = 128, vocab: int = 2000, max_docs: int = 120) -> Path:
+    """data_prep on the first stdlib modules: a real tokenizer and real shards in seconds."""
+    cmd = [
+        sys.executable, "-m", "data_prep", "--source", "stdlib", "--out", str(out),
+        "--seq-len", str(seq_len), "--vocab-size", str(vocab), "--max-docs", str(max_docs),
+        "--valid-fraction", "0.05", "--quiet",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pretrain(
+    data: Path,
+    run_dir: Path,
+    overrides: Optional[List[str]] = None,
+    nproc: int = 2,
+    launcher: str = "deepspeed",
+    check: bool = True,
+    timeout: int = 600,
+    config: str = TINY_CONFIG,
+) -> subprocess.CompletedProcess:
+    """Run launch/pretrain.py with ``nproc`` CPU ranks; returns the completed process."""
+    ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + list(overrides or [])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, PRETRAIN]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", port, PRETRAIN]  # fmt: skip
+    elif launcher == "python":
+        cmd = [sys.executable, PRETRAIN]
+    else:
+        raise ValueError(launcher)
+    cmd += ["--config", config] + ov
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"pretrain failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:
+    """step -> metrics record (the last one written for that step)."""
+    out: Dict[int, dict] = {}
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["split"] == split:
+                out[rec["step"]] = rec
+    return out

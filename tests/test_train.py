@@ -1,0 +1,181 @@
+"""Real 2-rank DeepSpeed runs on CPU: ZeRO 0-3, ZeRO-3 vs ZeRO-0 equivalence with the
+layerwise-shared projection, activation checkpointing, exact resume, dense, config errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from linformer_ds.config import ConfigError, deepspeed_config, load_config
+from tests.pretrain_utils import PRETRAIN, REPO, TINY_CONFIG, read_metrics, run_pretrain
+
+FP32 = ["deepspeed.precision=fp32", "model.attention_dropout=0.0"]
+
+
+def losses(run_dir, steps):
+    m = read_metrics(run_dir)
+    return [m[s]["loss"] for s in steps]
+
+
+@pytest.fixture(scope="module")
+def zero0_run(tiny_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("z0")
+    run_pretrain(tiny_corpus, run, FP32 + ["deepspeed.zero.stage=0", "train.max_steps=6"])
+    return run
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_match_zero0(tiny_corpus, tmp_path, zero0_run, stage):
+    """Same seed, same data: ZeRO 1/2/3 losses equal ZeRO-0's; under ZeRO-3 the shared
+    projection is partitioned across the 2 ranks."""
+    proc = run_pretrain(
+        tiny_corpus, tmp_path, FP32 + [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
+    )
+    ref = losses(zero0_run, range(1, 7))
+    got = losses(tmp_path, range(1, 7))
+    assert got == pytest.approx(ref, rel=2e-4, abs=2e-4)
+    assert got[-1] < got[0]
+    if stage == 3:
+        held = sorted(
+            line for line in proc.stdout.splitlines() if line.startswith("[zero3] rank")
+        )
+        assert len(held) == 2, proc.stdout[-3000:]
+        # k x N = 32 x 128 = 4096 elements, half on each rank
+        assert all("holds 2048/4096 of encoder.shared_linear.weight" in h for h in held), held
+    assert (tmp_path / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activation_checkpointing_same_gradients(tiny_corpus, tmp_path, zero0_run, stage):
+    """Non-reentrant checkpointing with the shared projection (DeepSpeed issue 988 is the
+    trap with reentrant): same grad norms and losses as ZeRO-0 without checkpointing."""
+    run_pretrain(
+        tiny_corpus,
+        tmp_path,
+        FP32
+        + [
+            f"deepspeed.zero.stage={stage}",
+            "train.max_steps=6",
+            "deepspeed.activation_checkpointing.enabled=true",
+        ],
+    )
+    ref, got = read_metrics(zero0_run), read_metrics(tmp_path)
+    for s in range(1, 7):
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=2e-4, abs=2e-4)
+        assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=2e-3)
+
+
+def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
+    """Train 8 steps in one go; then 4 steps, stop, resume to 8: identical losses (bf16, with
+    dropout on, ZeRO-2)."""
+    common = ["train.max_steps=8", "model.dropout=0.1", "checkpoint.keep_last=0"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_pretrain(tiny_corpus, full, common + ["checkpoint.save_interval=4"])
+    run_pretrain(tiny_corpus, part, common + ["train.max_steps=4", "checkpoint.save_interval=4"])
+    proc = run_pretrain(tiny_corpus, part, common + ["checkpoint.save_interval=4"])
+    assert "[resume]" in proc.stdout and "step 4" in proc.stdout
+    assert losses(part, range(1, 9)) == losses(full, range(1, 9))  # exact, not approximate
+    meta = json.loads((part / "checkpoints" / "step_00000008" / "linformer_meta.json").read_text())
+    assert meta["step"] == 8 and meta["sampler"]["consumed"] == 8 * 4 * 2
+    assert (part / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+
+
+def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
+    run_pretrain(
+        tiny_corpus,
+        tmp_path,
+        [
+            "model.projection=dense",
+            "train.max_steps=6",
+            "train.eval_interval=3",
+            "train.eval_batches=2",
+            "logging.tensorboard=true",
+            "deepspeed.zero.stage=1",
+        ],
+        launcher="torchrun",
+    )
+    train = read_metrics(tmp_path)
+    ev = read_metrics(tmp_path, "eval")
+    assert sorted(ev) == [3, 6]
+    assert ev[6]["loss"] < ev[3]["loss"] + 0.5
+    assert ev[6]["perplexity"] == pytest.approx(2.718281828 ** ev[6]["loss"], rel=1e-6)
+    for key in ("mlm_accuracy", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb"):
+        assert train[6][key] == train[6][key] and train[6][key] >= 0, key  # not NaN
+    assert train[6]["loss"] < train[1]["loss"]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ============================================================================= config errors
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
+        (["train.max_steps=ten"], "train.max_steps: Value 'ten' of type 'str' could not be"),
+        (["model.k=512"], "model.k: k=512 must be in [1, max_seq_len=256]"),
+        (["model.projection=conv", "model.k=48"], "model.k: conv layer 0: k=48 does not divide"),
+        (["deepspeed.zero.offload_param=true"], "deepspeed.zero.offload_param: needs zero.stage=3"),
+        (["train.global_batch_size=10"], "train.global_batch_size: 10 is not micro_batch_size"),
+        (["train.max_steps"], "override 'train.max_steps' is not of the form key=value"),
+    ],
+)
+def test_config_errors_fail_before_training(overrides, message, tmp_path):
+    env_cmd = [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *overrides]
+    proc = subprocess.run(env_cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_print_config_and_derived_deepspeed_json():
+    proc = subprocess.run(
+        [sys.executable, PRETRAIN, "--config", TINY_CONFIG, "--print-config", "model.k=32"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "k: 32" in proc.stdout and '"train_batch_size": 8' in proc.stdout
+    cfg = load_config(
+        TINY_CONFIG,
+        [
+            "deepspeed.zero.stage=3",
+            "deepspeed.zero.offload_optimizer=true",
+            "deepspeed.precision=fp16",
+            "deepspeed.extra.zero_optimization.stage3_max_live_parameters=1000",
+            "train.gradient_accumulation_steps=4",
+        ],
+    )
+    ds = deepspeed_config(cfg, world_size=4)
+    assert ds["train_batch_size"] == 8 * 4 * 4
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["stage3_max_live_parameters"] == 1000
+    assert ds["fp16"]["enabled"] and ds["data_types"]["grad_accum_dtype"] == "fp32"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(REPO / "configs" / "nope.yaml"))
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert {"base_4096.yaml", "dense_4096.yaml", "conv_linformer_4096.yaml", "tiny_cpu.yaml"} <= set(names)
+    for name in names:
+        cfg = load_config(str(REPO / "configs" / name))
+        deepspeed_config(cfg, world_size=8)
+    base = load_config(str(REPO / "configs" / "base_4096.yaml"))
+    assert (base.model.num_layers, base.model.hidden_size, base.model.num_heads) == (12, 768, 12)
+    assert (base.model.k, base.model.max_seq_len, base.model.sharing) == (256, 4096, "layerwise")
+    assert base.deepspeed.precision == "bf16" and base.deepspeed.activation_checkpointing.enabled
+    conv = load_config(str(REPO / "configs" / "conv_linformer_4096.yaml"))
+    assert conv.model.projection_schedule() == ["linear"] * 6 + ["conv"] * 6
+
+
+def test_resume_refuses_other_model(tiny_corpus, tmp_path):
+    run_pretrain(tiny_corpus, tmp_path, ["train.max_steps=2"], nproc=1, launcher="python")
+    proc = run_pretrain(
+        tiny_corpus, tmp_path, ["train.max_steps=4", "model.k=16"], nproc=1, launcher="python", check=False
+    )
+    assert proc.returncode != 0
+    assert "different model config (model.k: checkpoint 32 vs config 16)" in proc.stdout + proc.stderr
+    shutil.rmtree(tmp_path / "checkpoints")
