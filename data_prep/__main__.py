@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=300_000,
         help="lines sampled (reservoir) to train the tokenizer",
     )
+    p.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=2,
+        help="threads for tokenizer training (the trained model depends on it; default 2)",
+    )
     p.add_argument("--text-column", default="text", help="column of jsonl/csv/parquet/HF inputs")
     p.add_argument(
         "--packing",
@@ -81,6 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokenizer=args.tokenizer,
         character_coverage=args.character_coverage,
         max_sentences_for_tokenizer=args.max_sentences_for_tokenizer,
+        tokenizer_threads=args.tokenizer_threads,
         text_column=args.text_column,
         packing=args.packing,
         valid_fraction=args.valid_fraction,

@@ -55,8 +55,11 @@ _worker: Dict[str, Any] = {}
 
 def init_worker(model_proto: bytes, settings: EncodeSettings) -> None:
     """Pool initializer: load the tokenizer once per worker process."""
+    import signal
+
     import sentencepiece as spm
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
     _worker["sp"] = spm.SentencePieceProcessor(model_proto=model_proto)
     _worker["settings"] = settings
 

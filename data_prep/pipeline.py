@@ -67,6 +67,7 @@ class PrepConfig:
     tokenizer: Optional[str] = None
     character_coverage: float = 0.9995
     max_sentences_for_tokenizer: int = 300_000
+    tokenizer_threads: int = 2  # fixed, not the CPU count: the model depends on it
     text_column: str = "text"
     packing: str = "full"
     valid_fraction: float = 0.01
@@ -112,6 +113,8 @@ class PrepConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise DataPrepError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.tokenizer_threads < 1:
+            raise DataPrepError("--tokenizer-threads must be >= 1")
         if self.max_sentences_for_tokenizer < 1:
             raise DataPrepError("--max-sentences-for-tokenizer must be >= 1")
         if self.max_doc_bytes < 1 or self.task_bytes < 1:
@@ -126,6 +129,7 @@ class PrepConfig:
             "model_type",
             "character_coverage",
             "max_sentences_for_tokenizer",
+            "tokenizer_threads",
             "text_column",
             "packing",
             "valid_fraction",
@@ -136,7 +140,8 @@ class PrepConfig:
             "max_doc_bytes",
         )
         fp = {k: getattr(self, k) for k in keys}
-        fp["tokenizer_sha256"] = file_sha256(self.tokenizer) if self.tokenizer else None
+        tok = self.tokenizer
+        fp["tokenizer_sha256"] = file_sha256(tok) if tok and os.path.isfile(tok) else None
         return fp
 
 
@@ -218,6 +223,9 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
         raise DataPrepError(f"cannot --resume: {out!r} holds no interrupted run")
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
+    # Mark the directory as ours at once, so that a run interrupted while training the
+    # tokenizer can still be resumed (from the start) or overwritten.
+    _atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
     return None, created
 
 
@@ -269,25 +277,21 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
             f"training a {cfg.model_type} tokenizer (vocab {cfg.vocab_size}) on "
             f"{len(sentences)} sampled lines",
         )
-        prefix = os.path.join(cfg.out, "tokenizer.tmp")
-        path = train_tokenizer(
+        train_tokenizer(
             sentences,
-            prefix,
+            dest,
             cfg.vocab_size,
             cfg.model_type,
             cfg.character_coverage,
-            num_threads=max(1, cfg.workers),
+            num_threads=cfg.tokenizer_threads,
             seed=cfg.seed,
         )
-        os.replace(path, dest)
-        vocab_file = prefix + ".vocab"
-        if os.path.exists(vocab_file):
-            os.remove(vocab_file)
         sp = load_tokenizer(dest)
         trained = {
             "sampled_lines": len(sentences),
             "max_sentences": cfg.max_sentences_for_tokenizer,
             "character_coverage": cfg.character_coverage,
+            "threads": cfg.tokenizer_threads,
             "seconds": round(time.time() - t0, 2),
         }
     return sp, tokenizer_info(dest, sp, trained)
@@ -295,17 +299,24 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
 
 # ------------------------------------------------------------------------------- encoding
 class _Encoder:
-    """Runs ``encode_task`` in a process pool (or inline when workers == 0), in order."""
+    """Runs ``encode_task`` in worker processes (or inline when workers == 0), in order.
+
+    A ``ProcessPoolExecutor`` (not ``multiprocessing.Pool``): a worker that dies (killed, out
+    of memory) fails the run with ``BrokenProcessPool`` instead of hanging it.
+    """
 
     def __init__(self, workers: int, model_proto: bytes, settings: pk.EncodeSettings) -> None:
         self.workers = workers
-        self.pool = None
+        self.pool: Optional[Any] = None
         if workers > 0:
             import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
 
-            ctx = mp.get_context("spawn")
-            self.pool = ctx.Pool(
-                workers, initializer=pk.init_worker, initargs=(model_proto, settings)
+            self.pool = ProcessPoolExecutor(
+                workers,
+                mp_context=mp.get_context("spawn"),
+                initializer=pk.init_worker,
+                initargs=(model_proto, settings),
             )
         else:
             pk.init_worker(model_proto, settings)
@@ -317,24 +328,20 @@ class _Encoder:
                 yield pk.encode_task(texts), meta
             return
         window: Deque[Tuple[Any, Any]] = collections.deque()
-        limit = 2 * self.workers + 2
+        limit = 2 * self.workers + 2  # bounded: at most this many batches in flight
         for texts, meta in tasks:
-            window.append((self.pool.apply_async(pk.encode_task, (texts,)), meta))
+            window.append((self.pool.submit(pk.encode_task, texts), meta))
             if len(window) >= limit:
-                res, m = window.popleft()
-                yield res.get(), m
+                fut, m = window.popleft()
+                yield fut.result(), m
         while window:
-            res, m = window.popleft()
-            yield res.get(), m
+            fut, m = window.popleft()
+            yield fut.result(), m
 
     def close(self, ok: bool) -> None:
-        """Stop the workers (terminate them after an error)."""
+        """Stop the workers (dropping queued batches after an error)."""
         if self.pool is not None:
-            if ok:
-                self.pool.close()
-            else:
-                self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=not ok)
             self.pool = None
 
 
@@ -397,8 +404,13 @@ def prepare(cfg: PrepConfig) -> PrepResult:
     try:
         return _run(cfg, source, state, t_start)
     except DataPrepError:
-        if created and _documents_done(cfg.out) == 0:
-            shutil.rmtree(cfg.out, ignore_errors=True)  # nothing of value was written
+        if _documents_done(cfg.out) == 0:  # nothing of value was written: leave no trace
+            if created:
+                shutil.rmtree(cfg.out, ignore_errors=True)
+            else:  # the directory existed, empty: empty it again
+                for name in os.listdir(cfg.out):
+                    path = os.path.join(cfg.out, name)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         raise
 
 
@@ -413,6 +425,8 @@ def _documents_done(out: str) -> int:
 def _run(
     cfg: PrepConfig, source: Source, state: Optional[Dict[str, Any]], t_start: float
 ) -> PrepResult:
+    if state is not None and "tokenizer" not in state:
+        state = None  # interrupted before the tokenizer was done: start from the beginning
     sp, tok_info = _get_tokenizer(cfg, state)
     vocab_size = sp.get_piece_size()
     dtype = dtype_for_vocab(vocab_size)

@@ -12,21 +12,21 @@ kept apart in ``pad`` packing:
   (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``), sorted;
 * ``hf:NAME[:CONFIG][:SPLIT]``: the rows of a Hugging Face dataset (streamed), text column.
 
-Files are read as UTF-8; undecodable bytes become U+FFFD and are counted
+Files are read as UTF-8; each undecodable byte becomes one U+FFFD and is counted
 (``SourceStats.undecodable_bytes``). Directories are walked recursively in sorted order, hidden
 entries skipped; globs are expanded and sorted. Every order is deterministic.
 """
 
-import codecs
 import csv
 import glob
 import json
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from data_prep.errors import DataPrepError
 
@@ -47,22 +47,23 @@ class SourceStats:
     files: int = 0
 
 
-_ERROR_HANDLER = "data_prep_count_replace"
-_active_stats: List[SourceStats] = []
+_ESCAPED = re.compile("[\udc80-\udcff]")  # undecodable bytes under "surrogateescape"
 
 
-def _count_and_replace(err: UnicodeDecodeError) -> Tuple[str, int]:
-    """Codec error handler: replace each undecodable run with U+FFFD and count its bytes."""
-    if _active_stats:
-        _active_stats[-1].undecodable_bytes += err.end - err.start
-    return "\ufffd", err.end
+def _replace_escaped(text: str, stats: SourceStats) -> str:
+    """Turn each escaped undecodable byte into U+FFFD, counting them."""
+    if _ESCAPED.search(text) is None:
+        return text
+    stats.undecodable_bytes += len(_ESCAPED.findall(text))
+    return _ESCAPED.sub("\ufffd", text)
 
 
-codecs.register_error(_ERROR_HANDLER, _count_and_replace)
-
-
-def _decode(raw: bytes) -> str:
-    text = raw.decode("utf-8", errors=_ERROR_HANDLER)
+def _decode(raw: bytes, stats: SourceStats) -> str:
+    """UTF-8 text of ``raw``; each undecodable byte becomes one U+FFFD and is counted."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = _replace_escaped(raw.decode("utf-8", "surrogateescape"), stats)
     return text[1:] if text.startswith("\ufeff") else text
 
 
@@ -180,19 +181,15 @@ class Source:
         return sum(os.path.getsize(f) for files in self._files.values() for f in files)
 
     def __iter__(self) -> Iterator[str]:
-        _active_stats.append(self.stats)
-        try:
-            for spec in self.specs:
-                if spec.startswith("hf:"):
-                    yield from self._iter_hf(parse_hf(spec))
-                    continue
-                for path in self._files[spec]:
-                    self.stats.files += 1
-                    for doc in self._iter_file(path):
-                        self.stats.documents += 1
-                        yield doc
-        finally:
-            _active_stats.remove(self.stats)
+        for spec in self.specs:
+            if spec.startswith("hf:"):
+                yield from self._iter_hf(parse_hf(spec))
+                continue
+            for path in self._files[spec]:
+                self.stats.files += 1
+                for doc in self._iter_file(path):
+                    self.stats.documents += 1
+                    yield doc
 
     # ------------------------------------------------------------------------------ readers
     def _iter_file(self, path: str) -> Iterator[str]:
@@ -215,7 +212,7 @@ class Source:
             if size <= self.max_doc_bytes:
                 raw = f.read()
                 self.stats.bytes += len(raw)
-                yield _decode(raw)
+                yield _decode(raw, self.stats)
                 return
             buf: List[bytes] = []
             n = 0
@@ -224,11 +221,11 @@ class Source:
                 n += len(line)
                 if n >= self.max_doc_bytes:
                     self.stats.bytes += n
-                    yield _decode(b"".join(buf))
+                    yield _decode(b"".join(buf), self.stats)
                     buf, n = [], 0
             if buf:
                 self.stats.bytes += n
-                yield _decode(b"".join(buf))
+                yield _decode(b"".join(buf), self.stats)
 
     def _column_error(self, where: str, columns: Any) -> DataPrepError:
         return DataPrepError(
@@ -249,7 +246,7 @@ class Source:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 self.stats.bytes += len(raw)
-                line = _decode(raw).strip()
+                line = _decode(raw, self.stats).strip()
                 if not line:
                     continue
                 where = f"{path}:{lineno}"
@@ -268,14 +265,14 @@ class Source:
     def _iter_csv(self, path: str, delimiter: str) -> Iterator[str]:
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
         self.stats.bytes += os.path.getsize(path)
-        with open(path, encoding="utf-8-sig", errors=_ERROR_HANDLER, newline="") as f:
+        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
             if reader.fieldnames is None or self.text_column not in reader.fieldnames:
                 raise self._column_error(path, reader.fieldnames or [])
             for row in reader:
                 text = self._text_value(row[self.text_column], f"{path}:{reader.line_num}")
                 if text is not None:
-                    yield text
+                    yield _replace_escaped(text, self.stats)
 
     def _iter_parquet(self, path: str) -> Iterator[str]:
         import pyarrow.parquet as pq

@@ -9,6 +9,7 @@ the lines concatenated; training samples lines the same way.
 """
 
 import hashlib
+import os
 import random
 from collections.abc import Iterable
 from typing import Any, Dict, List, Optional
@@ -57,14 +58,20 @@ def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int) ->
 
 def train_tokenizer(
     sentences: List[str],
-    model_prefix: str,
+    model_path: str,
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 0.9995,
     num_threads: int = 2,
     seed: int = 0,
 ) -> str:
-    """Train a SentencePiece model with the fixed special ids; returns the ``.model`` path."""
+    """Train a SentencePiece model with the fixed special ids and write it to ``model_path``.
+
+    The result depends on the sentences, the options and ``num_threads`` (SentencePiece's EM
+    sums differ by thread count), never on the output path: the model is written from memory.
+    """
+    import io
+
     import sentencepiece as spm
 
     if model_type not in MODEL_TYPES:
@@ -79,10 +86,11 @@ def train_tokenizer(
     # Shuffle deterministically so SentencePiece sees a representative order.
     sentences = list(sentences)
     random.Random(seed).shuffle(sentences)
+    writer = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences),
-            model_prefix=model_prefix,
+            model_writer=writer,
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
@@ -109,7 +117,11 @@ def train_tokenizer(
                 "or a larger corpus."
             ) from e
         raise DataPrepError(f"SentencePiece training failed: {msg.strip()}") from e
-    return model_prefix + ".model"
+    tmp = model_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(writer.getvalue())
+    os.replace(tmp, model_path)
+    return model_path
 
 
 def load_tokenizer(path: str) -> Any:

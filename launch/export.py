@@ -1,7 +1,7 @@
 """Export a DeepSpeed checkpoint to a self-contained Hugging Face model directory.
 
-    python launch/export.py --checkpoint runs/tiny/checkpoints --out exported/tiny
-    python launch/export.py --checkpoint CKPT --tag step_00000200 --out OUT --dtype bfloat16
+python launch/export.py --checkpoint runs/tiny/checkpoints --out exported/tiny
+python launch/export.py --checkpoint CKPT --tag step_00000200 --out OUT --dtype bfloat16
 """
 
 import os

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -39,6 +39,7 @@ from linformer_ds.model import LinformerForMaskedLM, ModelConfig, flops_per_toke
 VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
 DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 
 
 class BenchError(ValueError):
@@ -58,9 +59,10 @@ class BenchConfig:
     intermediate: int = 3072
     vocab: int = 16000
     batch: int = 1
+    tokens: Optional[int] = None  # if set, batch = max(1, tokens // N) at each N
     warmup: int = 1
     iters: int = 3
-    precision: str = "autocast"
+    precision: str = "bf16"  # bf16 params + fp32 master weights, as DeepSpeed's bf16 mode
     compile: bool = False
     mlm_fraction: float = 0.15
     dropout: float = 0.1
@@ -73,6 +75,10 @@ class BenchConfig:
     seed: int = 0
     out: str = "bench/results"
     plots: bool = True
+
+    def batch_for(self, n: int) -> int:
+        """Sequences per step at length ``n``."""
+        return max(1, self.tokens // n) if self.tokens is not None else self.batch
 
     def validate(self) -> None:
         """Raise BenchError naming the first bad option."""
@@ -94,6 +100,8 @@ class BenchConfig:
         for name in ("layers", "hidden", "heads", "intermediate", "vocab", "batch", "iters"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+        if self.tokens is not None and self.tokens < 1:
+            raise BenchError(f"--tokens: must be >= 1, got {self.tokens}")
         if self.warmup < 0:
             raise BenchError(f"--warmup: must be >= 0, got {self.warmup}")
         if self.hidden % self.heads:
@@ -215,15 +223,14 @@ class MasterWeightAdamW:
     def __init__(self, params: Sequence[torch.nn.Parameter], **kw: Any):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, **kw)
+        self.opt = _adamw(self.master, **kw)
 
     def step(self) -> None:
         for p, m in zip(self.params, self.master):
             m.grad = p.grad.float() if p.grad is not None else None
         self.opt.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -236,9 +243,9 @@ class MasterWeightAdamW:
             yield from (v for v in st.values() if isinstance(v, torch.Tensor))
 
 
-def _adamw(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
-    kw: Dict[str, Any] = {"lr": 1e-4, "weight_decay": 0.01}
-    try:  # fused AdamW exists for CPU and CUDA in recent torch
+def _adamw(params: Sequence[torch.Tensor], **kw: Any) -> torch.optim.AdamW:
+    """Fused AdamW where this torch has it (CPU and CUDA since 2.4), else the foreach one."""
+    try:
         return torch.optim.AdamW(params, fused=True, **kw)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.AdamW(params, foreach=True, **kw)
@@ -255,22 +262,23 @@ class Trainee:
         self.model = model
         if bc.precision == "bf16":
             model.to(torch.bfloat16)
-            self.opt: Any = MasterWeightAdamW(list(model.parameters()), lr=1e-4, weight_decay=0.01)
+            self.opt: Any = MasterWeightAdamW(list(model.parameters()), **ADAMW)
             self.autocast: Callable[[], Any] = contextlib.nullcontext
         else:
-            self.opt = _adamw(list(model.parameters()), device)
+            self.opt = _adamw(list(model.parameters()), **ADAMW)
             self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
         self.forward = torch.compile(model) if bc.compile else model
         g = torch.Generator().manual_seed(bc.seed + n)
-        ids = torch.randint(1, bc.vocab, (bc.batch, n), generator=g)
+        batch = bc.batch_for(n)
+        ids = torch.randint(1, bc.vocab, (batch, n), generator=g)
         labels = torch.full_like(ids, -100)
         n_mask = max(1, round(bc.mlm_fraction * n))
-        for b in range(bc.batch):
+        for b in range(batch):
             pos = torch.randperm(n, generator=g)[:n_mask]
             labels[b, pos] = ids[b, pos]
         self.ids, self.labels = ids.to(device), labels.to(device)
         self.mlm_fraction = n_mask / n
-        self.tokens = bc.batch * n
+        self.batch, self.tokens = batch, batch * n
         self.flops_per_token = flops_per_token(self.config, n, self.mlm_fraction)
 
     def step(self) -> float:
@@ -304,11 +312,14 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
     gemm_before = measure_gemm_peak(device, bc.gemm_n, bc.gemm_reps)
     log(f"bf16 GEMM {bc.gemm_n}^3: {gemm_before / 1e12:.3f} TFLOP/s")
     rows: List[Dict[str, Any]] = []
+    gemm_seen = [gemm_before]
     active = list(bc.variants)
     for n in sorted(bc.seq_lens):
         runnable = [v for v in active if n <= bc.max_n.get(v, n)]
-        for v in active:
-            if v not in runnable:
+        for v in bc.variants:
+            if v not in active:
+                rows.append(_skipped(v, n, bc, "a shorter N took over --step-budget-s"))
+            elif v not in runnable:
                 rows.append(_skipped(v, n, bc, f"N > --max-n {v}={bc.max_n[v]}"))
         trainees = {}
         for v in runnable:
@@ -325,10 +336,15 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
         for _ in range(bc.iters):  # variants alternate so drift cancels in the ratios
             for v, t in trainees.items():
                 times[v].append(time_call(t.step, device))
+        # The GEMM rate under the same machine load as this N's steps (the peak is the best of
+        # all of these and the ones before and after the grid).
+        gemm_here = measure_gemm_peak(device, bc.gemm_n, max(2, bc.gemm_reps // 3))
+        gemm_seen.append(gemm_here)
         for v, t in trainees.items():
             transient = transient_peak(t.step, device)
             rows.append(_row(t, bc, times[v], t.persistent_bytes() + transient, transient))
             r = rows[-1]
+            r["gemm_flops_nearby"] = gemm_here
             log(
                 f"N={n:6d} {v:7s} {r['step_s']:.3f}s/step {r['us_per_token']:.2f}us/tok "
                 f"{r['model_tflops']:.3f} TFLOP/s mem {r['peak_mem_mib']:.0f} MiB"
@@ -340,17 +356,19 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
         if device.type == "cuda":
             torch.cuda.empty_cache()
     gemm_after = measure_gemm_peak(device, bc.gemm_n, bc.gemm_reps)
-    peak = max(gemm_before, gemm_after)
+    peak = max(gemm_seen + [gemm_after])
     log(f"bf16 GEMM {bc.gemm_n}^3 after: {gemm_after / 1e12:.3f} TFLOP/s")
     for r in rows:
         if r["step_s"] is not None:
             r["mfu"] = r["model_tflops"] * 1e12 / peak
+            r["mfu_vs_nearby_gemm"] = r["model_tflops"] * 1e12 / r["gemm_flops_nearby"]
     return {
         "config": asdict(bc),
         "environment": environment(device),
         "gemm_peak_flops": peak,
         "gemm_flops_before": gemm_before,
         "gemm_flops_after": gemm_after,
+        "gemm_flops_all": gemm_seen + [gemm_after],
         "rows": rows,
         "summary": summarize(rows),
     }
@@ -363,7 +381,7 @@ def _row(
     return {
         "variant": t.variant,
         "n": t.n,
-        "batch": bc.batch,
+        "batch": t.batch,
         "tokens": t.tokens,
         "step_s": step,
         "step_s_min": min(times),
@@ -373,6 +391,8 @@ def _row(
         "flops_per_token": t.flops_per_token,
         "model_tflops": t.flops_per_token * t.tokens / step / 1e12,
         "mfu": None,
+        "mfu_vs_nearby_gemm": None,
+        "gemm_flops_nearby": None,
         "peak_mem_bytes": peak_mem,
         "peak_mem_mib": peak_mem / 2**20,
         "transient_mem_bytes": transient,
@@ -382,8 +402,10 @@ def _row(
 
 def _skipped(variant: str, n: int, bc: BenchConfig, why: str) -> Dict[str, Any]:
     keys = ("step_s", "step_s_min", "step_s_all", "us_per_token", "tokens_per_s")
-    keys += ("flops_per_token", "model_tflops", "mfu", "peak_mem_bytes", "peak_mem_mib")
-    row: Dict[str, Any] = {"variant": variant, "n": n, "batch": bc.batch, "tokens": bc.batch * n}
+    keys += ("flops_per_token", "model_tflops", "mfu", "mfu_vs_nearby_gemm", "gemm_flops_nearby")
+    keys += ("peak_mem_bytes", "peak_mem_mib")
+    batch = bc.batch_for(n)
+    row: Dict[str, Any] = {"variant": variant, "n": n, "batch": batch, "tokens": batch * n}
     row.update(dict.fromkeys(keys + ("transient_mem_bytes",)))
     row["skipped"] = why
     return row
@@ -393,7 +415,11 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Speed-ups over dense, linear scaling and memory growth (the issue's targets)."""
     by = {(r["variant"], r["n"]): r for r in rows if r["step_s"] is not None}
     ns = sorted({r["n"] for r in rows})
-    out: Dict[str, Any] = {"speedup_vs_dense": {}, "mem_ratio_vs_dense": {}}
+    out: Dict[str, Any] = {
+        "speedup_vs_dense": {},
+        "flop_ratio_vs_dense": {},
+        "mem_ratio_vs_dense": {},
+    }
     for v in VARIANTS:
         if v == "dense":
             continue
@@ -401,18 +427,21 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             a, d = by.get((v, n)), by.get(("dense", n))
             if a and d:
                 out["speedup_vs_dense"].setdefault(v, {})[str(n)] = d["step_s"] / a["step_s"]
+                out["flop_ratio_vs_dense"].setdefault(v, {})[str(n)] = (
+                    d["flops_per_token"] / a["flops_per_token"]
+                )
                 out["mem_ratio_vs_dense"].setdefault(v, {})[str(n)] = (
                     d["peak_mem_bytes"] / a["peak_mem_bytes"]
                 )
     lin = {n: by[("linear", n)] for n in ns if ("linear", n) in by}
-    if lin:
+    if len(lin) > 1:
         n_lo, n_hi = (1024 if 1024 in lin else min(lin)), max(lin)
         out["linear_time_per_token_ratio"] = {
             "n_hi": n_hi,
             "n_lo": n_lo,
             "ratio": lin[n_hi]["us_per_token"] / lin[n_lo]["us_per_token"],
         }
-        n_mid = 4096 if 4096 in lin else min(lin)
+        n_mid = 4096 if 4096 in lin and n_hi != 4096 else min(lin)
         out["linear_mem_ratio"] = {
             "n_hi": n_hi,
             "n_lo": n_mid,
@@ -462,29 +491,37 @@ def markdown_table(results: Dict[str, Any]) -> str:
     """The results as a markdown table plus the target ratios."""
     peak = results["gemm_peak_flops"]
     lines = [
-        f"bf16 GEMM peak ({results['config']['gemm_n']}^3, best of run): "
-        f"{peak / 1e12:.3f} TFLOP/s",
+        f"bf16 GEMM peak ({results['config']['gemm_n']}^3, best of run): {peak / 1e12:.3f} TFLOP/s",
         "",
-        "| variant | N | step (s) | us/token | tokens/s | model TFLOP/s | MFU | peak mem (MiB) "
-        "| speed-up vs dense |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | N | batch | step (s) | us/token | tokens/s | model TFLOP/s | MFU "
+        "| MFU vs GEMM at this N | peak mem (MiB) | speed-up vs dense |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     sp = results["summary"]["speedup_vs_dense"]
     for r in sorted(results["rows"], key=lambda r: (r["n"], VARIANTS.index(r["variant"]))):
         if r["step_s"] is None:
-            lines.append(f"| {r['variant']} | {r['n']} | skipped: {r['skipped']} |||||||")
+            lines.append(
+                f"| {r['variant']} | {r['n']} | {r['batch']} | skipped: {r['skipped']} ||||||||"
+            )
             continue
         s = sp.get(r["variant"], {}).get(str(r["n"]))
         lines.append(
-            f"| {r['variant']} | {r['n']} | {r['step_s']:.3f} | {r['us_per_token']:.1f} | "
+            f"| {r['variant']} | {r['n']} | {r['batch']} | {r['step_s']:.3f} | {r['us_per_token']:.1f} | "
             f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3f} | {100 * r['mfu']:.1f}% | "
+            f"{100 * r['mfu_vs_nearby_gemm']:.1f}% | "
             f"{r['peak_mem_mib']:.0f} | {'' if s is None else f'{s:.2f}x'} |"
         )
     summ = results["summary"]
+    lines.append("")
+    for v, by_n in summ["speedup_vs_dense"].items():
+        flop = summ["flop_ratio_vs_dense"][v]
+        lines.append(
+            f"- {v} vs dense, speed-up (FLOP ratio): "
+            + ", ".join(f"N={n} {x:.2f}x ({flop[n]:.2f})" for n, x in by_n.items())
+        )
     if "linear_time_per_token_ratio" in summ:
         t, m = summ["linear_time_per_token_ratio"], summ["linear_mem_ratio"]
         lines += [
-            "",
             f"- linear time/token N={t['n_hi']} / N={t['n_lo']}: {t['ratio']:.2f}",
             f"- linear peak memory N={m['n_hi']} / N={m['n_lo']}: {m['ratio']:.2f} "
             f"(N grows {m['n_ratio']:.0f}x)",
@@ -554,14 +591,17 @@ def _parse_max_n(items: Sequence[str]) -> Dict[str, int]:
     return out
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
-    """Command line -> BenchConfig (defaults: the CPU benchmark in BENCHMARKS.md)."""
+def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]:
+    """Command line -> BenchConfig (defaults: the CPU benchmark), or the ``--replot`` folder."""
     d = BenchConfig()
-    p = argparse.ArgumentParser(prog="python -m linformer_ds.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m linformer_ds.bench", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
     p.add_argument("--variants", nargs="+", default=d.variants)
     for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step (overrides --batch)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--iters", type=int, default=d.iters, help="timed steps per variant and N")
     p.add_argument("--precision", default=d.precision, help=f"one of {PRECISIONS}")
@@ -577,7 +617,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out)
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--replot", metavar="DIR", help="only rewrite results.md and the PNGs from DIR/results.json"
+    )
     a = p.parse_args(argv)
+    if a.replot:
+        return Path(a.replot)
     bc = BenchConfig(
         seq_lens=a.seq_lens,
         variants=a.variants,
@@ -588,6 +633,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         intermediate=a.intermediate,
         vocab=a.vocab,
         batch=a.batch,
+        tokens=a.tokens,
         warmup=a.warmup,
         iters=a.iters,
         precision=a.precision,
@@ -615,6 +661,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(bc, Path):
+        src = bc / "results.json"
+        if not src.is_file():
+            print(f"error: --replot: {src} does not exist", file=sys.stderr)
+            return 2
+        results = json.loads(src.read_text())
+        for path in write_outputs(results, bc, plots=True)[1:]:
+            print(f"wrote {path}")
+        return 0
     results = run_benchmark(bc)
     for path in write_outputs(results, Path(bc.out), bc.plots):
         print(f"wrote {path}")

@@ -46,7 +46,8 @@ class SchedulerConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100_000  # optimizer steps
+    max_steps: int = 100_000  # optimizer steps (the LR schedule ends here)
+    stop_at_step: Optional[int] = None  # end this process early at this step (staged runs)
     micro_batch_size: int = 8  # per rank
     gradient_accumulation_steps: int = 1
     global_batch_size: Optional[int] = None  # if set: must equal micro x ranks x accumulation

@@ -183,6 +183,7 @@ class ShardDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         """Row ``i`` as ``LongTensor [seq_len]``."""
         n = len(self)
+        i = int(i)
         if i < 0:
             i += n
         if not 0 <= i < n:

@@ -41,7 +41,9 @@ def _int_var(env: MutableMapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise DistEnvError(f"environment variable {name} must be an integer, got {value!r}") from None
+        raise DistEnvError(
+            f"environment variable {name} must be an integer, got {value!r}"
+        ) from None
 
 
 def _first_int(env: MutableMapping[str, str], *names: str) -> Optional[int]:

@@ -74,7 +74,9 @@ def load_splits(
         valid_ds = data[validation_split]
     else:
         if not 0.0 < validation_fraction < 1.0:
-            raise FinetuneError(f"--validation-fraction must be in (0, 1), got {validation_fraction}")
+            raise FinetuneError(
+                f"--validation-fraction must be in (0, 1), got {validation_fraction}"
+            )
         parts = train_ds.train_test_split(test_size=validation_fraction, seed=seed)
         train_ds, valid_ds = parts["train"], parts["test"]
     out: List[List[Any]] = []
@@ -212,7 +214,9 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     pad_id = int(tokenizer.pad_token_id)
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embeddings" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)]
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)
+    ]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,
@@ -242,13 +246,15 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
                 break
             idx = order[i : i + args.batch_size]
             ids, mask = pad_batch([tr_s[j] for j in idx], pad_id)
-            out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([tr_l[j] for j in idx]))
+            out = model(
+                input_ids=ids, attention_mask=mask, labels=torch.tensor([tr_l[j] for j in idx])
+            )
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(out.loss))
+            losses.append(float(out.loss.detach()))
             step += 1
         acc = evaluate(model, va_s, va_l, pad_id, args.eval_batch_size)
         epoch = {"epoch": len(history) + 1, "step": step, "train_loss": sum(losses) / len(losses),

@@ -234,9 +234,10 @@ class LinearProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, h, d = x.shape
-        w = self.weight[:, :, :n]
+        # Plain views where possible: the backward of slicing/indexing zero-fills a gradient.
+        w = self.weight if n == self.max_seq_len else self.weight[:, :, :n]
         if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
-            return torch.matmul(w[0], x.reshape(b, n, h * d)).view(b, self.k, h, d)
+            return torch.matmul(w.squeeze(0), x.reshape(b, n, h * d)).view(b, self.k, h, d)
         return torch.einsum("hkn,bnhd->bkhd", w, x)
 
     def extra_repr(self) -> str:
@@ -270,11 +271,16 @@ class ConvProjection(nn.Module):
         pad = (-n) % r
         if pad:
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        x = x.view(b, (n + pad) // r, r, h, d)
+        c = (n + pad) // r
+        # One GEMM contracting the whole window (r taps x d inputs = K of r*d) per output block;
+        # einsum would contract d only and then sum the r partial products in a second pass.
+        x = x.view(b, c, r, h, d).transpose(2, 3)  # [B, c, h, r, d_in]
         if self.heads == 1:
-            y = torch.einsum("bcrhi,oir->bcho", x, self.weight[0])
+            w = self.weight.squeeze(0).permute(0, 2, 1).reshape(d, r * d)  # [d_out, (r, d_in)]
+            y = torch.matmul(x.reshape(b, c, h, r * d), w.t())  # [B, c, h, d_out]
         else:
-            y = torch.einsum("bcrhi,hoir->bcho", x, self.weight)
+            w = self.weight.permute(0, 3, 2, 1).reshape(h, r * d, d)  # [h, (r, d_in), d_out]
+            y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
         return y + self.bias
 
     def extra_repr(self) -> str:

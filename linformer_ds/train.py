@@ -122,10 +122,11 @@ def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
     from linformer_ds.data import DataError
+    from linformer_ds.dist_env import DistEnvError
 
     try:
         return _main(argv)
-    except (ckpt.CheckpointError, DataError, ConfigError) as e:
+    except (ckpt.CheckpointError, DataError, ConfigError, DistEnvError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -291,7 +292,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
     t_last, steps_since = time.perf_counter(), 0
     acc_loss = torch.zeros(4, dtype=torch.float64)  # loss*n, correct, n, nonfinite
     engine.train()
-    while prog.step < cfg.train.max_steps:
+    end = cfg.train.max_steps
+    if cfg.train.stop_at_step is not None:
+        end = min(end, cfg.train.stop_at_step)
+    while prog.step < end:
         # Dropout randomness of this step depends only on (seed, step, rank): exact resume.
         torch.manual_seed(cfg.train.seed * 1_000_003 + prog.step * 1009 + rank)
         stats = torch.zeros(4, dtype=torch.float64)

@@ -5,9 +5,11 @@ Facts behind the steps: /work/shared/notes/local-slurm-cluster.md. Needs root an
 Where either is missing the fixture skips with the reason, unless LINFORMER_DS_REQUIRE_SLURM=1,
 which turns the skip into a failure (for CI).
 
-Use from a test module::
+Use from a test module (tests/ on sys.path)::
 
-    from tests.slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+    @pytest.fixture(scope="module")
+    def cluster():
+        yield from slurm_cluster.running_cluster()
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ SLURM_CONF = Path("/etc/slurm/slurm.conf")
 CTLD_PID = Path("/run/slurmctld.pid")
 SLURMD_PID = Path("/run/slurmd.pid")
 MUNGE_PID = Path("/run/munge/munged.pid")
-STATE_DIRS = (Path("/var/lib/slurm/slurmctld"), Path("/var/lib/slurm/slurmd"), Path("/var/log/slurm"))
+STATE_DIRS = (
+    Path("/var/lib/slurm/slurmctld"),
+    Path("/var/lib/slurm/slurmd"),
+    Path("/var/log/slurm"),
+)
 FINAL_STATES = {
     "COMPLETED",
     "FAILED",
@@ -262,9 +268,8 @@ class LocalSlurmCluster:
         raise TimeoutError(f"job {job_id} still {info.state} after {timeout:.0f} s: {info.fields}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[LocalSlurmCluster]:
-    """A running local SLURM cluster for the session; skipped where the machine can't run it."""
+def running_cluster() -> Iterator[LocalSlurmCluster]:
+    """Fixture body: a running local cluster, stopped afterwards; skips where it cannot run."""
     reason = unavailable_reason()
     if reason:
         if os.environ.get("LINFORMER_DS_REQUIRE_SLURM") == "1":

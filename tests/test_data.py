@@ -25,6 +25,7 @@ from linformer_ds.data import (
 from linformer_ds.model import ModelConfig
 
 N = 32
+V = 48  # tokenizer vocabulary of the test corpus
 WORDS = (
     "alpha beta gamma delta key value query token shard rank epoch layer head norm linear "
     "encoder attention projection sequence softmax dropout residual batch corpus document"
@@ -33,7 +34,7 @@ WORDS = (
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """A small data_prep output: 60 generated documents, vocab 64, N = 32, 3 train shards+."""
+    """A small data_prep output: 60 generated documents, vocab V, N = 32, 3+ train shards."""
     tmp = tmp_path_factory.mktemp("data")
     src = tmp / "src"
     src.mkdir()
@@ -43,7 +44,7 @@ def built(tmp_path_factory) -> Path:
             " ".join(rng.choices(WORDS, k=rng.randint(2, 12))) for _ in range(rng.randint(1, 9))
         ]
         (src / f"{i:03d}.txt").write_text("\n".join(lines) + "\n")
-    cfg = PrepConfig(sources=[str(src)], out=str(tmp / "out"), seq_len=N, vocab_size=64,
+    cfg = PrepConfig(sources=[str(src)], out=str(tmp / "out"), seq_len=N, vocab_size=V,
                      valid_fraction=0.2, shard_rows=10, workers=0, progress=False)  # fmt: skip
     prepare(cfg)
     return tmp / "out"
@@ -73,7 +74,7 @@ def test_dataset_reads_the_shards_exactly(built):
         assert torch.equal(got, torch.from_numpy(ref.astype(np.int64)))
         assert torch.equal(ds[-1], got[-1])
     ds = ShardDataset(built)
-    assert (ds.seq_len, ds.vocab_size, ds.split, ds.path) == (N, 64, "train", built)
+    assert (ds.seq_len, ds.vocab_size, ds.split, ds.path) == (N, V, "train", built)
     assert (ds.pad_id, ds.unk_id, ds.cls_id, ds.sep_id, ds.mask_id) == (0, 1, 2, 3, 4)
     assert ds.special_ids == [0, 1, 2, 3, 4] and ds.manifest == m
     assert len(m["splits"]["train"]["shards"]) >= 3
@@ -86,7 +87,8 @@ def test_dataset_reads_the_shards_exactly(built):
     assert torch.equal(clone[5], ds[5])
     # The tokenizer in the directory decodes rows back to text of the corpus.
     sp = spm.SentencePieceProcessor(model_file=str(built / "tokenizer.model"))
-    assert set(sp.decode(ds[0][1:].tolist()).split()) <= set(WORDS)
+    stream = torch.cat([ds[i][1:] for i in range(len(ds))]).tolist()
+    assert set(sp.decode(stream).split()) == set(WORDS)
 
 
 def test_format_version_agrees_with_data_prep():
@@ -182,19 +184,17 @@ def test_uint32_shards(built, tmp_path):
 
 def test_check_compatible(built):
     ds = ShardDataset(built)
-    check_compatible(
-        ds, ModelConfig(vocab_size=64, max_seq_len=N, hidden_size=32, num_heads=2, k=8)
-    )
+    check_compatible(ds, ModelConfig(vocab_size=V, max_seq_len=N, hidden_size=32, num_heads=2, k=8))
     check_compatible(
         ds, ModelConfig(vocab_size=100, max_seq_len=64, hidden_size=32, num_heads=2, k=8)
     )
-    with pytest.raises(DataError, match="dataset vocab_size 64 > model vocab_size 50"):
+    with pytest.raises(DataError, match="dataset vocab_size 48 > model vocab_size 40"):
         check_compatible(
-            ds, ModelConfig(vocab_size=50, max_seq_len=N, hidden_size=32, num_heads=2, k=8)
+            ds, ModelConfig(vocab_size=40, max_seq_len=N, hidden_size=32, num_heads=2, k=8)
         )
     with pytest.raises(DataError, match="dataset seq_len 32 > model max_seq_len 16"):
         check_compatible(
-            ds, ModelConfig(vocab_size=64, max_seq_len=16, hidden_size=32, num_heads=2, k=8)
+            ds, ModelConfig(vocab_size=V, max_seq_len=16, hidden_size=32, num_heads=2, k=8)
         )
 
 

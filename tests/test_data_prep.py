@@ -194,18 +194,21 @@ def test_manifest_and_checksums(corpus):
 
 
 def test_workers_and_task_size_do_not_change_output(corpus, tmp_path):
-    """2 worker processes with tiny tasks give byte-identical shards to the inline run."""
+    """2 worker processes with tiny tasks give a byte-identical tokenizer and shards."""
     m = run(
         tmp_path,
         "w2",
         [str(corpus["dir"])],
-        tokenizer=corpus["model"],
         shard_rows=7,
         workers=2,
         task_bytes=300,
     )
     assert shard_hashes(tmp_path / "w2", m) == shard_hashes(corpus["ref"], corpus["manifest"])
     assert m["splits"] == corpus["manifest"]["splits"]
+    assert m["tokenizer"] == corpus["manifest"]["tokenizer"] | {
+        "trained": m["tokenizer"]["trained"]
+    }
+    assert sha256(tmp_path / "w2" / "tokenizer.model") == m["tokenizer"]["sha256"]
 
 
 def test_structured_formats_match_text_files(corpus, tmp_path):
@@ -240,6 +243,18 @@ def test_structured_formats_match_text_files(corpus, tmp_path):
         text_column="body",
     )
     assert shard_hashes(tmp_path / "glob", m2) == shard_hashes(corpus["ref"], corpus["manifest"])
+
+
+def test_bpe_tokenizer(corpus, tmp_path):
+    m = run(tmp_path, "bpe", [str(corpus["dir"])], model_type="bpe", valid_fraction=0.0)
+    assert m["tokenizer"]["model_type"] == "bpe" and m["vocab_size"] == VOCAB
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "bpe" / "tokenizer.model"))
+    assert sp.piece_to_id("<mask>") == MASK_ID and sp.bos_id() == CLS_ID
+    want = [
+        t for doc in corpus["docs"] if encode_doc(sp, doc) for t in encode_doc(sp, doc) + [SEP_ID]
+    ]
+    rows = load_rows(tmp_path / "bpe", m, "train")
+    assert rows[:, 1:].reshape(-1)[: len(want)].tolist() == want
 
 
 def test_large_text_file_is_cut_at_lines(tmp_path):
@@ -303,6 +318,8 @@ def test_cli_stdlib_with_two_workers(tmp_path):
     assert sum(m["splits"][s]["tokens"]["content"] for s in ("train", "valid")) == content
     r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r2.returncode == 1 and "already holds a finished data_prep output" in r2.stderr
+    r3 = subprocess.run(cmd + ["--resume", "--overwrite"], cwd=REPO, capture_output=True, text=True)
+    assert r3.returncode == 2 and "exclude each other" in r3.stderr
 
 
 # ------------------------------------------------------------------------------ resume
@@ -352,6 +369,19 @@ def test_interrupted_run_resumes_to_identical_output(corpus, tmp_path, monkeypat
     assert m["source"]["bytes"] == corpus["manifest"]["source"]["bytes"]
     assert not (out / "progress.json").exists()
     assert not list(out.rglob("*.partial"))
+
+
+def test_interrupted_tokenizer_training_resumes(corpus, tmp_path, monkeypatch):
+    import data_prep.pipeline as pipeline
+
+    _interrupt_on_call(monkeypatch, pipeline, "train_tokenizer", 1)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "t", [str(corpus["dir"])], shard_rows=7)
+    assert (tmp_path / "t" / "progress.json").exists()
+    monkeypatch.undo()
+    m = run(tmp_path, "t", [str(corpus["dir"])], shard_rows=7, resume=True)
+    assert m["tokenizer"]["sha256"] == corpus["manifest"]["tokenizer"]["sha256"]
+    assert shard_hashes(tmp_path / "t", m) == shard_hashes(corpus["ref"], corpus["manifest"])
 
 
 # --------------------------------------------------------------------------- bad input
@@ -405,11 +435,18 @@ def test_undecodable_bytes_are_replaced_and_counted(corpus, tmp_path):
     raw = b"alpha beta \xff\xfe gamma\nkey \xc3( value\nquery\x80\n"
     (d / "a.txt").write_bytes(raw)
     (d / "b.txt").write_text("alpha beta gamma\n")
+    with open(d / "c.csv", "wb") as f:
+        f.write(b"text\nalpha \xff beta\n")
     m = run(tmp_path, "u", [str(d)], tokenizer=corpus["model"], valid_fraction=0.0)
-    assert m["source"]["undecodable_bytes"] == 4
+    assert m["source"]["undecodable_bytes"] == 5
     sp = spm.SentencePieceProcessor(model_file=corpus["model"])
-    want = encode_doc(sp, raw.decode("utf-8", "replace")) + [SEP_ID]
+    text = raw.decode("utf-8", "surrogateescape")
+    for c in "\udcff\udcfe\udcc3\udc80":
+        text = text.replace(c, "\ufffd")
+    assert text == "alpha beta \ufffd\ufffd gamma\nkey \ufffd( value\nquery\ufffd\n"
+    want = encode_doc(sp, text) + [SEP_ID]
     want += encode_doc(sp, "alpha beta gamma\n") + [SEP_ID]
+    want += encode_doc(sp, "alpha \ufffd beta") + [SEP_ID]
     row = load_rows(tmp_path / "u", m, "train")[0]
     assert row[1 : 1 + len(want)].tolist() == want
 

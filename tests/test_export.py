@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ CASES = {
     "z0_conv_headwise": (0, dict(projection="conv", sharing="headwise")),
 }
 TAG = "step_00000002"
+pytestmark = pytest.mark.slow  # 2-rank DeepSpeed jobs (CI runs them)
 
 
 # ============================================================================== rank worker
@@ -122,6 +124,60 @@ def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
         engine.destroy()
 
 
+def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
+    """Resume each real-trainer checkpoint into a DeepSpeed engine, as training resumes it, and
+    dump that engine's MLM logits on a fixed input (the reference for the exported model)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from linformer_ds.config import JobConfig
+    from linformer_ds.config import deepspeed_config as make_ds_config
+    from linformer_ds.model import LinformerForMaskedLM, ModelConfig
+    from linformer_ds.train import param_groups
+
+    spec = json.loads(Path(spec_path).read_text())
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    for ckpt, out in spec["reload"]:
+        tag = Path(ckpt, "latest").read_text().strip()
+        meta = json.loads(Path(ckpt, tag, "linformer_meta.json").read_text())
+        model_config = ModelConfig.from_dict(meta["model"])
+        cfg = JobConfig()
+        cfg.deepspeed.zero.stage = meta["zero_stage"]
+        cfg.deepspeed.precision = meta["config"]["deepspeed"]["precision"]
+        ds_config = make_ds_config(cfg, world)
+        ds_config["train_micro_batch_size_per_gpu"] = 1
+        ds_config["train_batch_size"] = world
+        ds_config.pop("gradient_accumulation_steps", None)
+        model = LinformerForMaskedLM(model_config)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, 0.01), config=ds_config
+        )
+        path, _ = engine.load_checkpoint(ckpt, tag=tag, load_lr_scheduler_states=False)
+        assert path is not None, ckpt
+        engine.eval()
+        gen = torch.Generator().manual_seed(11)
+        ids = torch.randint(
+            5, model_config.vocab_size, (2, model_config.max_seq_len), generator=gen
+        )
+        ids[:, 0] = 2
+        mask = torch.ones_like(ids)
+        mask[0, 40:] = 0
+        ids[0, 40:] = 0
+        with torch.no_grad():
+            logits = engine(ids, attention_mask=mask).logits
+        if rank == 0:
+            torch.save({"input_ids": ids, "attention_mask": mask, "logits": logits}, out)
+        dist.barrier()
+        engine.destroy()
+
+
 # ===================================================================================== helpers
 def _free_port() -> int:
     with socket.socket() as s:
@@ -135,14 +191,15 @@ def _env() -> dict:
     return env
 
 
-def train_tokenizer(path: Path, vocab_size: int = VOCAB) -> Path:
+def train_tokenizer(path: Path, vocab_size: int = VOCAB, files: Optional[list] = None) -> Path:
     """A SentencePiece unigram model on stdlib source, with the project's special ids."""
     import io
 
     import sentencepiece as spm
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted((stdlib / "json").glob("*.py")))
+    files = files or sorted((stdlib / "json").glob("*.py"))
+    text = "\n".join(p.read_text(encoding="utf-8") for p in files)
     lines = [line for line in text.splitlines() if line.strip()]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -239,12 +296,19 @@ def checkpoints(tmp_path_factory) -> Path:
             {"cases": CASES, "base_model": BASE_MODEL, "out": str(root), "tokenizer": str(tok)}
         )
     )
+    _run_ranks(spec, root)
+    return root
+
+
+def _run_ranks(spec: Path, cwd: Path, mode: str = "train") -> None:
+    """Run this file's 2-rank worker job (``mode``: train or reload) and wait for it."""
     port = _free_port()
+    extra = ["reload"] if mode == "reload" else []
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(rank), "2", str(port), str(spec)],
+            [sys.executable, __file__, str(rank), "2", str(port), str(spec), *extra],
             env=_env(),
-            cwd=root,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -262,7 +326,6 @@ def checkpoints(tmp_path_factory) -> Path:
         outputs.append(out)
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -341,13 +404,13 @@ def test_export_directory_layout(exported):
 def test_auto_classes_load_in_fresh_process_and_logits_match(checkpoints, exported, tmp_path):
     """Tiny pretrain (2 ranks, ZeRO 0-3) -> export -> Auto classes without linformer_ds."""
     jobs = [
-        [name, str(out), str(checkpoints / name / "reference.pt")]
-        for name, out in exported.items()
+        [name, str(out), str(checkpoints / name / "reference.pt")] for name, out in exported.items()
     ]
     res = run_fresh(FRESH_LOADER, [json.dumps(jobs)], cwd=tmp_path)
     assert res.pop("linformer_ds_importable") is False
     assert set(res) == set(CASES)
     for name, r in res.items():
+        print(f"{name}: max |logits diff| {r['logits_max_abs_diff']:.3g}")
         assert r["mlm_class"] == "LinformerForMaskedLM", name
         assert r["mlm_module"].startswith("transformers_modules."), name
         assert r["config_class"] == "LinformerConfig"
@@ -424,6 +487,78 @@ def test_cli_bfloat16_export(checkpoints, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+# ================================================================ end to end: the real trainer
+TRAINER_RUNS = {  # name -> overrides of configs/tiny_cpu.yaml
+    "zero3_linear": ["deepspeed.zero.stage=3"],
+    "zero2_hybrid": [
+        "deepspeed.zero.stage=2",
+        "model.projection=hybrid",
+        "model.hybrid_linear_layers=1",
+    ],
+}
+
+
+def test_real_trainer_pretrain_export_load_logits_equal(tmp_path):
+    """data_prep -> launch/pretrain.py (2 ranks, 3 steps) -> launch/export.py -> Auto classes in a
+    fresh process; logits equal those of the checkpoint resumed into a DeepSpeed engine."""
+    from linformer_ds.export import main as export_main
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    env = _env()
+
+    def run(cmd: list) -> None:
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, (cmd, proc.stdout[-2000:], proc.stderr[-3000:])
+
+    run([sys.executable, "-m", "data_prep", "--source", f"{stdlib}/json", f"{stdlib}/email",
+         "--out", "data", "--seq-len", "64", "--vocab-size", "400", "--valid-fraction", "0.1",
+         "--workers", "0", "--quiet"])  # fmt: skip
+    small = [
+        "model.vocab_size=400", "model.max_seq_len=64", "model.k=16", "model.hidden_size=32",
+        "model.num_heads=2", "model.intermediate_size=64", "data.path=data", "train.max_steps=3",
+        "train.micro_batch_size=2", "train.eval_interval=0", "train.peak_tflops=1.0",
+        "deepspeed.precision=fp32", "logging.tensorboard=false",
+    ]  # fmt: skip
+    jobs = []
+    for name, overrides in TRAINER_RUNS.items():
+        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_port", str(_free_port()), str(REPO / "launch/pretrain.py"),
+             "--config", str(REPO / "configs/tiny_cpu.yaml"), *small, *overrides,
+             f"logging.dir=runs/{name}"])  # fmt: skip
+        ckpt = tmp_path / "runs" / name / "checkpoints"
+        assert (ckpt / "latest").read_text().strip() == "step_00000003"
+        assert (
+            export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "exported" / name)])
+            == 0
+        )
+        jobs.append([name, str(tmp_path / "exported" / name), str(tmp_path / f"{name}.pt")])
+
+    spec = tmp_path / "reload.json"
+    spec.write_text(
+        json.dumps(
+            {"reload": [[str(tmp_path / "runs" / j[0] / "checkpoints"), j[2]] for j in jobs]}
+        )
+    )
+    _run_ranks(spec, tmp_path, mode="reload")
+    loader = FRESH_LOADER.replace(
+        'w = r["weights"]', "w = {k: p for k, p in mlm.named_parameters()}"
+    )
+    res = run_fresh(loader, [json.dumps(jobs)], cwd=tmp_path)
+    assert res.pop("linformer_ds_importable") is False
+    for name, r in res.items():
+        print(f"{name}: max |logits diff| {r['logits_max_abs_diff']:.3g}")
+        assert r["mlm_class"] == "LinformerForMaskedLM" and r["tied"], (name, r)
+        assert r["logits_max_abs_diff"] <= 1e-5, (name, r["logits_max_abs_diff"])
+        assert r["cls_encoder_equal"] and r["cls_shape"] == [2, 3], (name, r)
+    exported = tmp_path / "exported" / "zero2_hybrid"
+    cfg = json.loads((exported / "config.json").read_text())
+    assert (cfg["projection"], cfg["max_seq_len"], cfg["vocab_size"]) == ("hybrid", 64, 400)
+    meta = json.loads((exported / "linformer_export.json").read_text())
+    assert meta["step"] == 3 and meta["training_config"]["deepspeed"]["zero"]["stage"] == 2
+
+
 # ============================================================================== refusals
 def _copy_ckpt(checkpoints: Path, tmp_path: Path, name: str = "z2_hybrid_layerwise") -> Path:
     dst = tmp_path / "ckpt"
@@ -471,7 +606,10 @@ def test_refuses_missing_tag_and_incomplete_tag(checkpoints, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(hidden_size=64), r"shape mismatch encoder\.embed_ln\.bias: checkpoint \(32,\) vs config \(64,\)"),
+        (
+            dict(hidden_size=64),
+            r"shape mismatch encoder\.embed_ln\.bias: checkpoint \(32,\) vs config \(64,\)",
+        ),
         (dict(num_layers=3), r"missing .*encoder\.layers\.2\."),
         (dict(sharing="headwise"), r"missing .*proj_k.*unexpected .*encoder\.shared_linear"),
         (dict(k=4), r"shape mismatch .*encoder\.shared_linear\.weight"),
@@ -512,7 +650,9 @@ def test_refuses_bad_tokenizer_and_existing_output(checkpoints, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ExportError, match="exists and is not empty"):
-        export_checkpoint(str(ckpt), str(tmp_path / "full"), tokenizer=str(checkpoints / "tokenizer.model"))
+        export_checkpoint(
+            str(ckpt), str(tmp_path / "full"), tokenizer=str(checkpoints / "tokenizer.model")
+        )
     assert (tmp_path / "full" / "x").read_text() == "x"
 
 
@@ -523,4 +663,5 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    fn = _reload_worker if sys.argv[5:] == ["reload"] else _worker
+    fn(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -20,48 +20,51 @@ def losses(run_dir, steps):
 
 
 @pytest.fixture(scope="module")
-def zero0_run(tiny_corpus, tmp_path_factory):
-    run = tmp_path_factory.mktemp("z0")
-    run_pretrain(tiny_corpus, run, FP32 + ["deepspeed.zero.stage=0", "train.max_steps=6"])
-    return run
+def fp32_runs(tiny_corpus, tmp_path_factory):
+    """Lazily run (and cache) 6-step fp32 runs keyed by (zero stage, activation checkpointing)."""
+    cache = {}
+
+    def get(stage: int, ac: bool = False):
+        if (stage, ac) not in cache:
+            run = tmp_path_factory.mktemp(f"z{stage}{'ac' if ac else ''}")
+            proc = run_pretrain(
+                tiny_corpus,
+                run,
+                FP32
+                + [
+                    f"deepspeed.zero.stage={stage}",
+                    "train.max_steps=6",
+                    f"deepspeed.activation_checkpointing.enabled={str(ac).lower()}",
+                ],
+            )
+            cache[(stage, ac)] = (run, proc)
+        return cache[(stage, ac)]
+
+    return get
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_match_zero0(tiny_corpus, tmp_path, zero0_run, stage):
+def test_zero_stages_match_zero0(fp32_runs, stage):
     """Same seed, same data: ZeRO 1/2/3 losses equal ZeRO-0's; under ZeRO-3 the shared
     projection is partitioned across the 2 ranks."""
-    proc = run_pretrain(
-        tiny_corpus, tmp_path, FP32 + [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
-    )
-    ref = losses(zero0_run, range(1, 7))
-    got = losses(tmp_path, range(1, 7))
+    run, proc = fp32_runs(stage)
+    ref = losses(fp32_runs(0)[0], range(1, 7))
+    got = losses(run, range(1, 7))
     assert got == pytest.approx(ref, rel=2e-4, abs=2e-4)
     assert got[-1] < got[0]
     if stage == 3:
-        held = sorted(
-            line for line in proc.stdout.splitlines() if line.startswith("[zero3] rank")
-        )
+        held = sorted(line for line in proc.stdout.splitlines() if line.startswith("[zero3] rank"))
         assert len(held) == 2, proc.stdout[-3000:]
         # k x N = 32 x 128 = 4096 elements, half on each rank
         assert all("holds 2048/4096 of encoder.shared_linear.weight" in h for h in held), held
-    assert (tmp_path / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
+    assert (run / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_activation_checkpointing_same_gradients(tiny_corpus, tmp_path, zero0_run, stage):
+def test_activation_checkpointing_same_gradients(fp32_runs, stage):
     """Non-reentrant checkpointing with the shared projection (DeepSpeed issue 988 is the
-    trap with reentrant): same grad norms and losses as ZeRO-0 without checkpointing."""
-    run_pretrain(
-        tiny_corpus,
-        tmp_path,
-        FP32
-        + [
-            f"deepspeed.zero.stage={stage}",
-            "train.max_steps=6",
-            "deepspeed.activation_checkpointing.enabled=true",
-        ],
-    )
-    ref, got = read_metrics(zero0_run), read_metrics(tmp_path)
+    trap with reentrant): the same gradient norms and losses as without checkpointing."""
+    ref, got = read_metrics(fp32_runs(2)[0]), read_metrics(fp32_runs(stage, ac=True)[0])
     for s in range(1, 7):
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=2e-4, abs=2e-4)
         assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=2e-3)
@@ -73,7 +76,7 @@ def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
     common = ["train.max_steps=8", "model.dropout=0.1", "checkpoint.keep_last=0"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_pretrain(tiny_corpus, full, common + ["checkpoint.save_interval=4"])
-    run_pretrain(tiny_corpus, part, common + ["train.max_steps=4", "checkpoint.save_interval=4"])
+    run_pretrain(tiny_corpus, part, common + ["train.stop_at_step=4", "checkpoint.save_interval=4"])
     proc = run_pretrain(tiny_corpus, part, common + ["checkpoint.save_interval=4"])
     assert "[resume]" in proc.stdout and "step 4" in proc.stdout
     assert losses(part, range(1, 9)) == losses(full, range(1, 9))  # exact, not approximate
@@ -159,7 +162,12 @@ def test_print_config_and_derived_deepspeed_json():
 
 def test_every_shipped_config_loads():
     names = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
-    assert {"base_4096.yaml", "dense_4096.yaml", "conv_linformer_4096.yaml", "tiny_cpu.yaml"} <= set(names)
+    assert {
+        "base_4096.yaml",
+        "dense_4096.yaml",
+        "conv_linformer_4096.yaml",
+        "tiny_cpu.yaml",
+    } <= set(names)
     for name in names:
         cfg = load_config(str(REPO / "configs" / name))
         deepspeed_config(cfg, world_size=8)
@@ -174,8 +182,15 @@ def test_every_shipped_config_loads():
 def test_resume_refuses_other_model(tiny_corpus, tmp_path):
     run_pretrain(tiny_corpus, tmp_path, ["train.max_steps=2"], nproc=1, launcher="python")
     proc = run_pretrain(
-        tiny_corpus, tmp_path, ["train.max_steps=4", "model.k=16"], nproc=1, launcher="python", check=False
+        tiny_corpus,
+        tmp_path,
+        ["train.max_steps=4", "model.k=16"],
+        nproc=1,
+        launcher="python",
+        check=False,
     )
     assert proc.returncode != 0
-    assert "different model config (model.k: checkpoint 32 vs config 16)" in proc.stdout + proc.stderr
+    assert (
+        "different model config (model.k: checkpoint 32 vs config 16)" in proc.stdout + proc.stderr
+    )
     shutil.rmtree(tmp_path / "checkpoints")

@@ -47,7 +47,9 @@ class LinformerPreTrainedModel(PreTrainedModel):
         elif isinstance(module, (LinearProjection, ConvProjection)):
             module.reset_parameters()
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None) -> None:
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: Optional[dict] = None
+    ) -> None:
         """Non-reentrant activation checkpointing of every encoder layer."""
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
         fn = functools.partial(torch.utils.checkpoint.checkpoint, **kwargs)
