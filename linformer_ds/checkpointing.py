@@ -6,17 +6,30 @@ Layout of ``checkpoint.dir``::
     step_00001000/              DeepSpeed's files (model/optimizer states per rank)
         linformer_meta.json     format version, step, model config, resolved job config
         tokenizer.model         the SentencePiece model the data was made with
-        COMPLETE                marker: every rank finished writing this tag
+        COMPLETE                written last: JSON inventory {file: size} of the tag
 
-A tag without ``COMPLETE`` (a save interrupted by a crash) is never picked by ``auto`` resume.
+Crash safety: a save first drops stale incomplete tags (and the marker of the tag it is about to
+rewrite), then DeepSpeed writes, every file is fsync'ed, and only then ``COMPLETE`` (with the
+inventory) and ``latest`` are written atomically. On load a tag is used only if it validates
+(marker, metadata, every inventoried file present at its recorded size, one optimizer shard per
+saved rank); ``auto`` resume falls back to the newest tag that does, with a warning.
+
+World-size changes: a ZeRO checkpoint saved under another number of ranks is converted once with
+DeepSpeed's universal checkpoint (``ds_to_universal``) into ``checkpoint.dir/universal/<tag>``
+and loaded with ``{"checkpoint": {"load_universal": true}}``.
+
+Security: DeepSpeed 0.19.8 reads its files with ``torch.load(weights_only=False)``.
+:func:`install_safe_loader` replaces the engine's loader by ``weights_only=True`` with only the
+three DeepSpeed classes these files hold allowed, so a checkpoint cannot run pickled code.
 """
 
+import glob
 import json
 import os
 import re
 import shutil
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,78 +38,235 @@ from linformer_ds.config import JobConfig, to_dict
 FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
 COMPLETE_FILE = "COMPLETE"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+UNIVERSAL_DIR = "universal"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
+META_KEYS = ("format_version", "step", "epoch", "sampler", "world_size", "zero_stage", "model")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says which and why."""
+    """A checkpoint cannot be used or written; the message says which and why."""
 
 
 def tag_for(step: int) -> str:
+    """The tag of the checkpoint saved after optimizer step ``step``."""
     return f"step_{step:08d}"
 
 
+def _tag_step(tag: str) -> int:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else -1
+
+
 def is_complete(ckpt_dir: str, tag: str) -> bool:
+    """The tag has its ``COMPLETE`` marker and metadata (cheap; see :func:`tag_problem`)."""
     d = os.path.join(ckpt_dir, tag)
     return os.path.isfile(os.path.join(d, COMPLETE_FILE)) and os.path.isfile(
         os.path.join(d, META_FILE)
     )
 
 
-def complete_tags(ckpt_dir: str) -> List[str]:
-    """Complete tags, oldest first."""
+def tag_dirs(ckpt_dir: str) -> List[str]:
+    """All ``step_*`` tag directories, complete or not, oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
-    tags = [t for t in os.listdir(ckpt_dir) if TAG_RE.match(t) and is_complete(ckpt_dir, t)]
-    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))  # type: ignore[union-attr]
+    tags = [t for t in os.listdir(ckpt_dir) if TAG_RE.match(t)]
+    return sorted((t for t in tags if os.path.isdir(os.path.join(ckpt_dir, t))), key=_tag_step)
+
+
+def complete_tags(ckpt_dir: str) -> List[str]:
+    """Tags with a ``COMPLETE`` marker, oldest first."""
+    return [t for t in tag_dirs(ckpt_dir) if is_complete(ckpt_dir, t)]
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
+    """Why ``ckpt_dir/tag`` cannot be resumed from, or None if it validates."""
+    d = os.path.join(ckpt_dir, tag)
+    if not os.path.isdir(d):
+        return "no such directory"
+    if not os.path.isfile(os.path.join(d, META_FILE)):
+        return f"not a linformer_ds checkpoint (no {META_FILE})"
+    if not os.path.isfile(os.path.join(d, COMPLETE_FILE)):
+        return f"incomplete (no {COMPLETE_FILE} marker: the save was interrupted)"
+    try:
+        meta = _read_json(os.path.join(d, META_FILE))
+    except (OSError, ValueError) as e:
+        return f"{META_FILE} is unreadable ({e})"
+    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
+        return f"{META_FILE} lacks one of {list(META_KEYS)}"
+    try:
+        with open(os.path.join(d, COMPLETE_FILE)) as f:
+            marker = f.read()
+        inventory = json.loads(marker).get("files", {}) if marker.strip() != "ok" else {}
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{COMPLETE_FILE} is unreadable ({e})"
+    for name, size in inventory.items():
+        path = os.path.join(d, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} when saved (truncated)"
+    if not os.path.isfile(os.path.join(d, MODEL_STATES)):
+        return f"{MODEL_STATES} is missing"
+    shards = glob.glob(os.path.join(d, "*_optim_states.pt"))
+    if shards and int(meta.get("zero_stage", 0)) > 0 and len(shards) != int(meta["world_size"]):
+        return f"{len(shards)} optimizer shards for {meta['world_size']} saved ranks"
+    return None
 
 
 def latest_tag(ckpt_dir: str) -> Optional[str]:
-    """The tag named by ``latest`` if complete, else the newest complete one (with a warning)."""
+    """The tag named by ``latest`` if it validates, else the newest valid one (with a warning)."""
     pointer = os.path.join(ckpt_dir, "latest")
     named = None
     if os.path.isfile(pointer):
         with open(pointer) as f:
             named = f.read().strip()
-        if named and is_complete(ckpt_dir, named):
+        if named and tag_problem(ckpt_dir, named) is None:
             return named
-    tags = complete_tags(ckpt_dir)
-    if named:
-        warnings.warn(
-            f"checkpoint {os.path.join(ckpt_dir, named)} named by 'latest' is incomplete; "
-            f"falling back to {tags[-1] if tags else 'none'}",
-            stacklevel=2,
-        )
-    return tags[-1] if tags else None
+    rejected = []
+    for tag in reversed(tag_dirs(ckpt_dir)):
+        problem = tag_problem(ckpt_dir, tag)
+        if problem is None:
+            if rejected or (named and named != tag):
+                skipped = "; ".join(rejected) or "none"
+                warnings.warn(
+                    f"checkpoint fallback in {ckpt_dir}: 'latest' names {named!r}; unusable tags "
+                    f"skipped: {skipped}; resuming from {tag}",
+                    stacklevel=2,
+                )
+            return tag
+        rejected.append(f"{tag} ({problem})")
+    if rejected:
+        warnings.warn(f"no usable checkpoint in {ckpt_dir}: {'; '.join(rejected)}", stacklevel=2)
+    return None
 
 
 def resolve_resume_tag(ckpt_dir: str, resume: str) -> Optional[str]:
+    """The tag ``checkpoint.resume`` selects (``auto``: newest valid; ``never``: none)."""
     if resume == "never":
         return None
     if resume == "auto":
         return latest_tag(ckpt_dir)
     if not os.path.isdir(os.path.join(ckpt_dir, resume)):
-        raise CheckpointError(f"checkpoint.resume: tag {resume!r} not found in {ckpt_dir}")
-    if not is_complete(ckpt_dir, resume):
-        raise CheckpointError(f"checkpoint.resume: {os.path.join(ckpt_dir, resume)} is incomplete")
+        found = ", ".join(tag_dirs(ckpt_dir)) or "none"
+        raise CheckpointError(
+            f"checkpoint.resume: tag {resume!r} not found in {ckpt_dir} (tags there: {found})"
+        )
+    problem = tag_problem(ckpt_dir, resume)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint.resume: {os.path.join(ckpt_dir, resume)} is {problem}")
     return resume
 
 
 def read_meta(ckpt_dir: str, tag: str) -> Dict[str, Any]:
-    path = os.path.join(ckpt_dir, tag, META_FILE)
+    """The ``linformer_meta.json`` of a tag (a :class:`CheckpointError` if unusable)."""
+    where = os.path.join(ckpt_dir, tag)
+    path = os.path.join(where, META_FILE)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{os.path.join(ckpt_dir, tag)} is not a linformer_ds checkpoint")
-    with open(path) as f:
-        return json.load(f)
+        raise CheckpointError(f"{where} is not a linformer_ds checkpoint (no {META_FILE})")
+    try:
+        meta = _read_json(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    if not isinstance(meta.get("format_version"), int) or meta["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where} has format_version {meta.get('format_version')!r}; this linformer_ds "
+            f"reads <= {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def select_resume(
+    ckpt_dir: str, resume: str, cfg: JobConfig
+) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """``(tag, meta)`` to resume from, checked against the model config; ``(None, None)``."""
+    tag = resolve_resume_tag(ckpt_dir, resume)
+    if tag is None:
+        return None, None
+    meta = read_meta(ckpt_dir, tag)
+    check_model_config(meta, cfg, os.path.join(ckpt_dir, tag))
+    return tag, meta
+
+
+# ========================================================================================= save
+def check_writable(path: str, what: str = "checkpoint.dir") -> None:
+    """Create ``path`` and write/remove a probe file in it; a clear error if that fails."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"{what} {path} is not writable: {e.strerror or e}{_free_space(path)}"
+        ) from None
+
+
+def _free_space(path: str) -> str:
+    p = path
+    while p and not os.path.exists(p):
+        p = os.path.dirname(p)
+    try:
+        free = shutil.disk_usage(p or ".").free
+    except OSError:
+        return ""
+    return f" ({free / 2**20:.1f} MiB free)"
 
 
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _fsync_tree(d: str) -> Dict[str, int]:
+    """fsync every file below ``d`` and ``d`` itself; returns {relative path: size}."""
+    sizes = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            path = os.path.join(root, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sizes[os.path.relpath(path, d)] = os.path.getsize(path)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return sizes
+
+
+def remove_stale(ckpt_dir: str, keep: Optional[str] = None) -> List[str]:
+    """Delete tag directories without ``COMPLETE`` (interrupted saves) except ``keep``."""
+    removed = []
+    for tag in tag_dirs(ckpt_dir):
+        if tag != keep and not os.path.isfile(os.path.join(ckpt_dir, tag, COMPLETE_FILE)):
+            shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
+            removed.append(tag)
+    for tmp in glob.glob(os.path.join(ckpt_dir, "latest.tmp.*")):
+        os.remove(tmp)
+    return removed
 
 
 def save(
@@ -108,42 +278,68 @@ def save(
     sampler_state: Dict[str, Any],
     train_ds,
 ) -> str:
-    """Collective: every rank calls it. Returns the tag."""
+    """Collective: every rank calls it. Returns the tag; a :class:`CheckpointError` (naming the
+    directory) if it cannot be written. Earlier tags and ``latest`` are untouched until the new
+    tag is complete."""
     import deepspeed.comm as dist
 
     tag = tag_for(step)
-    client = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "epoch": epoch,
-        "sampler": dict(sampler_state),
-        "world_size": dist.get_world_size(),
-        # Randomness is re-seeded from (seed, step, rank) every step: no RNG state to restore.
-        "rng": {"scheme": "reseed(seed, step, rank)", "seed": cfg.train.seed},
-        "tokenizer": os.path.join(str(train_ds.path), "tokenizer.model"),
-    }
-    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client, save_latest=False)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tag_dir = os.path.join(ckpt_dir, tag)
-        meta = {
+    tag_dir = os.path.join(ckpt_dir, tag)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if rank == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            remove_stale(ckpt_dir)
+            marker = os.path.join(tag_dir, COMPLETE_FILE)
+            if os.path.isfile(marker):  # rewriting a tag: make it incomplete first
+                os.remove(marker)
+        dist.barrier()
+        client = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "epoch": epoch,
             "sampler": dict(sampler_state),
-            "world_size": dist.get_world_size(),
-            "zero_stage": cfg.deepspeed.zero.stage,
-            "model": cfg.model.to_dict(),
-            "config": to_dict(cfg),
-            "tokenizer": "tokenizer.model",
+            "world_size": world,
+            # Randomness is re-seeded from (seed, step, rank) every step: no RNG state to restore.
+            "rng": {"scheme": "reseed(seed, step, rank)", "seed": cfg.train.seed},
+            "tokenizer": os.path.join(str(train_ds.path), "tokenizer.model"),
         }
-        tok = os.path.join(str(train_ds.path), "tokenizer.model")
-        if os.path.isfile(tok):
-            shutil.copyfile(tok, os.path.join(tag_dir, "tokenizer.model"))
-        _atomic_write(os.path.join(tag_dir, META_FILE), json.dumps(meta, indent=2))
-        _atomic_write(os.path.join(tag_dir, COMPLETE_FILE), "ok\n")
-        _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
-        prune(ckpt_dir, cfg.checkpoint.keep_last)
+        engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client, save_latest=False)
+        dist.barrier()
+        if rank == 0:
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "epoch": epoch,
+                "sampler": dict(sampler_state),
+                "world_size": world,
+                "zero_stage": cfg.deepspeed.zero.stage,
+                "precision": cfg.deepspeed.precision,
+                "model": cfg.model.to_dict(),
+                "config": to_dict(cfg),
+                "tokenizer": "tokenizer.model",
+            }
+            tok = os.path.join(str(train_ds.path), "tokenizer.model")
+            if os.path.isfile(tok):
+                shutil.copyfile(tok, os.path.join(tag_dir, "tokenizer.model"))
+            _atomic_write(os.path.join(tag_dir, META_FILE), json.dumps(meta, indent=2))
+            inventory = _fsync_tree(tag_dir)
+            _atomic_write(
+                os.path.join(tag_dir, COMPLETE_FILE),
+                json.dumps({"files": inventory}, indent=1, sort_keys=True),
+            )
+            _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
+            prune(ckpt_dir, cfg.checkpoint.keep_last)
+    except Exception as e:
+        if isinstance(e, OSError) or "write" in str(e).lower() or "space" in str(e).lower():
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            if rank == 0 and not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
+                shutil.rmtree(tag_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"could not write checkpoint {tag_dir}: {reason}{_free_space(ckpt_dir)}; "
+                f"earlier checkpoints in {ckpt_dir} are intact"
+            ) from None
+        raise
     dist.barrier()
     return tag
 
@@ -156,7 +352,9 @@ def prune(ckpt_dir: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
 
 
+# ========================================================================================= load
 def check_model_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
+    """A :class:`CheckpointError` listing every model option that differs from the config."""
     saved, now = dict(meta.get("model", {})), cfg.model.to_dict()
     for key in ("extra", "format_version"):
         saved.pop(key, None)
@@ -169,22 +367,108 @@ def check_model_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None
         raise CheckpointError(f"{where} was trained with a different model config ({detail})")
 
 
-def load(engine, ckpt_dir: str, tag: str, cfg: JobConfig) -> Dict[str, Any]:
-    """Load model/optimizer/scheduler states; returns the client state. Collective."""
+def needs_universal(ckpt_dir: str, tag: str, meta: Dict[str, Any], world_size: int) -> bool:
+    """True if the tag holds ZeRO optimizer shards for another number of ranks."""
+    shards = glob.glob(os.path.join(ckpt_dir, tag, "*_optim_states.pt"))
+    return bool(shards) and int(meta["world_size"]) != int(world_size)
+
+
+def safe_globals() -> List[Any]:
+    """The only non-tensor classes DeepSpeed 0.19.8 pickles into ZeRO 1-3 checkpoints."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` allowing DeepSpeed's few checkpoint classes."""
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} cannot be loaded safely (weights_only=True refused it or it is corrupt): "
+            f"{first}"
+        ) from None
+
+
+def install_safe_loader(engine) -> None:
+    """Make the engine read checkpoint files with :func:`safe_torch_load` (no pickled code)."""
+    engine.checkpoint_engine.load = lambda path, map_location=None: safe_torch_load(
+        path, "cpu" if map_location is None else map_location
+    )
+
+
+def convert_to_universal(ckpt_dir: str, tag: str) -> str:
+    """Rank 0: ``ckpt_dir/tag`` -> ``ckpt_dir/universal/tag`` by DeepSpeed's ds_to_universal.
+
+    Every source file is first read with ``weights_only=True`` (ds_to_universal itself does not).
+    Returns the load directory (``ckpt_dir/universal``).
+    """
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    src = os.path.join(ckpt_dir, tag)
+    for path in sorted(glob.glob(os.path.join(src, "*.pt"))):
+        safe_torch_load(path)
+    root = os.path.join(ckpt_dir, UNIVERSAL_DIR)
+    out = os.path.join(root, tag)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    args = argparse.Namespace(
+        input_folder=src,
+        output_folder=out,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ds_to_universal.main(args)
+    except Exception as e:
+        shutil.rmtree(out, ignore_errors=True)
+        raise CheckpointError(
+            f"converting {src} to a universal checkpoint failed: {type(e).__name__}: {e}"
+        ) from None
+    return root
+
+
+def load(
+    engine, ckpt_dir: str, tag: str, cfg: JobConfig, load_dir: Optional[str] = None
+) -> Dict[str, Any]:
+    """Load model/optimizer/scheduler states; returns the client state. Collective.
+
+    ``load_dir``: where DeepSpeed reads the tag (default ``ckpt_dir``; the universal directory
+    after :func:`convert_to_universal`).
+    """
     where = os.path.join(ckpt_dir, tag)
     meta = read_meta(ckpt_dir, tag)
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where} has format_version {meta.get('format_version')}, newer than this "
-            f"linformer_ds ({FORMAT_VERSION})"
-        )
     check_model_config(meta, cfg, where)
-    path, client = engine.load_checkpoint(
-        ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    install_safe_loader(engine)
+    try:
+        path, client = engine.load_checkpoint(
+            load_dir or ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"DeepSpeed could not load {where}: {first}") from None
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {where}")
-    return client or {}
+    client = dict(client or {})
+    for key in ("step", "epoch", "sampler"):  # the universal copy's client state is the same
+        client.setdefault(key, meta[key])
+    return client
 
 
 def torch_load_safe(path: str) -> Any:

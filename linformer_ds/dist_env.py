@@ -30,6 +30,7 @@ LAUNCHERS = ("env", "mpi", "slurm", "single")
 PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
 PORT_SPAN = 15000
 LOOPBACK = "127.0.0.1"
+SLURM_SPECIAL_STEPS = 0xFFFFFFF0  # step ids from here up: batch, extern, interactive (no srun)
 
 
 class DistEnvError(RuntimeError):
@@ -168,7 +169,7 @@ def _discover_mpi(env: MutableMapping[str, str], default_port: int) -> Optional[
 def _discover_slurm(env: MutableMapping[str, str]) -> Optional[Dict[str, Any]]:
     """Ranks of a task of an ``srun`` step, or None outside a step."""
     step = _first_int(env, "SLURM_STEP_ID", "SLURM_STEPID")
-    if step is None or "SLURM_PROCID" not in env:
+    if step is None or step >= SLURM_SPECIAL_STEPS or "SLURM_PROCID" not in env:
         return None
     rank = _int_var(env, "SLURM_PROCID")
     world = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")

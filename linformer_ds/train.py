@@ -14,9 +14,11 @@ import functools
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -36,6 +38,10 @@ from linformer_ds.model import LinformerForMaskedLM
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
+
+# Debug/test hooks (environment variables, never set in normal runs; see docs/reliability.md).
+SAMPLE_LOG_ENV = "LINFORMER_DS_SAMPLE_LOG"  # dir: each rank appends the sample indices per step
+TEST_NAN_ENV = "LINFORMER_DS_TEST_HOOK_NAN_AT_STEP"  # "STEP[:RANK]": TEST HOOK, loss *= NaN
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -155,8 +161,16 @@ def _main(argv: Optional[List[str]] = None) -> int:
         rank0_print("# derived DeepSpeed config\n" + json.dumps(ds_config, indent=2))
         return 0
 
+    if cfg.train.nonfinite == "skip" and cfg.deepspeed.precision == "fp32":
+        if cfg.deepspeed.zero.stage == 0:
+            raise ConfigError(
+                "train.nonfinite: 'skip' needs an optimizer that DeepSpeed can make skip a step "
+                "(zero.stage >= 1, or precision bf16/fp16); ZeRO-0 fp32 applies every update"
+            )
+
     # Data first: a bad dataset should fail before any collective starts.
     from linformer_ds.data import (
+        DataError,
         MLMMasking,
         ResumableDistributedSampler,
         ShardDataset,
@@ -169,6 +183,24 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0:
         valid_ds = ShardDataset(cfg.data.path, cfg.data.valid_split, cfg.data.verify_checksums)
         check_compatible(valid_ds, cfg.model)
+
+    # Checkpoints next (also before any collective): writable directories, and the tag to resume
+    # from, validated, with its metadata deciding how DeepSpeed must be configured to load it.
+    ckpt_dir = cfg.checkpoint.dir
+    ckpt.check_writable(ckpt_dir, "checkpoint.dir")
+    if rank == 0:
+        ckpt.check_writable(cfg.logging.dir, "logging.dir")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tag, meta = ckpt.select_resume(ckpt_dir, cfg.checkpoint.resume, cfg)
+    for w in caught:
+        rank0_print(f"[warn] {w.message}")
+    universal = tag is not None and ckpt.needs_universal(ckpt_dir, tag, meta, world)
+    if universal:
+        # The engine's config is fixed at initialize: ask for DeepSpeed's universal loader now.
+        ds_config["checkpoint"] = {"load_universal": True}
+    if cfg.deepspeed.precision == "bf16":
+        ds_config["bf16"]["check_grad_overflow"] = True  # skip non-finite steps (the default)
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -219,13 +251,35 @@ def _main(argv: Optional[List[str]] = None) -> int:
     sampler = ResumableDistributedSampler(len(train_ds), rank, world, seed=cfg.train.seed)
     prog = Progress()
 
-    ckpt_dir = cfg.checkpoint.dir
-    tag = ckpt.resolve_resume_tag(ckpt_dir, cfg.checkpoint.resume)
     if tag is not None:
-        client = ckpt.load(engine, ckpt_dir, tag, cfg)
+        assert meta is not None
+        import deepspeed.comm as dist
+
+        load_dir = None
+        if universal:
+            rank0_print(
+                f"[resume] {ckpt_dir}/{tag} was saved by {meta['world_size']} rank(s), this run "
+                f"has {world}: converting it to a universal checkpoint"
+            )
+            if rank == 0:
+                ckpt.convert_to_universal(ckpt_dir, tag)
+            dist.barrier()
+            load_dir = os.path.join(ckpt_dir, ckpt.UNIVERSAL_DIR)
+        client = ckpt.load(engine, ckpt_dir, tag, cfg, load_dir=load_dir)
+        if universal:
+            dist.barrier()
+            if rank == 0:  # derived data: the next save writes a native checkpoint
+                shutil.rmtree(os.path.join(ckpt_dir, ckpt.UNIVERSAL_DIR), ignore_errors=True)
         prog.step, prog.epoch = int(client["step"]), int(client["epoch"])
-        sampler.load_state_dict(client["sampler"])
-        rank0_print(f"[resume] {ckpt_dir}/{tag}: step {prog.step}, epoch {prog.epoch}")
+        try:
+            sampler.load_state_dict(client["sampler"])
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{ckpt_dir}/{tag}: {e}") from None
+        rank0_print(
+            f"[resume] {ckpt_dir}/{tag}: step {prog.step}, epoch {prog.epoch}, "
+            f"sampler consumed {client['sampler']['consumed']} (saved by {meta['world_size']} "
+            f"rank(s), now {world})"
+        )
     sampler.set_epoch(prog.epoch)
 
     log = MetricsLogger(cfg, rank)
@@ -260,6 +314,13 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     stop = SignalFlag(cfg.train.save_on_signal)
     it = iter(sampler)
+    sample_log = None
+    if os.environ.get(SAMPLE_LOG_ENV):
+        os.makedirs(os.environ[SAMPLE_LOG_ENV], exist_ok=True)
+        sample_log = open(
+            os.path.join(os.environ[SAMPLE_LOG_ENV], f"samples.rank{rank}.jsonl"), "a"
+        )
+    nan_step, nan_rank = _parse_nan_hook(os.environ.get(TEST_NAN_ENV, ""))
 
     def next_batch() -> Dict[str, torch.Tensor]:
         nonlocal it
@@ -272,9 +333,14 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 sampler.set_epoch(prog.epoch)
                 it = iter(sampler)
                 if len(sampler) == 0:
-                    raise RuntimeError(
-                        f"the train split has {len(train_ds)} rows: too few for {world} ranks"
+                    raise DataError(
+                        f"{cfg.data.path}: the train split has {len(train_ds)} rows: too few "
+                        f"for {world} ranks"
                     ) from None
+        if sample_log is not None:
+            rec = {"step": prog.step + 1, "epoch": prog.epoch, "rank": rank, "indices": idx}
+            sample_log.write(json.dumps(rec) + "\n")
+            sample_log.flush()
         tokens = torch.stack([train_ds[i] for i in idx])
         batch = masker(tokens, torch.tensor(idx), prog.epoch)
         return {k: v.to(device) for k, v in batch.items()}
@@ -299,35 +365,54 @@ def _main(argv: Optional[List[str]] = None) -> int:
         # Dropout randomness of this step depends only on (seed, step, rank): exact resume.
         torch.manual_seed(cfg.train.seed * 1_000_003 + prog.step * 1009 + rank)
         stats = torch.zeros(4, dtype=torch.float64)
-        for _ in range(cfg.train.gradient_accumulation_steps):
+        gas = cfg.train.gradient_accumulation_steps
+        for micro in range(gas):
             batch = next_batch()
             out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
-            engine.backward(out.loss)
-            engine.step()
+            loss_t = out.loss
+            if prog.step + 1 == nan_step and nan_rank in (None, rank):
+                loss_t = loss_t * float("nan")  # TEST HOOK (LINFORMER_DS_TEST_HOOK_NAN_AT_STEP)
+            engine.backward(loss_t)
             with torch.no_grad():
                 n = out.labels.numel()
-                loss_val = float(out.loss.detach().float())
+                loss_val = float(loss_t.detach().float())
                 correct = (out.logits.argmax(-1) == out.labels).sum().item()
                 finite = math.isfinite(loss_val)
                 stats += torch.tensor(
                     [loss_val * n if finite else 0.0, correct, n, 0.0 if finite else 1.0],
                     dtype=torch.float64,
                 )
+            if micro == gas - 1:
+                # Before the boundary step applies the update: do all ranks agree it is finite?
+                _all_reduce(stats)
+                if (
+                    stats[3] > 0
+                    and cfg.train.nonfinite == "stop"
+                    and cfg.deepspeed.precision != "fp16"
+                ):
+                    return _stop_nonfinite(
+                        f"non-finite loss at step {prog.step + 1} on {int(stats[3])} "
+                        "micro-batch(es)",
+                        ckpt_dir,
+                        log,
+                    )
+            engine.step()
         prog.step += 1
         steps_since += 1
-        _all_reduce(stats)
-        if stats[3] > 0:
-            skipped = cfg.deepspeed.precision == "fp16" or cfg.train.nonfinite == "skip"
-            msg = f"non-finite loss at step {prog.step} on {int(stats[3])} micro-batch(es)"
-            if not skipped:
-                last = ckpt.latest_tag(ckpt_dir)
-                rank0_print(
-                    f"[error] {msg}; stopping (train.nonfinite=stop). Last good checkpoint: "
-                    f"{os.path.join(ckpt_dir, last) if last else 'none'}"
-                )
-                log.close()
-                return EXIT_NONFINITE
-            rank0_print(f"[warn] {msg}; step skipped")
+        if not engine.was_step_applied():
+            msg = f"step {prog.step}: non-finite {'loss' if stats[3] > 0 else 'gradients'}"
+            if cfg.deepspeed.precision == "fp16":
+                rank0_print(f"[warn] {msg} (fp16 overflow); step skipped, loss scale lowered")
+            elif cfg.train.nonfinite == "skip":
+                rank0_print(f"[warn] {msg}; step skipped (train.nonfinite=skip)")
+            else:
+                return _stop_nonfinite(msg + " (DeepSpeed skipped the update)", ckpt_dir, log)
+        elif stats[3] > 0:
+            # Only reachable if DeepSpeed applied a non-finite update (a configuration without an
+            # overflow check): the weights are no longer trustworthy.
+            return _stop_nonfinite(
+                f"step {prog.step}: non-finite loss and DeepSpeed applied the update", ckpt_dir, log
+            )
         acc_loss += stats
         loss = float(stats[0] / max(stats[2], 1))
         if first_loss is None:
@@ -383,6 +468,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if cfg.checkpoint.save_final and last_saved != prog.step:
         save("final")
     log.close()
+    if sample_log is not None:
+        sample_log.close()
     rank0_print(
         f"[done] step {prog.step}: first loss {first_loss if first_loss is None else round(first_loss, 4)}"
         f", last loss {last_loss if last_loss is None else round(last_loss, 4)}\n"
@@ -390,6 +477,28 @@ def _main(argv: Optional[List[str]] = None) -> int:
         f"[done] checkpoints: {ckpt_dir} (latest: {ckpt.latest_tag(ckpt_dir)})"
     )
     return 0
+
+
+def _stop_nonfinite(msg: str, ckpt_dir: str, log: "MetricsLogger") -> int:
+    """Report a non-finite step under train.nonfinite=stop; nothing is saved after it."""
+    last = ckpt.latest_tag(ckpt_dir)
+    rank0_print(
+        f"[error] {msg}; stopping (train.nonfinite=stop). Last good checkpoint: "
+        f"{os.path.join(ckpt_dir, last) if last else 'none'}"
+    )
+    log.close()
+    return EXIT_NONFINITE
+
+
+def _parse_nan_hook(value: str):
+    """``"STEP[:RANK]"`` of the NaN test hook -> (step, rank or None for all); 0 when unset."""
+    if not value:
+        return 0, None
+    step, _, rank = value.partition(":")
+    try:
+        return int(step), (int(rank) if rank else None)
+    except ValueError:
+        raise ConfigError(f"{TEST_NAN_ENV}={value!r}: expected STEP or STEP:RANK") from None
 
 
 def _peak_mem(device: torch.device) -> int:

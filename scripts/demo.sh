@@ -10,7 +10,9 @@ export DS_ACCELERATOR=cpu
 DATA=${DATA:-data/stdlib}
 RUN=${RUN:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 if [ ! -f "$DATA/manifest.json" ]; then
-  python -m data_prep --source stdlib --out "$DATA" --seq-len 256 --vocab-size 8000
+  RESUME=""
+  if [ -f "$DATA/progress.json" ]; then RESUME="--resume"; fi  # an interrupted earlier run
+  python -m data_prep --source stdlib --out "$DATA" --seq-len 256 --vocab-size 8000 $RESUME
 fi
 deepspeed --num_gpus 2 --master_port "${MASTER_PORT:-29511}" launch/pretrain.py \
   --config configs/tiny_cpu.yaml data.path="$DATA" logging.dir="$RUN" "$@"

@@ -208,9 +208,12 @@ def test_srun_keeps_an_exported_master(clean_env):
     assert info["set"] == ["RANK", "WORLD_SIZE", "LOCAL_RANK"]
 
 
-def test_batch_script_itself_is_a_single_process(clean_env):
-    # The batch step has SLURM_PROCID=0 and SLURM_NTASKS=2 but is no srun step (no step id).
+@pytest.mark.parametrize("step", [None, 4294967291, 4294967290])  # none, batch, interactive
+def test_batch_script_itself_is_a_single_process(clean_env, step):
+    # The batch step has SLURM_PROCID=0 and SLURM_NTASKS=2 but is no srun step.
     _set(clean_env, SLURM_JOB_ID=5, SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_LOCALID=0)
+    if step is not None:
+        _set(clean_env, SLURM_STEP_ID=step)
     info = setup_distributed_env()
     assert (info["launcher"], info["rank"], info["world_size"]) == ("single", 0, 1)
 
