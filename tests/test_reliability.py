@@ -1,0 +1,396 @@
+"""Faults with real runs: SIGKILL of a rank (also in the middle of a checkpoint save), resume on
+another number of ranks (DeepSpeed universal checkpoint), non-finite losses, a full or read-only
+checkpoint disk, checkpoints that carry pickled code.
+
+One uninterrupted 2-rank bf16 ZeRO-2 run (8 steps, a checkpoint every 2) is the reference of
+every test here; the sample indices each rank consumes are logged (LINFORMER_DS_SAMPLE_LOG).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List
+
+import psutil
+import pytest
+import torch
+
+from linformer_ds import checkpointing as ckpt
+from linformer_ds.data import ResumableDistributedSampler, ShardDataset
+from linformer_ds.train import SAMPLE_LOG_ENV, TEST_NAN_ENV
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    free_port,
+    read_metrics,
+    run_pretrain,
+)
+
+COMMON = ["train.max_steps=8", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+STEPS = range(1, 9)
+
+
+def losses(run_dir: Path, steps) -> List[float]:
+    m = read_metrics(run_dir)
+    return [m[s]["loss"] for s in steps]
+
+
+def samples(run_dir: Path) -> Dict[int, List[int]]:
+    """step -> sorted sample indices consumed by all ranks (last record of a (step, rank))."""
+    per: Dict[tuple, List[int]] = {}
+    for path in sorted((run_dir / "samples").glob("samples.rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            per[(rec["step"], rec["rank"])] = rec["indices"]
+    out: Dict[int, List[int]] = {}
+    for (step, _), idx in per.items():
+        out.setdefault(step, []).extend(idx)
+    return {s: sorted(v) for s, v in out.items()}
+
+
+def weights(ckpt_dir: Path, tag: str) -> Dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    return {k: v.float().clone() for k, v in sd.items()}
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def copy_tag(src: Path, dst_run: Path, tag: str) -> None:
+    (dst_run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / tag, dst_run / "checkpoints" / tag)
+    (dst_run / "checkpoints" / "latest").write_text(tag)
+
+
+def sample_env(run_dir: Path) -> Dict[str, str]:
+    return {SAMPLE_LOG_ENV: str(run_dir / "samples")}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_corpus, tmp_path_factory):
+    """The uninterrupted 2-rank run: checkpoints at steps 2, 4, 6, 8."""
+    run = tmp_path_factory.mktemp("reference")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(run / "samples"))
+        run_pretrain(tiny_corpus, run, COMMON)
+    return run
+
+
+# ==================================================================================== SIGKILL
+def _launch(data: Path, run: Path, overrides: List[str], log: Path) -> subprocess.Popen:
+    ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run}"] + overrides
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(sample_env(run))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN]
+    cmd += ["--config", TINY_CONFIG] + ov
+    with open(log, "a") as f:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _ranks(proc: subprocess.Popen, timeout: float = 120) -> Dict[int, psutil.Process]:
+    """rank -> training process of a deepspeed launch (waits until both exist)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = {}
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if PRETRAIN in p.cmdline() and "RANK" in p.environ():
+                    found[int(p.environ()["RANK"])] = p
+            except psutil.Error:
+                continue
+        if len(found) == 2:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("the training ranks did not start")
+
+
+def _wait_for(cond, timeout: float, what: str, poll: float = 0.002) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def _finish_killed(proc: subprocess.Popen, ranks: Dict[int, psutil.Process]) -> int:
+    """The launcher must tear the other rank down and exit non-zero, well within the timeout."""
+    rc = proc.wait(timeout=90)
+    for p in ranks.values():
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, f"rank pid {p.pid} left"
+    return rc
+
+
+@pytest.fixture(scope="module")
+def crashed_run(tiny_corpus, tmp_path_factory):
+    """The reference job, killed twice with SIGKILL, restarted after each kill until done.
+
+    Kill 1: rank 1, in the middle of saving step_00000004 (the tag directory exists, COMPLETE
+    does not; both ranks are frozen with SIGSTOP the moment the directory appears, so the state
+    at the kill is known). Kill 2: rank 0, right after it logged step 7 (between checkpoints).
+    """
+    run = tmp_path_factory.mktemp("crashed")
+    log = run / "launch.log"
+    tag4 = run / "checkpoints" / "step_00000004"
+    info = {}
+
+    proc = _launch(tiny_corpus, run, COMMON, log)
+    ranks = _ranks(proc)
+    _wait_for(tag4.exists, 240, "step_00000004 to appear")
+    for p in ranks.values():
+        p.send_signal(signal.SIGSTOP)
+    info["complete_at_kill1"] = (tag4 / "COMPLETE").exists()
+    info["files_at_kill1"] = sorted(os.listdir(tag4))
+    ranks[1].send_signal(signal.SIGKILL)
+    ranks[0].send_signal(signal.SIGCONT)
+    t0 = time.time()
+    info["rc1"] = _finish_killed(proc, ranks)
+    info["teardown1_s"] = time.time() - t0
+    info["latest_after_kill1"] = (run / "checkpoints" / "latest").read_text()
+
+    proc = _launch(tiny_corpus, run, COMMON, log)
+    ranks = _ranks(proc)
+    _wait_for(lambda: 7 in _logged_steps(run), 240, "step 7", poll=0.01)
+    ranks[0].send_signal(signal.SIGKILL)
+    info["rc2"] = _finish_killed(proc, ranks)
+    info["latest_after_kill2"] = (run / "checkpoints" / "latest").read_text()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(run / "samples"))
+        info["final"] = run_pretrain(tiny_corpus, run, COMMON)
+    info["log"] = log.read_text()
+    return run, info
+
+
+def _logged_steps(run: Path) -> set:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return set()
+    steps = set()
+    for line in path.read_text().splitlines():
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            pass  # a line being written
+    return steps
+
+
+def test_sigkill_mid_save_and_mid_step_resume_equals_uninterrupted(reference, crashed_run):
+    run, info = crashed_run
+    # Kill 1 hit a save in progress: the tag existed without COMPLETE; 'latest' stayed on 2.
+    assert not info["complete_at_kill1"], info["files_at_kill1"]
+    assert info["latest_after_kill1"] == "step_00000002"
+    assert info["rc1"] != 0 and info["rc2"] != 0
+    assert info["teardown1_s"] < 60
+    # Restart 1 resumed from step 2 (the partial step 4 was ignored), restart 2 from step 6.
+    assert "[resume] " in info["log"] and "step_00000002: step 2," in info["log"]
+    assert "step_00000006: step 6," in info["final"].stdout
+    assert "step_00000008" not in info["latest_after_kill2"]
+    # The losses of every step equal the uninterrupted run's, bit for bit.
+    assert losses(run, STEPS) == losses(reference, STEPS)
+    # Every tag is complete and valid now: the stale partial one was replaced on save.
+    tags = ckpt.tag_dirs(str(run / "checkpoints"))
+    assert tags == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    assert all(ckpt.tag_problem(str(run / "checkpoints"), t) is None for t in tags)
+    # Same samples per step as the reference (the replayed steps consumed the same rows).
+    assert samples(run) == samples(reference)
+
+
+# ============================================================================ world-size change
+@pytest.fixture(scope="module")
+def resized(reference, tiny_corpus, tmp_path_factory):
+    """2 ranks (reference, step 4) -> 1 rank (to step 8) ; its step 6 -> 2 ranks (to step 8).
+
+    The global batch stays 8 rows (1 x 8 or 2 x 4), so each step sees the same rows.
+    """
+    one = tmp_path_factory.mktemp("resize_2to1")
+    copy_tag(reference, one, "step_00000004")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(one / "samples"))
+        p1 = run_pretrain(
+            tiny_corpus, one, COMMON + ["train.micro_batch_size=8"], nproc=1, launcher="python"
+        )
+    two = tmp_path_factory.mktemp("resize_1to2")
+    copy_tag(one, two, "step_00000006")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(two / "samples"))
+        p2 = run_pretrain(tiny_corpus, two, COMMON)
+    return one, p1, two, p2
+
+
+def test_resume_2_ranks_on_1_and_1_on_2_via_universal_checkpoint(reference, resized):
+    one, p1, two, p2 = resized
+    for proc, saved, now, step in ((p1, 2, 1, 4), (p2, 1, 2, 6)):
+        assert f"saved by {saved} rank(s), this run has {now}: converting" in proc.stdout
+        assert f"step {step}, epoch 0, sampler consumed {8 * step}" in proc.stdout
+    assert not (one / "checkpoints" / "universal").exists()  # derived data removed after load
+    ref = read_metrics(reference)
+    m1, m2 = read_metrics(one), read_metrics(two)
+    # Step counter and LR schedule continue exactly; losses continue at the reference's level.
+    assert sorted(m1) == [5, 6, 7, 8] and sorted(m2) == [7, 8]
+    for s in (5, 6, 7, 8):
+        assert m1[s]["lr"] == ref[s]["lr"]
+        assert m1[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
+    for s in (7, 8):
+        assert m2[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
+    # The optimizer state was restored: after 2 more steps the weights track the reference's
+    # far closer than one Adam step of a fresh optimizer would move them (lr = 1e-3).
+    ref6, got6 = (
+        weights(reference / "checkpoints", "step_00000006"),
+        weights(one / "checkpoints", "step_00000006"),
+    )
+    ref4 = weights(reference / "checkpoints", "step_00000004")
+    moved = max_diff(ref6, ref4)
+    assert moved > 1e-3
+    assert max_diff(got6, ref6) < 0.05 * moved
+    assert (
+        max_diff(
+            weights(two / "checkpoints", "step_00000008"),
+            weights(reference / "checkpoints", "step_00000008"),
+        )
+        < 0.1 * moved
+    )
+
+
+def test_resharded_sampler_neither_repeats_nor_skips(reference, resized, tiny_corpus):
+    one, _, two, _ = resized
+    ref = samples(reference)
+    got = {s: ref[s] for s in (1, 2, 3, 4)}
+    got.update({s: samples(one)[s] for s in (5, 6)})
+    got.update({s: samples(two)[s] for s in (7, 8)})
+    assert sorted(samples(one)) == [5, 6, 7, 8] and sorted(samples(two)) == [7, 8]
+    # The same rows per step as the uninterrupted 2-rank run ...
+    assert got == {s: ref[s] for s in STEPS}
+    # ... and together exactly the first 64 positions of the epoch's permutation, once each.
+    n = len(ShardDataset(tiny_corpus, "train"))
+    perm = ResumableDistributedSampler(n, 0, 1, seed=42).permutation(0)
+    flat = [i for s in STEPS for i in got[s]]
+    assert len(flat) == len(set(flat)) == 64
+    assert set(flat) == set(int(i) for i in perm[:64])
+
+
+# ================================================================================== non-finite
+def _single(data: Path, run: Path, overrides: List[str], env: Dict[str, str]):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        return run_pretrain(data, run, overrides, nproc=1, launcher="python", check=False)
+
+
+def test_nonfinite_stop_keeps_last_good_checkpoint(tiny_corpus, tmp_path):
+    proc = _single(
+        tiny_corpus,
+        tmp_path,
+        ["train.max_steps=6", "checkpoint.save_interval=2", "train.nonfinite=stop"],
+        {TEST_NAN_ENV: "3"},
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "[error] non-finite loss at step 3 on 1 micro-batch(es); stopping" in proc.stdout
+    assert f"Last good checkpoint: {tmp_path / 'checkpoints' / 'step_00000002'}" in proc.stdout
+    assert ckpt.tag_dirs(str(tmp_path / "checkpoints")) == ["step_00000002"]
+    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "step_00000002"
+    assert sorted(read_metrics(tmp_path)) == [1, 2]
+
+
+def test_nonfinite_skip_leaves_weights_untouched_and_continues(tiny_corpus, tmp_path):
+    """bf16 ZeRO-2: the NaN step is skipped before the update (DeepSpeed's overflow check):
+    the weights after step 3 equal those after step 2, bit for bit; step 4 trains again."""
+    proc = _single(
+        tiny_corpus,
+        tmp_path,
+        ["train.max_steps=4", "checkpoint.save_interval=1", "train.nonfinite=skip"],
+        {TEST_NAN_ENV: "3"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[warn] step 3: non-finite loss; step skipped (train.nonfinite=skip)" in proc.stdout
+    d = tmp_path / "checkpoints"
+    w2, w3, w4 = (weights(d, f"step_0000000{s}") for s in (2, 3, 4))
+    assert max_diff(w2, w3) == 0.0
+    assert max_diff(w3, w4) > 0 and all(torch.isfinite(v).all() for v in w4.values())
+    m = read_metrics(tmp_path)
+    assert m[4]["loss"] == m[4]["loss"] and m[4]["loss"] < 8.0  # finite
+
+
+# ============================================================================ full / read-only disk
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mnt)], capture_output=True
+    )
+    assert res.returncode == 0, f"mount failed (tests need root): {res.stderr!r}"
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_names_dir_keeps_previous(tiny_corpus, tmp_path, tmpfs):
+    """A 5 MiB tmpfs holds one 1-rank checkpoint (~3.3 MB) but not two."""
+    ck = tmpfs / "ckpt"
+    proc = _single(
+        tiny_corpus,
+        tmp_path / "run",
+        ["train.max_steps=4", "checkpoint.save_interval=1", f"checkpoint.dir={ck}"],
+        {},
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not write checkpoint {ck / 'step_00000002'}: "), last
+    assert "MiB free); earlier checkpoints in" in last and "Traceback" not in proc.stderr
+    assert ckpt.tag_dirs(str(ck)) == ["step_00000001"]
+    assert ckpt.latest_tag(str(ck)) == "step_00000001"
+    assert ckpt.tag_problem(str(ck), "step_00000001") is None
+
+
+def test_read_only_checkpoint_dir_fails_before_training(tiny_corpus, tmp_path, tmpfs):
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    proc = _single(tiny_corpus, tmp_path / "run", [f"checkpoint.dir={tmpfs}/ckpt"], {})
+    assert proc.returncode == 2
+    assert (
+        f"error: checkpoint.dir {tmpfs}/ckpt is not writable: Read-only file system" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and "[train]" not in proc.stdout
+
+
+# =================================================================================== security
+class _Payload:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_checkpoint_with_pickled_code_is_refused_not_run(resized, tiny_corpus, tmp_path):
+    """A 1-rank checkpoint whose optimizer file carries a pickled os.system call (inventory
+    updated, as an attacker would): resume refuses it and the code never runs."""
+    one = resized[0]
+    copy_tag(one, tmp_path, "step_00000008")
+    tag_dir = tmp_path / "checkpoints" / "step_00000008"
+    pwned = tmp_path / "pwned"
+    (optim,) = tag_dir.glob("*_optim_states.pt")
+    torch.save({"optimizer_state_dict": _Payload(str(pwned))}, optim)
+    complete = json.loads((tag_dir / "COMPLETE").read_text())
+    complete["files"][optim.name] = optim.stat().st_size
+    (tag_dir / "COMPLETE").write_text(json.dumps(complete))
+    proc = _single(tiny_corpus, tmp_path, ["train.max_steps=10", "train.micro_batch_size=8"], {})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"{optim} cannot be loaded safely (weights_only=True refused it" in proc.stderr
+    assert not pwned.exists()
+    # Our own checkpoints load with weights_only=True (the reference's files, all of them).
+    for path in sorted((one / "checkpoints" / "step_00000008").glob("*.pt")):
+        assert isinstance(ckpt.safe_torch_load(str(path)), dict)
