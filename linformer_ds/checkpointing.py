@@ -223,6 +223,19 @@ def _free_space(path: str) -> str:
     return f" ({free / 2**20:.1f} MiB free)"
 
 
+def _reason(e: BaseException, path: str) -> str:
+    """One line for a write failure; torch.save reports a full disk only as a stream error."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    try:
+        usage = shutil.disk_usage(path)
+        full = usage.free < min(64 * 2**20, usage.total // 100)
+    except OSError:
+        full = False
+    return ("No space left on device: " if full else "") + f"{type(e).__name__}: {first}"
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
@@ -330,16 +343,13 @@ def save(
             )
             _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
             prune(ckpt_dir, cfg.checkpoint.keep_last)
-    except Exception as e:
-        if isinstance(e, OSError) or "write" in str(e).lower() or "space" in str(e).lower():
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-            if rank == 0 and not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
-                shutil.rmtree(tag_dir, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {tag_dir}: {reason}{_free_space(ckpt_dir)}; "
-                f"earlier checkpoints in {ckpt_dir} are intact"
-            ) from None
-        raise
+    except Exception as e:  # any failure here is a failure to write the checkpoint
+        if rank == 0 and not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {tag_dir}: {_reason(e, ckpt_dir)}{_free_space(ckpt_dir)}"
+            f"; earlier checkpoints in {ckpt_dir} are intact"
+        ) from None
     dist.barrier()
     return tag
 

@@ -61,12 +61,26 @@ def weights(ckpt_dir: Path, tag: str) -> Dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    return {k: v.float().clone() for k, v in sd.items()}
+    return {k: v.detach().float().clone() for k, v in sd.items()}
 
 
 def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def l2(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5
+
+
+def adam_steps(tag_dir: Path) -> List[float]:
+    """Adam's step counter of every param group in every optimizer shard of a tag."""
+    out = []
+    for path in sorted(tag_dir.glob("*_optim_states.pt")):
+        state = ckpt.safe_torch_load(str(path))["optimizer_state_dict"]["base_optimizer_state"]
+        out += [float(s["step"]) for s in state["state"].values()]
+    return out
 
 
 def copy_tag(src: Path, dst_run: Path, tag: str) -> None:
@@ -247,23 +261,14 @@ def test_resume_2_ranks_on_1_and_1_on_2_via_universal_checkpoint(reference, resi
         assert m1[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
     for s in (7, 8):
         assert m2[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
-    # The optimizer state was restored: after 2 more steps the weights track the reference's
-    # far closer than one Adam step of a fresh optimizer would move them (lr = 1e-3).
-    ref6, got6 = (
-        weights(reference / "checkpoints", "step_00000006"),
-        weights(one / "checkpoints", "step_00000006"),
-    )
-    ref4 = weights(reference / "checkpoints", "step_00000004")
-    moved = max_diff(ref6, ref4)
-    assert moved > 1e-3
-    assert max_diff(got6, ref6) < 0.05 * moved
-    assert (
-        max_diff(
-            weights(two / "checkpoints", "step_00000008"),
-            weights(reference / "checkpoints", "step_00000008"),
-        )
-        < 0.1 * moved
-    )
+    # The optimizer state was restored (Adam's step counter continued, not restarted at 1) and
+    # the weights track the reference's within bf16 noise: 1.3% of what 2 steps moved them.
+    assert adam_steps(one / "checkpoints" / "step_00000006") == [6.0, 6.0]
+    assert adam_steps(two / "checkpoints" / "step_00000008") == [8.0] * 4
+    r4, r6, r8 = (weights(reference / "checkpoints", f"step_0000000{s}") for s in (4, 6, 8))
+    moved = l2(r6, r4)
+    assert l2(weights(one / "checkpoints", "step_00000006"), r6) < 0.05 * moved
+    assert l2(weights(two / "checkpoints", "step_00000008"), r8) < 0.05 * moved
 
 
 def test_resharded_sampler_neither_repeats_nor_skips(reference, resized, tiny_corpus):
@@ -312,7 +317,12 @@ def test_nonfinite_skip_leaves_weights_untouched_and_continues(tiny_corpus, tmp_
     proc = _single(
         tiny_corpus,
         tmp_path,
-        ["train.max_steps=4", "checkpoint.save_interval=1", "train.nonfinite=skip"],
+        [
+            "train.max_steps=4",
+            "checkpoint.save_interval=1",
+            "checkpoint.keep_last=0",
+            "train.nonfinite=skip",
+        ],
         {TEST_NAN_ENV: "3"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -344,7 +354,12 @@ def test_disk_full_during_save_names_dir_keeps_previous(tiny_corpus, tmp_path, t
     proc = _single(
         tiny_corpus,
         tmp_path / "run",
-        ["train.max_steps=4", "checkpoint.save_interval=1", f"checkpoint.dir={ck}"],
+        [
+            "train.max_steps=4",
+            "checkpoint.save_interval=1",
+            "checkpoint.keep_last=0",
+            f"checkpoint.dir={ck}",
+        ],
         {},
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]

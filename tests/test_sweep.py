@@ -168,7 +168,7 @@ def test_report_files_have_one_row_per_point(swept):
     table = [line for line in md.splitlines() if line.startswith("| ") and "_n128_" in line]
     assert [line.split("|")[1].strip() for line in table] == IDS
     assert "**diverged" in table[2] and "**" not in table[0] + table[1]
-    assert "Points: ok 2, diverged 1, failed 0, pending 0." in md
+    assert "Points: 2 ok, 1 diverged, 0 failed, 0 pending." in md
     for png in ("val_ppl_vs_step.png", "final_ppl_vs_lr.png"):  # lr: linear at 1e-3 and 1e3
         assert (rdir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in md
