@@ -21,6 +21,7 @@ and loads with ``transformers`` alone (``trust_remote_code=True``), no linformer
 """
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -140,31 +141,67 @@ def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
     return meta, model_config
 
 
+@contextlib.contextmanager
+def _weights_only_torch_load():
+    """Make DeepSpeed's zero_to_fp32 (which passes weights_only=False) load without running
+    pickled code: every torch.load inside is forced to weights_only=True, allowing only
+    DeepSpeed's few checkpoint classes."""
+    from linformer_ds.checkpointing import safe_globals
+
+    original = torch.load
+
+    def safe_load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(safe_globals()):
+            return original(f, *args, **kwargs)
+
+    torch.load = safe_load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
 def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation."""
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        with _weights_only_torch_load():
+            return _consolidate_zero(checkpoint_dir, tag)
+    return _consolidate_stage0(tag_dir)
 
-        lazy = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag, lazy_mode=True)
-        out: Dict[str, torch.Tensor] = {}
-        done: Dict[int, str] = {}
-        for name, t in lazy.items():  # shared entries are one object: materialise it once
-            if id(t) in done:
-                out[name] = out[done[id(t)]]
-            else:
-                done[id(t)] = name
-                full = t.contiguous()  # a GatheredTensor: concatenates this tensor's fragments
-                out[name] = full.float() if full.is_floating_point() else full
-        return out
-    # ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file.
+
+def _consolidate_zero(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+    """Weights of a ZeRO 1-3 checkpoint (fp32 master copy), via zero_to_fp32 lazy mode."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag, lazy_mode=True)
+    out: Dict[str, torch.Tensor] = {}
+    done: Dict[int, str] = {}
+    for name, t in lazy.items():  # shared entries are one object: materialise it once
+        if id(t) in done:
+            out[name] = out[done[id(t)]]
+        else:
+            done[id(t)] = name
+            full = t.contiguous()  # a GatheredTensor: concatenates this tensor's fragments
+            out[name] = full.float() if full.is_floating_point() else full
+    return out
+
+
+def _consolidate_stage0(tag_dir: str) -> Dict[str, torch.Tensor]:
+    """ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file."""
+    from linformer_ds.checkpointing import CheckpointError, safe_torch_load
+
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         raise ExportError(
             f"{tag_dir} holds neither ZeRO optimizer shards (*_optim_states.pt) nor "
             f"mp_rank_00_model_states.pt: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
         )
-    states = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own format
+    try:
+        states = safe_torch_load(path)  # weights_only=True: no pickled code runs
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     if "module" not in states:
         raise ExportError(f"{path} has no 'module' state dict")
     module = states["module"]

@@ -433,6 +433,12 @@ def check_inputs(
         )
     if n == 0:
         raise ValueError("input_ids has sequence length 0")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= config.vocab_size:
+        bad = hi if hi >= config.vocab_size else lo
+        raise ValueError(
+            f"input_ids contain token id {bad} outside the vocabulary [0, {config.vocab_size})"
+        )
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError("attention_mask must be a torch.Tensor")

@@ -254,6 +254,10 @@ def test_lengths_and_input_errors():
         model(torch.rand(1, 4))
     with pytest.raises(ValueError, match=r"attention_mask shape \(1, 3\) does not match"):
         model(torch.randint(0, 50, (1, 4)), torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"token id 50 outside the vocabulary \[0, 50\)"):
+        model(torch.tensor([[1, 50]]))
+    with pytest.raises(ValueError, match=r"token id -1 outside the vocabulary"):
+        model(torch.tensor([[-1, 3]]))
     with pytest.raises(ValueError, match=r"\[batch, seq_len\]"):
         model(torch.randint(0, 50, (4,)))
 

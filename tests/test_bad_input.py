@@ -1,0 +1,429 @@
+"""The table of bad input at every entry point: each case gets one clear line naming the problem,
+from the first check that can see it, and no traceback from inside a library.
+
+Entry points: the trainer's command line (``linformer_ds.train.main``, in-process: every case
+here fails before ``deepspeed.init_distributed``), the dataset, the model's ``forward``, the
+checkpoint directory, and ``launch/export.py`` (``linformer_ds.export.main``). Cases that need a
+real training run (a full disk, pickled code in a checkpoint) are in test_reliability.py.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from linformer_ds import checkpointing as ckpt
+from linformer_ds import export as export_mod
+from linformer_ds import train
+from linformer_ds.config import load_config
+from linformer_ds.data import DataError, ShardDataset
+from linformer_ds.model import LinformerForMaskedLM, ModelConfig
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env():
+    """main() fills in the rank variables of a single process: undo that after each case."""
+    saved = dict(os.environ)
+    for var in DIST_VARS:
+        os.environ.pop(var, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def corpus_copy(tiny_corpus, tmp_path_factory):
+    """A factory of private copies of the test corpus, to damage."""
+    base = tmp_path_factory.mktemp("bad_data")
+
+    def make(name: str) -> Path:
+        dst = base / name
+        shutil.copytree(tiny_corpus, dst)
+        return dst
+
+    return make
+
+
+def _manifest(d: Path) -> Dict:
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _shard(d: Path, split: str = "train") -> Path:
+    return d / _manifest(d)["splits"][split]["shards"][0]["file"]
+
+
+def _set_manifest(d: Path, edit: Callable[[Dict], None]) -> None:
+    m = _manifest(d)
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+# ----------------------------------------------------------------------- damaged datasets
+def data_corrupt_shard(d: Path) -> None:
+    _shard(d).write_bytes(b"this is not a numpy file" * 10)
+
+
+def data_truncated_shard(d: Path) -> None:
+    p = _shard(d)
+    p.write_bytes(p.read_bytes()[:-1000])
+
+
+def data_manifest_rows(d: Path) -> None:
+    _set_manifest(d, lambda m: m["splits"]["train"].update(rows=m["splits"]["train"]["rows"] + 1))
+
+
+def data_empty_split(d: Path) -> None:
+    _set_manifest(d, lambda m: m["splits"]["train"].update(rows=0, shards=[]))
+
+
+def data_corrupt_manifest(d: Path) -> None:
+    (d / "manifest.json").write_text('{"format_version": 1, "seq_len": ')
+
+
+def data_no_manifest(d: Path) -> None:
+    (d / "manifest.json").unlink()
+
+
+# ----------------------------------------------------------------------- bad checkpoints
+def _tag(run: Path, tag: str, model: Dict, complete: bool = True, meta: bool = True) -> Path:
+    d = run / "checkpoints" / tag
+    d.mkdir(parents=True)
+    if meta:
+        m = {k: 0 for k in ckpt.META_KEYS} | {"format_version": 1, "world_size": 1}
+        m.update(model=model, sampler={"epoch": 0, "consumed": 0})
+        (d / ckpt.META_FILE).write_text(json.dumps(m))
+    (d / ckpt.MODEL_STATES).write_bytes(b"")
+    if complete:
+        (d / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {}}))
+    return d
+
+
+def _model_dict(*overrides: str) -> Dict:
+    return load_config(TINY_CONFIG, TEST_OVERRIDES + list(overrides)).model.to_dict()
+
+
+def ckpt_not_a_checkpoint(run: Path) -> None:
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "notes.txt").write_text("hello")
+
+
+def ckpt_other_model(run: Path) -> None:
+    _tag(run, "step_00000002", _model_dict("model.k=16"))
+
+
+def ckpt_incomplete(run: Path) -> None:
+    _tag(run, "step_00000002", _model_dict(), complete=False)
+
+
+def ckpt_corrupt_meta(run: Path) -> None:
+    d = _tag(run, "step_00000002", _model_dict())
+    (d / ckpt.META_FILE).write_text("{not json")
+
+
+def ckpt_newer_format(run: Path) -> None:
+    d = _tag(run, "step_00000002", _model_dict())
+    m = json.loads((d / ckpt.META_FILE).read_text())
+    (d / ckpt.META_FILE).write_text(json.dumps(m | {"format_version": 99}))
+
+
+def ckpt_dir_is_a_file(run: Path) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "checkpoints").write_text("a file, not a directory")
+
+
+# (id, extra overrides, setup(run_dir, data_dir) or None, damage of the data copy or None, message)
+MAIN_CASES = [
+    ("config-unknown-key", ["model.nope=1"], None, None, "model.nope: Key 'nope' not in"),
+    ("config-wrong-type", ["train.max_steps=ten"], None, None, "train.max_steps: Value 'ten'"),
+    ("config-k-too-large", ["model.k=512"], None, None, "model.k: k=512 must be in [1,"),
+    (
+        "config-heads-do-not-divide",
+        ["model.num_heads=3"],
+        None,
+        None,
+        "model.hidden_size: 64 is not divisible by num_heads=3",
+    ),
+    ("config-negative-lr", ["optimizer.lr=-1"], None, None, "optimizer.lr: must be > 0, got -1"),
+    (
+        "config-global-batch",
+        ["train.global_batch_size=10"],
+        None,
+        None,
+        "train.global_batch_size: 10 is not micro_batch_size",
+    ),
+    ("config-not-key-value", ["train.max_steps"], None, None, "is not of the form key=value"),
+    ("config-bad-precision", ["deepspeed.precision=fp8"], None, None, "must be fp32, bf16 or"),
+    (
+        "config-skip-unsupported",
+        ["train.nonfinite=skip", "deepspeed.precision=fp32", "deepspeed.zero.stage=0"],
+        None,
+        None,
+        "train.nonfinite: 'skip' needs an optimizer that DeepSpeed can make skip a step",
+    ),
+    (
+        "config-eval-resolver",
+        ["name=${eval:__import__}"],
+        None,
+        None,
+        "Unsupported interpolation type eval",
+    ),
+    ("data-missing", ["data.path=/nonexistent/data"], None, None, "no manifest.json"),
+    ("data-no-manifest", [], None, data_no_manifest, "no manifest.json (not a data_prep output)"),
+    ("data-corrupt-manifest", [], None, data_corrupt_manifest, "corrupt manifest"),
+    ("data-corrupt-shard", [], None, data_corrupt_shard, "is corrupt: not a readable .npy"),
+    ("data-truncated-shard", [], None, data_truncated_shard, "is truncated:"),
+    ("data-manifest-rows", [], None, data_manifest_rows, "manifest mismatch: split 'train' lists"),
+    ("data-empty-split", [], None, data_empty_split, "split 'train' is empty (0 rows)"),
+    ("data-no-such-split", ["data.train_split=nope"], None, None, "no split 'nope'"),
+    (
+        "data-vocab-larger-than-model",
+        ["model.vocab_size=1000"],
+        None,
+        None,
+        "dataset vocab_size 2000 > model vocab_size 1000",
+    ),
+    (
+        "data-seq-longer-than-model",
+        ["model.max_seq_len=64"],
+        None,
+        None,
+        "dataset seq_len 128 > model max_seq_len 64",
+    ),
+    (
+        "ckpt-missing-tag",
+        ["checkpoint.resume=step_00000100"],
+        None,
+        None,
+        "checkpoint.resume: tag 'step_00000100' not found",
+    ),
+    (
+        "ckpt-not-a-checkpoint",
+        ["checkpoint.resume=step_00000002"],
+        ckpt_not_a_checkpoint,
+        None,
+        "is not a linformer_ds checkpoint (no linformer_meta.json)",
+    ),
+    (
+        "ckpt-other-model",
+        [],
+        ckpt_other_model,
+        None,
+        "different model config (model.k: checkpoint 16 vs config 32)",
+    ),
+    (
+        "ckpt-incomplete-named",
+        ["checkpoint.resume=step_00000002"],
+        ckpt_incomplete,
+        None,
+        "is incomplete (no COMPLETE marker: the save was interrupted)",
+    ),
+    (
+        "ckpt-corrupt-meta",
+        ["checkpoint.resume=step_00000002"],
+        ckpt_corrupt_meta,
+        None,
+        "linformer_meta.json is unreadable",
+    ),
+    (
+        "ckpt-newer-format",
+        [],
+        ckpt_newer_format,
+        None,
+        "has format_version 99; this linformer_ds reads <= 1",
+    ),
+    (
+        "ckpt-dir-is-a-file",
+        [],
+        ckpt_dir_is_a_file,
+        None,
+        "checkpoint.dir {run}/checkpoints is not writable",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,setup,damage,message", [c[1:] for c in MAIN_CASES], ids=[c[0] for c in MAIN_CASES]
+)
+def test_trainer_entry_point(
+    overrides, setup, damage, message, tiny_corpus, corpus_copy, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    data = corpus_copy(tmp_path.name) if damage else tiny_corpus
+    if damage:
+        damage(data)
+    if setup:
+        setup(run)
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={data}", f"logging.dir={run}"]
+    rc = train.main(argv + list(overrides))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert message.format(run=run) in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not Path("/tmp/linformer_pwned").exists()
+
+
+def test_config_file_cannot_run_code(tmp_path, capsys):
+    """YAML tags that construct Python objects are refused (OmegaConf loads YAML safely), and no
+    resolver beyond OmegaConf's built-ins exists."""
+    from omegaconf import OmegaConf
+
+    target = tmp_path / "pwned"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"name: !!python/object/apply:os.system ['touch {target}']\n")
+    assert train.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not valid YAML" in err and not target.exists()
+    for name in ("eval", "exec", "python", "import", "shell", "env"):
+        assert not OmegaConf.has_resolver(name), name
+
+
+# ----------------------------------------------------------------------- dataset, directly
+def test_tokens_outside_vocabulary_named_with_row(corpus_copy):
+    d = corpus_copy("oov")
+    p = _shard(d)
+    arr = np.load(p)
+    arr[7, 5] = 65000
+    np.save(p, arr)
+    ds = ShardDataset(d, "train")
+    assert torch.equal(ds[6], torch.from_numpy(arr[6].astype(np.int64)))  # other rows fine
+    with pytest.raises(DataError, match=r"row 7 holds token id 65000 >= vocab_size 2000"):
+        ds[7]
+    with pytest.raises(DataError, match=r"sha256 .* does not match the manifest"):
+        ds.verify()
+
+
+# ----------------------------------------------------------------------- model input
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = ModelConfig(
+        vocab_size=100, max_seq_len=16, hidden_size=16, num_layers=1, num_heads=2,
+        intermediate_size=32, k=4,
+    )  # fmt: skip
+    return LinformerForMaskedLM(cfg).eval()
+
+
+MODEL_CASES = [
+    ("too-long", dict(input_ids=torch.ones(2, 17, dtype=torch.long)), ValueError,
+     "sequence length 17 exceeds the model's max_seq_len 16"),
+    ("float-ids", dict(input_ids=torch.ones(2, 8)), TypeError,
+     "input_ids must be an integer tensor, got dtype torch.float32"),
+    ("1d-ids", dict(input_ids=torch.ones(8, dtype=torch.long)), ValueError,
+     "input_ids must be [batch, seq_len], got shape (8,)"),
+    ("mask-shape", dict(input_ids=torch.ones(2, 8, dtype=torch.long),
+                        attention_mask=torch.ones(2, 7, dtype=torch.long)), ValueError,
+     "attention_mask shape (2, 7) does not match input_ids shape (2, 8)"),
+    ("labels-shape", dict(input_ids=torch.ones(2, 8, dtype=torch.long),
+                          labels=torch.ones(2, 4, dtype=torch.long)), ValueError,
+     "labels shape (2, 4) does not match input_ids (2, 8)"),
+    ("list-ids", dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a torch.Tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,message", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES]
+)
+def test_model_input(tiny_model, kwargs, exc, message):
+    with pytest.raises(exc) as e:
+        tiny_model(**kwargs)
+    assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------- export CLI
+def _export_cases(root: Path) -> List:
+    model = _model_dict()
+    good = root / "good"
+    _tag(good, "step_00000002", model)
+    (good / "checkpoints" / "latest").write_text("step_00000002")
+    nolatest = root / "nolatest"
+    _tag(nolatest, "step_00000002", model)
+    incomplete = root / "incomplete"
+    _tag(incomplete, "step_00000002", model, complete=False)
+    nometa = root / "nometa"
+    _tag(nometa, "step_00000002", model, meta=False)
+    out = root / "out_full"
+    out.mkdir()
+    (out / "x").write_text("x")
+    c = "checkpoints"
+    return [
+        ("no-dir", ["--checkpoint", str(root / "nope")], "no such directory"),
+        ("no-latest", ["--checkpoint", str(nolatest / c)], "has no 'latest' file"),
+        ("missing-tag", ["--checkpoint", str(good / c), "--tag", "step_9"], "tag 'step_9' not found"),
+        ("incomplete", ["--checkpoint", str(incomplete / c), "--tag", "step_00000002"],
+         "is incomplete (no COMPLETE marker"),
+        ("not-a-checkpoint", ["--checkpoint", str(nometa / c), "--tag", "step_00000002"],
+         "is not a linformer_ds checkpoint"),
+        ("no-tokenizer", ["--checkpoint", str(good / c), "--tokenizer", str(root / "nope.model")],
+         "tokenizer"),
+    ]  # fmt: skip
+
+
+EXPORT_IDS = [
+    "no-dir",
+    "no-latest",
+    "missing-tag",
+    "incomplete",
+    "not-a-checkpoint",
+    "no-tokenizer",
+]
+
+
+@pytest.mark.parametrize("index", range(len(EXPORT_IDS)), ids=EXPORT_IDS)
+def test_export_entry_point(index, tmp_path, capsys):
+    _, argv, message = _export_cases(tmp_path)[index]
+    rc = export_mod.main(argv + ["--out", str(tmp_path / "exported")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and err.startswith("export failed: "), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_export_bad_dtype_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        export_mod.main(
+            ["--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"), "--dtype", "int3"]
+        )
+    assert e.value.code == 2
+    assert "argument --dtype: invalid choice: 'int3'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------- launcher environment
+def test_bad_rank_variable(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(["--config", TINY_CONFIG]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "environment variable RANK must be an integer, got 'abc'" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_validation_falls_back_from_damaged_tags(tmp_path):
+    """Validate on load: the newest tags (truncated file, missing shard, no marker) are skipped
+    with a warning naming each problem; the newest valid tag is used."""
+    model = _model_dict()
+    d = tmp_path / "checkpoints"
+    good = _tag(tmp_path, "step_00000002", model)
+    (good / ckpt.MODEL_STATES).write_bytes(b"x" * 10)
+    (good / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {ckpt.MODEL_STATES: 10}}))
+    trunc = _tag(tmp_path, "step_00000004", model)
+    (trunc / ckpt.MODEL_STATES).write_bytes(b"x" * 5)
+    (trunc / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {ckpt.MODEL_STATES: 10}}))
+    shards = _tag(tmp_path, "step_00000006", model)
+    meta = json.loads((shards / ckpt.META_FILE).read_text())
+    (shards / ckpt.META_FILE).write_text(json.dumps(meta | {"zero_stage": 2, "world_size": 2}))
+    (shards / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    _tag(tmp_path, "step_00000008", model, complete=False)
+    (d / "latest").write_text("step_00000006")
+    with pytest.warns(UserWarning) as rec:
+        assert ckpt.latest_tag(str(d)) == "step_00000002"
+    msg = str(rec[0].message)
+    assert "step_00000008 (incomplete (no COMPLETE marker" in msg
+    assert "step_00000006 (1 optimizer shards for 2 saved ranks)" in msg
+    assert f"step_00000004 ({ckpt.MODEL_STATES} has 5 bytes, 10 when saved (truncated))" in msg
+    assert ckpt.remove_stale(str(d)) == ["step_00000008"]
