@@ -330,8 +330,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 def ensure_data(spec: DataSpec, seq_len: int, log: Any = None) -> Path:
     """The data_prep output for ``seq_len`` (built once, cached; one tokenizer for all N)."""
-    root = Path(spec.cache_dir) / f"{'_'.join(Path(s).name for s in spec.source)}-{_data_key(spec)}"
-    out = root / f"n{seq_len}"
+    out = data_dir(spec, seq_len)
+    root = out.parent
     stamp = out / "sweep_data.json"
     if stamp.is_file():
         return out
@@ -760,6 +760,36 @@ def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
     return written
 
 
+def data_dir(spec: DataSpec, seq_len: int) -> Path:
+    """Where ``ensure_data`` puts (or put) the data_prep output for ``seq_len``."""
+    key = "_".join(Path(x).name for x in spec.source)
+    return Path(spec.cache_dir) / f"{key}-{_data_key(spec)}" / f"n{seq_len}"
+
+
+def unigram_perplexity(path: Path, eval_tokens: Optional[int] = None) -> float:
+    """Perplexity of the train split's token frequencies (add-0.5) on the validation tokens
+    that MLM can mask (special ids excluded), the first ``eval_tokens`` of them: the level a
+    model reaches by predicting without context."""
+    import numpy as np
+
+    m = json.loads((path / "manifest.json").read_text())
+    special = sorted(set(m["special_ids"].values()))
+    v = int(m["vocab_size"])
+
+    def tokens(split: str) -> "np.ndarray":
+        files = [path / s["file"] for s in m["splits"][split]["shards"]]
+        return np.concatenate([np.load(f).ravel() for f in files]).astype(np.int64)
+
+    counts = np.bincount(tokens("train"), minlength=v).astype(np.float64) + 0.5
+    counts[special] = 0.0  # never an MLM target
+    p = counts / counts.sum()
+    valid = tokens("valid")
+    if eval_tokens is not None:
+        valid = valid[:eval_tokens]
+    valid = valid[~np.isin(valid, special)]
+    return float(math.exp(-np.log(p[valid]).mean()))
+
+
 def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: bool = True) -> Path:
     """results.json, results.csv, report.md and PNG plots under ``report_dir``."""
     rdir = Path(report_dir) if report_dir else cfg.out / "report"
@@ -802,6 +832,18 @@ def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: boo
         "",
         report_table(results),
     ]
+    built = [
+        n
+        for n in sorted({r["seq_len"] for r in results})
+        if (data_dir(cfg.data, n) / "manifest.json").is_file()
+    ]
+    if built:
+        ppl = unigram_perplexity(data_dir(cfg.data, built[0]), cfg.eval_tokens)
+        md += [
+            f"Context-free reference: the unigram perplexity of the training split on the "
+            f"validation tokens (N={built[0]} data) is {ppl:.1f}.",
+            "",
+        ]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     path = rdir / "report.md"
     path.write_text("\n".join(md) + "\n")

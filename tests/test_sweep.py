@@ -251,3 +251,28 @@ def test_bad_sweep_files_name_the_problem(tmp_path, patch, message):
     assert message in str(e.value)
     proc = _cli([str(path), "--dry-run"])
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_unigram_reference_matches_a_direct_count(swept):
+    """The report's context-free perplexity, against a plain-Python count of the same shards."""
+    import collections
+
+    import numpy as np
+
+    cfg = sweep.load_sweep(str(swept["path"]), out=str(swept["out"]))
+    path = sweep.data_dir(cfg.data, 128)
+    m = json.loads((path / "manifest.json").read_text())
+    special = set(m["special_ids"].values())
+
+    def ids(split):
+        return [
+            int(t) for s in m["splits"][split]["shards"] for t in np.load(path / s["file"]).ravel()
+        ]
+
+    counts = collections.Counter(t for t in ids("train") if t not in special)
+    total = sum(counts.values()) + 0.5 * (2000 - len(special))
+    valid = [t for t in ids("valid") if t not in special]
+    nll = -sum(math.log((counts[t] + 0.5) / total) for t in valid) / len(valid)
+    assert sweep.unigram_perplexity(path) == pytest.approx(math.exp(nll), rel=1e-9)
+    md = (swept["out"] / "report" / "report.md").read_text()
+    assert f"is {sweep.unigram_perplexity(path):.1f}." in md

@@ -2,6 +2,7 @@
 layerwise-shared projection, activation checkpointing, exact resume, dense, config errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -132,15 +133,26 @@ def test_config_errors_fail_before_training(overrides, message, tmp_path):
 
 
 def test_print_config_and_derived_deepspeed_json():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        and not k.startswith(("SLURM_", "OMPI_", "PMI"))
+    }
     proc = subprocess.run(
         [sys.executable, PRETRAIN, "--config", TINY_CONFIG, "--print-config", "model.k=32"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "k: 32" in proc.stdout and '"train_batch_size": 8' in proc.stdout
+    assert "k: 32" in proc.stdout, (
+        proc.stdout[-2000:],
+        proc.stderr[-2000:],
+        sorted(os.environ),
+    ) and '"train_batch_size": 8' in proc.stdout
     cfg = load_config(
         TINY_CONFIG,
         [
