@@ -51,6 +51,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--k", type=int, default=128)
     g.add_argument("--vocab", type=int, default=8000)
     g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    g.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    g.add_argument("--stat", default="min", choices=["min", "median"], help="over --iters")
     return p.parse_args(argv)
 
 
@@ -69,14 +71,21 @@ def inference_main(args: argparse.Namespace) -> int:
         k=args.k,
     )
     rows = sweep.time_inference(
-        args.seq_lens, INFER_VARIANTS, model, batch=args.batch, iters=args.iters, dtype=args.dtype
+        args.seq_lens,
+        INFER_VARIANTS,
+        model,
+        batch=args.batch,
+        iters=args.iters,
+        dtype=args.dtype,
+        threads=args.threads,
+        stat=args.stat,
     )
     table = sweep.inference_table(rows)
     head = (
         f"Encoder forward only, batch {args.batch}, {args.layers} layers, hidden "
-        f"{args.hidden}, {args.heads} heads, k={args.k}, {args.dtype}, median of "
+        f"{args.hidden}, {args.heads} heads, k={args.k}, {args.dtype}, {args.stat} of "
         f"{args.iters}; torch {torch.__version__}, {platform.processor() or platform.machine()}"
-        f", {torch.get_num_threads()} threads.\n\n"
+        f", {torch.get_num_threads()} threads. In parentheses: dense time / variant time.\n\n"
     )
     print(head + table)
     if args.out:

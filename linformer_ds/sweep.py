@@ -621,9 +621,46 @@ def report_table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def pivot_tables(results: List[Dict[str, Any]]) -> str:
+    """Markdown: final validation perplexity against N, k and lr; one row per series (variant,
+    the other axes and the seed) that has at least two values of that axis."""
+    out = []
+    done = [r for r in results if r["status"] in FINISHED]
+    for axis, title in (("seq_len", "N"), ("k", "k"), ("lr", "learning rate")):
+        series = _series(done, axis)
+        if not series:
+            continue
+        xs = sorted({x for s in series.values() for x in s if x is not None})
+        names = [a for a in ("variant", "seq_len", "k", "lr", "seed") if a != axis]
+        out += [f"Final validation perplexity vs {title}:", ""]
+        out.append("| series | " + " | ".join(f"{title}={x:g}" for x in xs) + " |")
+        out.append("|" + "---|" * (len(xs) + 1))
+        for key, by_x in series.items():
+            label = ", ".join(
+                str(v) if n == "variant" else f"{n}={v:g}"
+                for n, v in zip(names, key)
+                if v is not None
+            )
+            cells = []
+            for x in xs:
+                runs = by_x.get(x, [])
+                oks = [r["final_eval_ppl"] for r in runs if r["status"] == "ok"]
+                div = sum(r["status"] == "diverged" for r in runs)
+                cell = f"{statistics.mean(oks):.1f}" if oks else ""
+                if div:
+                    cell += f" (**{div}/{len(runs)} diverged**)" if oks else "**DIVERGED**"
+                elif len(oks) > 1:
+                    cell += f" (n={len(oks)})"
+                cells.append(cell or "-")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 def _series(results: List[Dict[str, Any]], axis: str) -> Dict[tuple, Dict[Any, List[dict]]]:
-    """Group finished results by everything but ``axis`` (and seed): key -> axis value -> runs."""
-    keys = [a for a in ("variant", "seq_len", "k", "lr") if a != axis]
+    """Group finished results by everything but ``axis``: key -> axis value -> runs (one series
+    per seed: seeds shift all variants alike, so a mean over unequal seed sets would mislead)."""
+    keys = [a for a in ("variant", "seq_len", "k", "lr", "seed") if a != axis]
     out: Dict[tuple, Dict[Any, List[dict]]] = {}
     for r in results:
         if r["status"] not in FINISHED:
@@ -697,10 +734,10 @@ def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
         top = max(
             (
                 r["final_eval_ppl"]
-                for r in done
-                if r["final_eval_ppl"] is not None
-                and math.isfinite(r["final_eval_ppl"])
-                and r["status"] == "ok"
+                for by_x in series.values()
+                for runs in by_x.values()
+                for r in runs
+                if r["status"] == "ok"
             ),
             default=1.0,
         )
@@ -713,7 +750,7 @@ def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
                 ys.append(statistics.mean(oks) if oks else float("nan"))
                 if any(r["status"] == "diverged" for r in runs):
                     div_x.append(x)
-            names = [a for a in ("variant", "seq_len", "k", "lr") if a != axis]
+            names = [a for a in ("variant", "seq_len", "k", "lr", "seed") if a != axis]
             label = " ".join(
                 f"{n}={v}" if n != "variant" else str(v)
                 for n, v in zip(names, key)
@@ -731,15 +768,16 @@ def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
             if div_x:
                 ax.plot(div_x, [top * 1.15] * len(div_x), "x", color=color, ms=11, mew=2.5)
         if axis == "k":  # dense at the same (N, lr) as a k series: a horizontal reference
-            shown = {(key[1], key[2]) for key in series}
+            shown = {(key[1], key[2], key[3]) for key in series}
             for r in done:
-                if r["k"] is None and r["status"] == "ok" and (r["seq_len"], r["lr"]) in shown:
+                where = (r["seq_len"], r["lr"], r["seed"])
+                if r["k"] is None and r["status"] == "ok" and where in shown:
                     ax.axhline(
                         r["final_eval_ppl"],
                         color=colors[r["variant"]],
                         ls=":",
                         lw=1,
-                        label=f"{r['variant']} N={r['seq_len']} lr={r['lr']:g}",
+                        label=f"{r['variant']} N={r['seq_len']} lr={r['lr']:g} seed={r['seed']}",
                     )
         ax.set_xlabel(f"{xlabel}  (x at the top: diverged)")
         ax.set_ylabel("final validation perplexity")
@@ -790,6 +828,10 @@ def unigram_perplexity(path: Path, eval_tokens: Optional[int] = None) -> float:
     return float(math.exp(-np.log(p[valid]).mean()))
 
 
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: bool = True) -> Path:
     """results.json, results.csv, report.md and PNG plots under ``report_dir``."""
     rdir = Path(report_dir) if report_dir else cfg.out / "report"
@@ -826,7 +868,7 @@ def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: boo
     md = [
         f"# Sweep report: {cfg.name}",
         "",
-        f"Sweep file: `{cfg.path}`; runs: `{cfg.out / 'runs'}`.",
+        f"Sweep file: `{_rel(cfg.path)}`; runs: `{_rel(cfg.out / 'runs')}`.",
         "",
         "Points: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".",
         "",
@@ -844,6 +886,7 @@ def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: boo
             f"validation tokens (N={built[0]} data) is {ppl:.1f}.",
             "",
         ]
+    md += [pivot_tables(results)]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
     path = rdir / "report.md"
     path.write_text("\n".join(md) + "\n")
@@ -860,11 +903,13 @@ def time_inference(
     warmup: int = 1,
     dtype: str = "bf16",
     threads: Optional[int] = None,
+    stat: str = "min",
 ) -> List[Dict[str, Any]]:
     """Encoder forward wall time per sample (ms) of each variant at each N, same batch/width.
 
     The variants alternate in the inner loop so that machine drift hits them alike; the
-    median of ``iters`` timed forwards is reported.
+    fastest (``stat="min"``, robust on a shared machine) or the median of ``iters`` timed
+    forwards is reported.
     """
     import torch
 
@@ -893,7 +938,7 @@ def time_inference(
                     if it >= warmup:
                         times[name].append(time.perf_counter() - t0)
         for name in models:
-            med = statistics.median(times[name])
+            med = min(times[name]) if stat == "min" else statistics.median(times[name])
             rows.append(
                 {
                     "variant": name,
