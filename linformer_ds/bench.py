@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, flops_per_token
+from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
 VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
@@ -134,28 +135,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds one call of ``fn`` takes (CUDA events on GPU, perf_counter on CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def measure_gemm_peak(device: torch.device, n: int = 4096, reps: int = 10) -> float:
     """Best-of-``reps`` FLOP/s of an ``n x n x n`` bf16 matrix multiply."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    torch.matmul(a, b, out=c)  # warm up kernels
-    best = min(time_call(lambda: torch.matmul(a, b, out=c), device) for _ in range(reps))
-    return 2.0 * n**3 / best
+    return measure_matmul_peak_tflops(torch.bfloat16, device, n, reps) * 1e12
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:

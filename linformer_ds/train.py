@@ -308,7 +308,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             cfg.deepspeed.precision, torch.float32
         )
-        peak = measure_matmul_peak_tflops(dtype, str(device), size=2048 if on_cpu else 8192)
+        peak = measure_matmul_peak_tflops(
+            dtype, str(device), size=2048 if on_cpu else 8192, repeats=5
+        )
     seq_len = train_ds.seq_len
     flops_tok = model.flops_per_token(seq_len, mlm_fraction=cfg.data.mlm_probability)
 

@@ -47,8 +47,8 @@ pytestmark = pytest.mark.slow  # 2-rank DeepSpeed jobs (CI runs them)
 
 
 # ============================================================================== rank worker
-def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
-    """One rank of the checkpoint-making job (run as ``python tests/test_export.py ...``)."""
+def _init_rank(rank: int, world: int, port: int):
+    """Join a single-node gloo group as ``rank`` of ``world``; returns (deepspeed, deepspeed.comm)."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -59,10 +59,17 @@ def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return deepspeed, dist
+
+
+def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
+    """One rank of the checkpoint-making job (run as ``python tests/test_export.py ...``)."""
+    deepspeed, dist = _init_rank(rank, world, port)
+
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
 
     spec = json.loads(Path(spec_path).read_text())
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     for name, (stage, options) in spec["cases"].items():
         torch.manual_seed(0)
         model_config = ModelConfig(**{**spec["base_model"], **options})
@@ -127,15 +134,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
 def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
     """Resume each real-trainer checkpoint into a DeepSpeed engine, as training resumes it, and
     dump that engine's MLM logits on a fixed input (the reference for the exported model)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    import deepspeed
-    import deepspeed.comm as dist
+    deepspeed, dist = _init_rank(rank, world, port)
 
     from linformer_ds.config import JobConfig
     from linformer_ds.config import deepspeed_config as make_ds_config
@@ -143,7 +142,6 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
     from linformer_ds.train import param_groups
 
     spec = json.loads(Path(spec_path).read_text())
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     for ckpt, out in spec["reload"]:
         tag = Path(ckpt, "latest").read_text().strip()
         meta = json.loads(Path(ckpt, tag, "linformer_meta.json").read_text())
