@@ -306,14 +306,16 @@ t = torch.tensor([float(info["rank"] + 1)])
 dist.all_reduce(t)
 ranks = [None] * info["world_size"]
 dist.all_gather_object(ranks, info["rank"])
-print("PROBE " + json.dumps({**info, "sum": t.item(), "gathered": ranks}), flush=True)
+# one file per rank: the ranks' stdout lines interleave under mpirun
+with open(os.path.join(sys.argv[2], f"probe-{info['rank']}.json"), "w") as f:
+    json.dump({**info, "sum": t.item(), "gathered": ranks}, f)
 dist.destroy_process_group()
 """
 
 
-def probe_results(output: str) -> list:
-    """The PROBE json lines of a multi-rank run, sorted by rank."""
-    rows = [json.loads(line[6:]) for line in output.splitlines() if line.startswith("PROBE ")]
+def probe_results(out_dir: Path) -> list:
+    """The per-rank probe results of a multi-rank run, sorted by rank."""
+    rows = [json.loads(p.read_text()) for p in out_dir.glob("probe-*.json")]
     return sorted(rows, key=lambda r: r["rank"])
 
 
@@ -331,10 +333,10 @@ def test_mpirun_two_ranks_discover_distinct_ranks_and_all_reduce(mode, tmp_path)
     env = {k: v for k, v in env.items() if k not in REQUIRED_VARS}
     env["PYTHONPATH"] = str(REPO)
     cmd = [mpirun, "-np", "2", "--oversubscribe", "--allow-run-as-root"]
-    cmd += [sys.executable, str(script), mode]
+    cmd += [sys.executable, str(script), mode, str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = probe_results(proc.stdout)
+    rows = probe_results(tmp_path)
     assert [r["rank"] for r in rows] == [0, 1]
     assert [r["local_rank"] for r in rows] == [0, 1]
     assert {r["launcher"] for r in rows} == {"mpi"}

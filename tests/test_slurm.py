@@ -209,7 +209,7 @@ def test_mpirun_inside_sbatch_trains_the_tiny_config(
 
 
 PROBE = r"""
-import json, sys
+import json, os, sys
 from linformer_ds.dist_env import setup_distributed_env
 info = setup_distributed_env()
 import torch
@@ -217,7 +217,9 @@ import torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://")
 t = torch.tensor([float(info["rank"] + 1)])
 dist.all_reduce(t)
-print("PROBE " + json.dumps({**info, "sum": t.item(), "how": sys.argv[1]}), flush=True)
+# one file per rank and launch: the ranks' stdout lines may interleave in the job log
+with open(f"probe-{sys.argv[1]}-{info['rank']}.json", "w") as f:
+    json.dump({**info, "sum": t.item(), "how": sys.argv[1]}, f)
 dist.destroy_process_group()
 """
 
@@ -242,7 +244,7 @@ def test_rank_discovery_under_srun_pmix_and_deepspeed_slurm_launcher(slurm_clust
     info = slurm_cluster.wait(job_id, timeout=240)
     log = (tmp_path / f"{job_id}.out").read_text()
     assert (info.state, info.exit_code) == ("COMPLETED", "0:0"), log
-    rows = [json.loads(line[6:]) for line in log.splitlines() if line.startswith("PROBE ")]
+    rows = [json.loads(p.read_text()) for p in tmp_path.glob("probe-*.json")]
     for step, how in enumerate(("pmix", "deepspeed")):
         got = sorted((r for r in rows if r["how"] == how), key=lambda r: r["rank"])
         assert [(r["rank"], r["local_rank"], r["world_size"]) for r in got] == [
