@@ -38,7 +38,8 @@ from linformer_ds.config import JobConfig, to_dict
 FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
 COMPLETE_FILE = "COMPLETE"
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2: one file, written by rank 0
+ZERO3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
 UNIVERSAL_DIR = "universal"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
 META_KEYS = ("format_version", "step", "epoch", "sampler", "world_size", "zero_stage", "model")
@@ -111,11 +112,17 @@ def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
             return f"{name} is missing"
         if os.path.getsize(path) != size:
             return f"{name} has {os.path.getsize(path)} bytes, {size} when saved (truncated)"
-    if not os.path.isfile(os.path.join(d, MODEL_STATES)):
+    saved_ranks = int(meta["world_size"])
+    if int(meta.get("zero_stage", 0)) == 3:  # ZeRO-3: one model-states file per rank
+        ranks = [ZERO3_MODEL_STATES.format(rank=r) for r in range(saved_ranks)]
+        missing = [name for name in ranks if not os.path.isfile(os.path.join(d, name))]
+        if missing:
+            return f"{missing[0]} is missing ({len(missing)} of {saved_ranks} rank files)"
+    elif not os.path.isfile(os.path.join(d, MODEL_STATES)):
         return f"{MODEL_STATES} is missing"
     shards = glob.glob(os.path.join(d, "*_optim_states.pt"))
-    if shards and int(meta.get("zero_stage", 0)) > 0 and len(shards) != int(meta["world_size"]):
-        return f"{len(shards)} optimizer shards for {meta['world_size']} saved ranks"
+    if shards and int(meta.get("zero_stage", 0)) > 0 and len(shards) != saved_ranks:
+        return f"{len(shards)} optimizer shards for {saved_ranks} saved ranks"
     return None
 
 

@@ -278,3 +278,28 @@ def setup_distributed_env(
         "master_port": _int_var(env, "MASTER_PORT"),
         "set": added,
     }
+
+
+# ------------------------------------------------------------------- DeepSpeed's CPU shm all-reduce
+SHM_OP = "deepspeed_shm_comm"
+
+
+def disable_deepspeed_shm_allreduce() -> None:
+    """Keep ``deepspeed.init_distributed`` from building and mapping its CPU shared-memory op.
+
+    On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` and every rank creates a
+    ~66 MB segment ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` that it
+    never unlinks (deepspeed 0.19). The op serves only ``inference_all_reduce`` (tensor-parallel
+    inference), none of training's collectives, which go through gloo. Left on, every CPU run
+    leaks 66 MB of RAM per rank until /dev/shm fills (then ranks die with SIGBUS or hang on the
+    shm flags), and a later job that draws the same port maps a stale peer's segment.
+    Call before ``deepspeed.init_distributed``; a no-op where DeepSpeed lacks the op table.
+    """
+    import deepspeed.ops
+
+    try:
+        table = deepspeed.ops.__compatible_ops__  # probed once per process; DeepSpeed reads it
+    except AttributeError:
+        return
+    if SHM_OP in table:
+        table[SHM_OP] = False

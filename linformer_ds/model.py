@@ -22,7 +22,7 @@ Sharing modes (the paper's section 4 meaning):
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -516,15 +516,15 @@ class LinformerEncoder(nn.Module):
 
 
 # ========================================================================================= heads
-@dataclass
-class MaskedLMOutput:
+# NamedTuples, not dataclasses: ZeRO-3's module hooks see the tensors inside tuples (and warn
+# about, and skip, unknown output types)
+class MaskedLMOutput(NamedTuple):
     loss: Optional[torch.Tensor]
     logits: torch.Tensor  # [B, n, V]; with labels: [M, V] for the M positions with label != -100
     labels: Optional[torch.Tensor] = None  # with labels: the [M] targets matching `logits`
 
 
-@dataclass
-class SequenceClassifierOutput:
+class SequenceClassifierOutput(NamedTuple):
     loss: Optional[torch.Tensor]
     logits: torch.Tensor  # [B, num_labels]
 

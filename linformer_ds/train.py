@@ -131,10 +131,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from linformer_ds.dist_env import DistEnvError
 
     try:
-        return _main(argv)
+        code = _main(argv)
     except (ckpt.CheckpointError, DataError, ConfigError, DistEnvError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    if code in (0, EXIT_PREEMPTED, EXIT_NONFINITE) and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # every rank got here: a clean teardown
+    return code
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -205,9 +208,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+
     acc = get_accelerator()
     on_cpu = acc.device_name() == "cpu"
     backend = cfg.deepspeed.dist_backend or ("gloo" if on_cpu else acc.communication_backend_name())
+    disable_deepspeed_shm_allreduce()  # training never uses it; it leaks /dev/shm on CPU
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     device = torch.device("cpu") if on_cpu else torch.device(acc.device_name(local_rank))
     if not on_cpu:

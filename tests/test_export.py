@@ -59,6 +59,9 @@ def _init_rank(rank: int, world: int, port: int):
     import deepspeed
     import deepspeed.comm as dist
 
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+
+    disable_deepspeed_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     return deepspeed, dist
 

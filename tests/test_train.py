@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,47 @@ def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
     meta = json.loads((part / "checkpoints" / "step_00000008" / "linformer_meta.json").read_text())
     assert meta["step"] == 8 and meta["sampler"]["consumed"] == 8 * 4 * 2
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+
+
+def shm_segments() -> set:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
+def test_zero3_resume_exact_and_on_one_rank(tiny_corpus, tmp_path):
+    """ZeRO-3 checkpoints (one model-states file per rank) resume: bit-exact on the same 2 ranks,
+    and on 1 rank through DeepSpeed's universal checkpoint with the LR schedule continuing."""
+    common = ["deepspeed.zero.stage=3", "train.max_steps=6", "checkpoint.keep_last=0"]
+    common += ["checkpoint.save_interval=3"]
+    full, part, one = tmp_path / "full", tmp_path / "part", tmp_path / "one"
+    shm_before = shm_segments()
+    run_pretrain(tiny_corpus, full, common)
+    # DeepSpeed's CPU shm all-reduce op is kept off: no /dev/shm segment outlives the run
+    assert shm_segments() == shm_before
+    tag3 = full / "checkpoints" / "step_00000003"
+    assert sorted(p.name for p in tag3.glob("zero_pp_rank_*_model_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
+    run_pretrain(tiny_corpus, part, common + ["train.stop_at_step=3"])
+    proc = run_pretrain(tiny_corpus, part, common)
+    assert "[resume] " in proc.stdout and "step 3, epoch 0, sampler consumed 24" in proc.stdout
+    assert sorted(read_metrics(part)) == [1, 2, 3, 4, 5, 6]  # 4-6 from the resumed process
+    assert losses(part, range(1, 7)) == losses(full, range(1, 7))  # exact, not approximate
+
+    (one / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tag3, one / "checkpoints" / tag3.name)
+    (one / "checkpoints" / "latest").write_text(tag3.name)
+    proc = run_pretrain(
+        tiny_corpus, one, common + ["train.micro_batch_size=8"], nproc=1, launcher="python"
+    )
+    assert "saved by 2 rank(s), this run has 1: converting" in proc.stdout
+    ref, got = read_metrics(full), read_metrics(one)
+    assert sorted(got) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got[s]["lr"] == ref[s]["lr"]
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
+    meta = json.loads((one / "checkpoints" / "step_00000006" / "linformer_meta.json").read_text())
+    assert meta["world_size"] == 1 and meta["zero_stage"] == 3 and meta["step"] == 6
 
 
 def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
