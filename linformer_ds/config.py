@@ -234,6 +234,15 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
             "deepspeed.activation_checkpointing.number_checkpoints",
             f"must be in [1, model.num_layers={cfg.model.num_layers}], got {ac.number_checkpoints}",
         )
+    ds_ac = [k for k in ("partition_activations", "cpu_checkpointing") if getattr(ac, k)]
+    if ac.enabled and ds_ac and z.stage == 3:
+        bad(
+            f"deepspeed.activation_checkpointing.{ds_ac[0]}",
+            "DeepSpeed's own checkpointing (partition_activations / cpu_checkpointing) breaks "
+            "the backward pass under zero.stage=3 in deepspeed 0.19 (emptied inputs, lost "
+            "autocast); with ZeRO-3 use activation_checkpointing.enabled=true with both off "
+            "(torch's non-reentrant checkpointing), or zero.stage <= 2",
+        )
     if cfg.checkpoint.resume not in ("auto", "never") and "/" in cfg.checkpoint.resume:
         bad("checkpoint.resume", "must be auto, never or a tag name inside checkpoint.dir")
     if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.save_interval < 0:

@@ -212,6 +212,13 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     acc = get_accelerator()
     on_cpu = acc.device_name() == "cpu"
+    supported = {"fp16": acc.is_fp16_supported, "bf16": acc.is_bf16_supported}
+    if cfg.deepspeed.precision in supported and not supported[cfg.deepspeed.precision]():
+        raise ConfigError(
+            f"deepspeed.precision: {cfg.deepspeed.precision} is not supported by this machine's "
+            f"{acc.device_name()} accelerator (DeepSpeed's check); use "
+            f"{'bf16 or fp32' if cfg.deepspeed.precision == 'fp16' else 'fp32'}"
+        )
     backend = cfg.deepspeed.dist_backend or ("gloo" if on_cpu else acc.communication_backend_name())
     disable_deepspeed_shm_allreduce()  # training never uses it; it leaks /dev/shm on CPU
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -231,7 +238,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 non_reentrant_checkpoint,
             )
 
-            fn = non_reentrant_checkpoint
+            def fn(layer, x, mask, shared):
+                # Only the activation goes through DeepSpeed's checkpoint: its partitioned path
+                # mis-pairs tensors with their sizes when non-tensor arguments (the shared
+                # projection module, a None mask) are passed along (deepspeed 0.19).
+                return non_reentrant_checkpoint(lambda h: layer(h, mask, shared), x)
         else:
             # Non-reentrant: correct with the layerwise-shared projection under ZeRO-2/3
             # (reentrant checkpointing triggers DeepSpeed issue 988).

@@ -24,23 +24,21 @@ def losses(run_dir, steps):
 
 @pytest.fixture(scope="module")
 def fp32_runs(tiny_corpus, tmp_path_factory):
-    """Lazily run (and cache) 6-step fp32 runs keyed by (zero stage, activation checkpointing)."""
+    """Lazily run (and cache) 6-step fp32 runs keyed by (zero stage, activation checkpointing:
+    "" off, "torch" torch's non-reentrant, "ds" DeepSpeed's partitioned + CPU checkpointing)."""
     cache = {}
 
-    def get(stage: int, ac: bool = False):
+    def get(stage: int, ac: str = ""):
         if (stage, ac) not in cache:
-            run = tmp_path_factory.mktemp(f"z{stage}{'ac' if ac else ''}")
-            proc = run_pretrain(
-                tiny_corpus,
-                run,
-                FP32
-                + [
-                    f"deepspeed.zero.stage={stage}",
-                    "train.max_steps=6",
-                    f"deepspeed.activation_checkpointing.enabled={str(ac).lower()}",
-                ],
-            )
-            cache[(stage, ac)] = (run, proc)
+            run = tmp_path_factory.mktemp(f"z{stage}{ac}")
+            overrides = [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
+            overrides.append(f"deepspeed.activation_checkpointing.enabled={str(bool(ac)).lower()}")
+            if ac == "ds":
+                overrides += [
+                    "deepspeed.activation_checkpointing.partition_activations=true",
+                    "deepspeed.activation_checkpointing.cpu_checkpointing=true",
+                ]
+            cache[(stage, ac)] = (run, run_pretrain(tiny_corpus, run, FP32 + overrides))
         return cache[(stage, ac)]
 
     return get
@@ -64,11 +62,12 @@ def test_zero_stages_match_zero0(fp32_runs, stage):
     assert (run / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_activation_checkpointing_same_gradients(fp32_runs, stage):
+@pytest.mark.parametrize("stage,ac", [(2, "torch"), (3, "torch"), (2, "ds")])
+def test_activation_checkpointing_same_gradients(fp32_runs, stage, ac):
     """Non-reentrant checkpointing with the shared projection (DeepSpeed issue 988 is the
-    trap with reentrant): the same gradient norms and losses as without checkpointing."""
-    ref, got = read_metrics(fp32_runs(2)[0]), read_metrics(fp32_runs(stage, ac=True)[0])
+    trap with reentrant), torch's or DeepSpeed's with partitioned activations kept on the CPU:
+    the same gradient norms and losses as without checkpointing."""
+    ref, got = read_metrics(fp32_runs(2)[0]), read_metrics(fp32_runs(stage, ac)[0])
     for s in range(1, 7):
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=2e-4, abs=2e-4)
         assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=2e-3)
@@ -166,6 +165,14 @@ def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
         (["deepspeed.zero.offload_param=true"], "deepspeed.zero.offload_param: needs zero.stage=3"),
         (["train.global_batch_size=10"], "train.global_batch_size: 10 is not micro_batch_size"),
         (["train.max_steps"], "override 'train.max_steps' is not of the form key=value"),
+        (
+            [
+                "deepspeed.zero.stage=3",
+                "deepspeed.activation_checkpointing.enabled=true",
+                "deepspeed.activation_checkpointing.cpu_checkpointing=true",
+            ],
+            "deepspeed.activation_checkpointing.cpu_checkpointing: DeepSpeed's own checkpointing",
+        ),
     ],
 )
 def test_config_errors_fail_before_training(overrides, message, tmp_path):
@@ -250,3 +257,21 @@ def test_resume_refuses_other_model(tiny_corpus, tmp_path):
         "different model config (model.k: checkpoint 32 vs config 16)" in proc.stdout + proc.stderr
     )
     shutil.rmtree(tmp_path / "checkpoints")
+
+
+def test_precision_the_accelerator_lacks_is_a_config_error(tiny_corpus, tmp_path):
+    """fp16 on a CPU without fp16 kernels: exit 2 naming the key, before DeepSpeed's engine
+    raises from deep inside; where the CPU has them, fp16 trains with loss scaling."""
+    import torch
+
+    over = ["deepspeed.precision=fp16", "train.max_steps=2", "deepspeed.zero.stage=2"]
+    proc = run_pretrain(tiny_corpus, tmp_path, over, nproc=1, launcher="python", check=False)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():  # DeepSpeed's CPU fp16 check
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(read_metrics(tmp_path)) == [1, 2]
+    else:
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "error: deepspeed.precision: fp16 is not supported by this machine's cpu" in (
+            proc.stderr
+        )
+        assert "Traceback" not in proc.stderr
