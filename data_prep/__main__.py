@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SRC",
         help="'stdlib' (this interpreter's standard library .py files), local files, "
         "directories or globs (text: one document per file; .jsonl/.csv/.tsv/.parquet: one per "
-        "record), or hf:NAME[:CONFIG][:SPLIT] (a Hugging Face dataset; needs the Hub)",
+        "record), or hf:NAME[:CONFIG][:SPLIT] (a Hugging Face dataset: a Hub name, which needs the "
+        "Hub, a local directory of data files, or a directory written by save_to_disk)",
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per row (N)")

@@ -11,6 +11,8 @@ kept apart in ``pad`` packing:
 * ``stdlib``: every ``.py`` file of the running interpreter's standard library
   (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``), sorted;
 * ``hf:NAME[:CONFIG][:SPLIT]``: the rows of a Hugging Face dataset (streamed), text column.
+  NAME is a Hub dataset, a local directory of data files (``load_dataset``), or a directory
+  written by ``save_to_disk`` (``load_from_disk``; SPLIT picks from a saved DatasetDict).
 
 Files are read as UTF-8; each undecodable byte becomes one U+FFFD and is counted
 (``SourceStats.undecodable_bytes``). Directories are walked recursively in sorted order, hidden
@@ -289,6 +291,43 @@ class Source:
 
     def _iter_hf(self, hf: HFSpec) -> Iterator[str]:
         where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
+        if is_saved_dataset(hf.name):
+            rows = self._saved_dataset_rows(hf, where)
+            first = next(rows, None)
+        else:
+            rows, first = self._hub_rows(hf, where)
+        if first is None:
+            return
+        if self.text_column not in first:
+            raise self._column_error(where, first.keys())
+        for i, row in enumerate(_chain_first(first, rows)):
+            text = self._text_value(row[self.text_column], f"{where} row {i}")
+            if text is not None:
+                self.stats.bytes += len(text.encode("utf-8"))
+                self.stats.documents += 1
+                yield text
+
+    @staticmethod
+    def _saved_dataset_rows(hf: HFSpec, where: str) -> Iterator[Any]:
+        """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(hf.name)
+        except Exception as e:
+            raise DataPrepError(f"could not load {where}: {type(e).__name__}: {e}") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if hf.split not in ds:
+                raise DataPrepError(
+                    f"{where}: the saved dataset has no split {hf.split!r} (splits: "
+                    f"{', '.join(sorted(ds))}); name one as hf:PATH::SPLIT"
+                )
+            ds = ds[hf.split]
+        return iter(ds)
+
+    @staticmethod
+    def _hub_rows(hf: HFSpec, where: str):
+        """``load_dataset`` streamed: a Hub name, or a local directory of data files."""
         try:
             import datasets
 
@@ -301,16 +340,14 @@ class Source:
                 "or the Hub is unreachable, download the data elsewhere and pass local files "
                 "(text, .jsonl, .csv, .parquet) to --source instead."
             ) from e
-        if first is None:
-            return
-        if self.text_column not in first:
-            raise self._column_error(where, first.keys())
-        for i, row in enumerate(_chain_first(first, rows)):
-            text = self._text_value(row[self.text_column], f"{where} row {i}")
-            if text is not None:
-                self.stats.bytes += len(text.encode("utf-8"))
-                self.stats.documents += 1
-                yield text
+        return rows, first
+
+
+def is_saved_dataset(path: str) -> bool:
+    """``path`` is a directory written by ``datasets``' ``save_to_disk``."""
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")
+    )
 
 
 def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

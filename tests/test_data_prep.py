@@ -531,3 +531,40 @@ def test_hf_dataset_offline_is_a_clear_error(tmp_path):
     assert "could not load Hugging Face dataset 'no-such-org/no-such-corpus'" in r.stderr
     assert "pass local files" in r.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_hf_sources_from_local_datasets_equal_the_same_documents_as_jsonl(tmp_path, monkeypatch):
+    """The ``hf:`` path through ``datasets`` with no Hub: a ``save_to_disk`` DatasetDict (split
+    picked by name) and a local parquet directory (``load_dataset``) give shards bit-identical
+    to the same documents read from a local .jsonl file."""
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = make_docs(60, seed=3)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    table = {"text": docs, "id": list(range(len(docs)))}
+    saved = tmp_path / "saved"
+    other = {"text": ["unused"], "id": [0]}
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(table), "test": datasets.Dataset.from_dict(other)}
+    ).save_to_disk(str(saved))
+    pq = tmp_path / "pq"
+    pq.mkdir()
+    datasets.Dataset.from_dict(table).to_parquet(str(pq / "part-0.parquet"))
+
+    ref = run(tmp_path, "ref", [str(jsonl)])
+    got_saved = run(tmp_path, "saved_out", [f"hf:{saved}::train"])
+    got_pq = run(tmp_path, "pq_out", [f"hf:{pq}"])
+    for got in (got_saved, got_pq):
+        assert got["tokenizer"]["sha256"] == ref["tokenizer"]["sha256"]
+        for split in ("train", "valid"):
+            assert got["splits"][split]["documents"] == ref["splits"][split]["documents"]
+            sha = [s["sha256"] for s in got["splits"][split]["shards"]]
+            assert sha == [s["sha256"] for s in ref["splits"][split]["shards"]], split
+    assert ref["splits"]["train"]["documents"] + ref["splits"]["valid"]["documents"] == 60
+
+    with pytest.raises(DataPrepError, match=r"no split 'validation' \(splits: test, train\)"):
+        run(tmp_path, "bad_split", [f"hf:{saved}::validation"])
+    assert not (tmp_path / "bad_split" / "manifest.json").exists()
