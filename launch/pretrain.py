@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from linformer_ds.train import main  # noqa: E402
+from linformer_ds.train import run_and_exit  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -135,9 +135,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ckpt.CheckpointError, DataError, ConfigError, DistEnvError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    if code in (0, EXIT_PREEMPTED, EXIT_NONFINITE) and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # every rank got here: a clean teardown
     return code
+
+
+def run_and_exit(argv: Optional[List[str]] = None) -> None:
+    """The command-line entry point: :func:`main`, then leave the process without teardown.
+
+    After a clean end (done, preempted, non-finite stop: every rank got there) the ranks meet
+    at a barrier and leave through ``os._exit``. A normal interpreter exit (or
+    ``destroy_process_group``) after ZeRO-3 runs destroys gloo's process group while its
+    threads are still live and aborts the process ("terminate called without an active
+    exception", exit 250; 4 % of 2-rank ZeRO-3 runs here, 20 % with an explicit
+    ``destroy_process_group``) after all work, checkpoints included, was done.
+    Everything this trainer writes is closed and flushed before main returns.
+    """
+    code = main(argv)
+    dist = torch.distributed
+    if (
+        code in (0, EXIT_PREEMPTED, EXIT_NONFINITE)
+        and dist.is_available()
+        and dist.is_initialized()
+    ):
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -607,4 +630,4 @@ class MetricsLogger:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
