@@ -130,11 +130,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_gemm_peak(device: torch.device, n: int = 4096, reps: int = 10) -> float:
     """Best-of-``reps`` FLOP/s of an ``n x n x n`` bf16 matrix multiply."""
     return measure_matmul_peak_tflops(torch.bfloat16, device, n, reps) * 1e12

@@ -131,11 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from linformer_ds.dist_env import DistEnvError
 
     try:
-        code = _main(argv)
+        return _main(argv)
     except (ckpt.CheckpointError, DataError, ConfigError, DistEnvError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    return code
 
 
 def run_and_exit(argv: Optional[List[str]] = None) -> None:
