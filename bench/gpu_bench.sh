@@ -3,13 +3,13 @@
 # Full BERT-base depth (12 layers, hidden 768, 12 heads, k 256), bf16 params + fp32 master
 # AdamW, 64k tokens per step (batch = 65536 / N), N = 512 .. 65536, dense through SDPA's fused
 # (flash / memory-efficient) kernels. Needs only torch (>= 2.4) and this checkout; matplotlib
-# is optional (without it, make the PNGs later: python -m linformer_ds.bench --replot DIR).
-#   usage: bash bench/gpu_bench.sh [OUT_DIR [extra linformer_ds.bench options]]
+# is optional (without it, make the PNGs later: python -m bench.model_bench --replot DIR).
+#   usage: bash bench/gpu_bench.sh [OUT_DIR [extra bench.model_bench options]]
 #   (OUT_DIR defaults to bench/results/gpu; e.g. bash bench/gpu_bench.sh "$OUT" --compile)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results/gpu}"
-shift || true  # the rest goes to linformer_ds.bench
+shift || true  # the rest goes to bench.model_bench
 mkdir -p "$out"
 python - <<'PY'
 import torch
@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 plots=()
 python -c "import matplotlib" 2>/dev/null || plots=(--no-plots)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -m linformer_ds.bench --device cuda --layers 12 --tokens 65536 \
+python -m bench.model_bench --device cuda --layers 12 --tokens 65536 \
     --seq-lens 512 1024 2048 4096 8192 16384 32768 65536 \
     --warmup 3 --iters 10 --gemm-n 8192 --gemm-reps 20 --step-budget-s 20 \
     --out "$out" "${plots[@]}" "$@" 2>&1 | tee "$out/log.txt"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from linformer_ds import bench
+from bench import model_bench as bench
 from linformer_ds.model import LinformerForMaskedLM, flops_per_token
 
 TINY = [

@@ -10,10 +10,10 @@ import sys
 import pytest
 import yaml
 
-from linformer_ds import sweep
+from studies import sweep
 from tests.pretrain_utils import REPO
 
-SWEEP_CLI = str(REPO / "launch" / "sweep.py")
+SWEEP_CLI = str(REPO / "studies" / "run_sweep.py")
 
 TINY_SWEEP = {
     "name": "tiny",

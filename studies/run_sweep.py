@@ -1,11 +1,11 @@
 """Run a quality sweep (variant x N x k x lr x seed) through launch/pretrain.py and report it.
 
-python launch/sweep.py configs/sweeps/quality_study.yaml                 # all points, then report
-python launch/sweep.py SWEEP.yaml --dry-run                              # list the points
-python launch/sweep.py SWEEP.yaml --point 3                              # one point (array task)
-python launch/sweep.py SWEEP.yaml --slurm [--submit]                     # sbatch array script
-python launch/sweep.py SWEEP.yaml --report-only --report-dir docs/quality_study
-python launch/sweep.py --inference-time --seq-lens 512 1024 2048 4096 --out docs/quality_study
+python studies/run_sweep.py configs/sweeps/quality_study.yaml                 # all points, then report
+python studies/run_sweep.py SWEEP.yaml --dry-run                              # list the points
+python studies/run_sweep.py SWEEP.yaml --point 3                              # one point (array task)
+python studies/run_sweep.py SWEEP.yaml --slurm [--submit]                     # sbatch array script
+python studies/run_sweep.py SWEEP.yaml --report-only --report-dir docs/quality_study
+python studies/run_sweep.py --inference-time --seq-lens 512 1024 2048 4096 --out docs/quality_study
 """
 
 import argparse
@@ -18,7 +18,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from linformer_ds import sweep  # noqa: E402
+from studies import sweep  # noqa: E402
 
 INFER_VARIANTS = {
     "dense": {"projection": "dense"},

@@ -1,6 +1,6 @@
 """Training-step time, peak memory and MFU of Linformer attention variants against dense.
 
-``python -m linformer_ds.bench`` times one full MLM training step (forward, backward, AdamW)
+``python -m bench.model_bench`` times one full MLM training step (forward, backward, AdamW)
 for each attention variant (linear, conv, hybrid, dense) at each sequence length N, in one
 process, alternating the variants in the inner loop so that machine drift hits all of them
 alike; a row's step time is the best of its timed steps (warm-up steps excluded), since load
@@ -441,7 +441,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
-        "command": " ".join([Path(sys.executable).name, "-m", "linformer_ds.bench"] + sys.argv[1:]),
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.model_bench"] + sys.argv[1:]),
     }
     try:
         import deepspeed
@@ -576,7 +576,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
     """Command line -> BenchConfig (defaults: the CPU benchmark), or the ``--replot`` folder."""
     d = BenchConfig()
     p = argparse.ArgumentParser(
-        prog="python -m linformer_ds.bench", description=__doc__.split("\n")[0]
+        prog="python -m bench.model_bench", description=__doc__.split("\n")[0]
     )
     p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
     p.add_argument("--variants", nargs="+", default=d.variants)
@@ -636,7 +636,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m linformer_ds.bench``."""
+    """Entry point of ``python -m bench.model_bench``."""
     try:
         bc = parse_args(argv)
     except BenchError as e:

@@ -1,0 +1,1 @@
+"""Benchmarks (model speed/memory, data_prep throughput); not part of the installed package."""

@@ -1,0 +1,1 @@
+"""Research tools (quality sweeps); not part of the installed package."""
