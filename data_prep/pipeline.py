@@ -37,6 +37,7 @@ from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter, fsync_dir
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source
 from data_prep.tokenizer import (
+    MAX_SENTENCE_BYTES,
     MODEL_TYPES,
     SPECIAL_IDS,
     SPECIAL_PIECES,
@@ -264,8 +265,9 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
     else:
         t0 = time.time()
         source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes)
+        sampled: Dict[str, int] = {}
         sentences = sample_sentences(
-            _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed
+            _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed, sampled
         )
         if not sentences:
             raise DataPrepError(
@@ -275,7 +277,9 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
         _log(
             cfg,
             f"training a {cfg.model_type} tokenizer (vocab {cfg.vocab_size}) on "
-            f"{len(sentences)} sampled lines",
+            f"{sampled['sampled_lines']} sampled lines ({sampled['sampled_bytes']:,} bytes) of "
+            f"{sampled['corpus_lines']} non-blank lines ({sampled['corpus_bytes']:,} bytes); "
+            f"{sampled['long_lines']} lines over {MAX_SENTENCE_BYTES} bytes were split",
         )
         train_tokenizer(
             sentences,
@@ -288,7 +292,7 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
         )
         sp = load_tokenizer(dest)
         trained = {
-            "sampled_lines": len(sentences),
+            **sampled,  # sampled_lines/bytes, corpus_lines/bytes, long_lines (split)
             "max_sentences": cfg.max_sentences_for_tokenizer,
             "character_coverage": cfg.character_coverage,
             "threads": cfg.tokenizer_threads,

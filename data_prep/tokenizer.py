@@ -20,7 +20,7 @@ PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "cls": CLS_ID, "sep": SEP_ID, "mask": MASK_ID}
 SPECIAL_PIECES = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
 MODEL_TYPES = ("unigram", "bpe")
-MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length; longer lines skipped
+MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length: longer lines are split
 
 
 def document_lines(text: str) -> List[str]:
@@ -37,22 +37,69 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def sample_sentences(documents: Iterable[str], max_sentences: int, seed: int) -> List[str]:
-    """Uniform reservoir sample of at most ``max_sentences`` training lines (bounded memory)."""
+def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> List[str]:
+    """``line`` cut into pieces of at most ``max_bytes`` UTF-8 bytes that concatenate back to it.
+
+    SentencePiece's trainer skips longer sentences, so each cut goes after the last whitespace
+    in the second half of a piece's budget (a hard cut at a character boundary otherwise).
+    """
+    if len(line) * 4 <= max_bytes or len(line.encode("utf-8")) <= max_bytes:
+        return [line]
+    pieces: List[str] = []
+    start = 0
+    while start < len(line):
+        # the longest prefix of line[start:] within max_bytes (characters are 1-4 bytes)
+        end = min(len(line), start + max_bytes)
+        while len(line[start:end].encode("utf-8")) > max_bytes:
+            over = len(line[start:end].encode("utf-8")) - max_bytes
+            end -= max(1, over // 4)
+        if end < len(line):
+            cut = max(line.rfind(" ", start, end), line.rfind("\t", start, end))
+            if cut >= start + (end - start) // 2:
+                end = cut + 1  # the whitespace stays with the left piece: nothing is lost
+        pieces.append(line[start:end])
+        start = end
+    return pieces
+
+
+def sample_sentences(
+    documents: Iterable[str],
+    max_sentences: int,
+    seed: int,
+    stats: Optional[Dict[str, int]] = None,
+) -> List[str]:
+    """Uniform reservoir sample of at most ``max_sentences`` training lines (bounded memory).
+
+    Lines longer than SentencePiece's ``MAX_SENTENCE_BYTES`` are split (:func:`split_long_line`),
+    so every byte of the corpus can be sampled. ``stats``, if given, receives the truth:
+    ``corpus_lines``, ``corpus_bytes`` (non-blank lines, UTF-8), ``long_lines`` (split),
+    ``sampled_lines`` and ``sampled_bytes``.
+    """
     rng = random.Random(seed)
     sample: List[str] = []
-    seen = 0
+    seen = corpus_lines = corpus_bytes = long_lines = 0
     for doc in documents:
         for line in document_lines(doc):
-            if len(line) > MAX_SENTENCE_BYTES:
-                continue
-            seen += 1
-            if len(sample) < max_sentences:
-                sample.append(line)
-            else:
-                j = rng.randrange(seen)
-                if j < max_sentences:
-                    sample[j] = line
+            corpus_lines += 1
+            corpus_bytes += len(line.encode("utf-8"))
+            pieces = split_long_line(line)
+            long_lines += len(pieces) > 1
+            for piece in pieces:
+                seen += 1
+                if len(sample) < max_sentences:
+                    sample.append(piece)
+                else:
+                    j = rng.randrange(seen)
+                    if j < max_sentences:
+                        sample[j] = piece
+    if stats is not None:
+        stats.update(
+            corpus_lines=corpus_lines,
+            corpus_bytes=corpus_bytes,
+            long_lines=long_lines,
+            sampled_lines=len(sample),
+            sampled_bytes=sum(len(s.encode("utf-8")) for s in sample),
+        )
     return sample
 
 

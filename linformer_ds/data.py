@@ -228,7 +228,12 @@ class MLMMasking:
     """BERT masking: ``mlm_probability`` of the non-special tokens are predicted; of those 80%
     become ``mask_id``, 10% a random non-special token, 10% stay. Special tokens never are.
 
-    The draws of a row depend only on ``(seed, epoch, sample index)``.
+    Short inputs (BERT's ``short_seq_prob``): that fraction of rows is cut to a length drawn
+    uniformly from ``[2, N - 1]``; the rest of the row becomes padding (attention mask 0, no
+    labels), so the model also sees short sequences. ``0.0`` (default) leaves rows whole.
+
+    The draws of a row depend only on ``(seed, epoch, sample index)``; the cut is drawn after the
+    masking draws, so the masks of uncut rows do not depend on ``short_seq_prob``.
     """
 
     def __init__(
@@ -239,9 +244,13 @@ class MLMMasking:
         mlm_probability: float = 0.15,
         seed: int = 0,
         pad_id: int = 0,
+        short_seq_prob: float = 0.0,
     ) -> None:
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+        if not 0.0 <= short_seq_prob <= 1.0:
+            raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
+        self.short_seq_prob = float(short_seq_prob)
         self.vocab_size = int(vocab_size)
         self.mask_id = int(mask_id)
         self.special_ids = sorted({int(s) for s in special_ids} | {int(mask_id), int(pad_id)})
@@ -268,12 +277,18 @@ class MLMMasking:
         u = np.empty((b, n))
         v = np.empty((b, n))
         rnd = np.empty((b, n), dtype=np.int64)
+        lengths = np.full(b, n)
         for r, index in enumerate(idx):
             g = _row_rng(self.seed, epoch, index)
             u[r] = g.random(n)
             v[r] = g.random(n)
             rnd[r] = self.random_ids[g.integers(0, len(self.random_ids), n)]
+            if self.short_seq_prob > 0.0 and n > 2 and g.random() < self.short_seq_prob:
+                lengths[r] = g.integers(2, n)  # in [2, n - 1]
         tokens = tokens.long()
+        if (lengths < n).any():  # cut rows: the tail becomes padding
+            tail = torch.arange(n)[None, :] >= torch.from_numpy(lengths)[:, None]
+            tokens = tokens.masked_fill(tail, self.pad_id)
         special = torch.isin(tokens, self._special)
         selected = torch.from_numpy(u < self.mlm_probability) & ~special
         v_t = torch.from_numpy(v)

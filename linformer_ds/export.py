@@ -13,9 +13,9 @@ writes (JSON, never a pickle). ``OUT`` holds::
     modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification
     linformer_model.py          a verbatim copy of linformer_ds/model.py (torch + stdlib only)
     tokenizer.model             the SentencePiece model
-    tokenizer_config.json       AutoTokenizer -> SentencePieceBackend, special tokens, <s> X </s>
-    special_tokens_map.json
-    linformer_export.json       provenance: source checkpoint, tag, step, dtype, training config
+    tokenizer.json              the same model as a fast tokenizer, post-processor <s> X </s>
+    tokenizer_config.json       AutoTokenizer -> TokenizersBackend, special tokens, N_max
+    linformer_export.json       provenance: checkpoint (a relative path), tag, step, dtype, config
 
 and loads with ``transformers`` alone (``trust_remote_code=True``), no linformer_ds installed.
 """
@@ -290,26 +290,79 @@ def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
 
 
 def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None:
-    """Copy the SentencePiece model and write the files ``AutoTokenizer`` needs.
+    """Copy the SentencePiece model and write the fast tokenizer ``AutoTokenizer`` loads.
 
-    ``SentencePieceBackend`` (transformers >= 5) runs the SentencePiece model itself, so ids equal
-    SentencePiece's own; ``special_tokens_pattern='bos_eos'`` adds ``<s> ... </s>``.
+    ``tokenizer.json`` holds the SentencePiece model converted by transformers' own converter
+    and a post-processor that adds ``<s> ... </s>`` (pairs: ``<s> A </s> B </s>``); transformers
+    writes it back on every ``save_pretrained`` / ``Trainer.save_model``, so the pattern survives
+    round trips. The ids are checked against SentencePiece's own before anything is written.
     """
     shutil.copyfile(sp_model_path, os.path.join(out, "tokenizer.model"))
-    special = {name: piece for name, (piece, _) in SPECIAL_TOKENS.items()} | CLS_SEP
-    config = {
-        "tokenizer_class": "SentencePieceBackend",
-        "vocab_file": "tokenizer.model",
-        "special_tokens_pattern": "bos_eos",
-        "model_max_length": int(model_max_length),
-        "padding_side": "right",
-        "legacy": True,
-        "clean_up_tokenization_spaces": False,
-        **special,
-    }
-    _write_json(os.path.join(out, "tokenizer_config.json"), config)
-    _write_json(os.path.join(out, "special_tokens_map.json"), special)
+    build_fast_tokenizer(sp_model_path, model_max_length).save_pretrained(out)
 
+
+# Texts the converted tokenizer must encode exactly as SentencePiece does (spaces, tabs,
+# newlines, punctuation, accents, symbols outside a small vocabulary).
+_CHECK_TEXTS = (
+    "def encode(self, o):\n    return  o + 1  # done",
+    "  JSON (JavaScript Object Notation) is a subset of JavaScript  ",
+    "unicode: caf\u00e9 \u2603 tabs\tand   spaces, numbers 12,345.67e-8",
+)
+
+
+def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
+    """A ``PreTrainedTokenizerFast`` equivalent to the SentencePiece model (ids checked)."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    proto = pb.ModelProto()
+    with open(sp_model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    kind = proto.trainer_spec.model_type  # 1 unigram, 2 bpe, 3 word, 4 char
+    if kind not in (1, 2):
+        raise ExportError(f"{sp_model_path}: only unigram and bpe SentencePiece models convert")
+    vocab = pieces if kind == 1 else {piece: i for i, (piece, _) in enumerate(pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    names = {name: piece for name, (piece, _) in SPECIAL_TOKENS.items()}
+    backend.add_special_tokens(
+        [AddedToken(piece, special=True, normalized=False) for piece in names.values()]
+    )
+    bos, eos = SPECIAL_TOKENS["bos_token"], SPECIAL_TOKENS["eos_token"]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A {eos[0]}",
+        pair=f"{bos[0]} $A {eos[0]} $B:1 {eos[0]}:1",
+        special_tokens=[bos, eos],
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_max_length=int(model_max_length),
+        padding_side="right",
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids: none in the model
+        clean_up_tokenization_spaces=False,
+        **names,
+        **CLS_SEP,
+    for name, (_, token_id) in SPECIAL_TOKENS.items():  # bos_token_id, ... (pad: the model's)
+        if name != "pad_token":
+            extra.setdefault(name.replace("_token", "_token_id"), token_id)
+    extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
+    extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
+    )
+    sp = spm.SentencePieceProcessor(model_file=sp_model_path)
+    for text in _CHECK_TEXTS:
+        want = [bos[1], *sp.encode(text), eos[1]]
+        got = tok(text)["input_ids"]
+        if got != want:
+            raise ExportError(
+                f"{sp_model_path}: the converted tokenizer encodes {text!r} as {got}, "
+                f"SentencePiece as {want}"
+            )
+    return tok
+
+    apply_umask(out)
 
 def write_remote_code(out: str) -> None:
     """Copy ``model.py`` and the HF wrappers, with their package imports made flat."""
@@ -318,6 +371,38 @@ def write_remote_code(out: str) -> None:
         for old, new in rewrites:
             if old not in text:
                 raise ExportError(f"{src}: expected import {old!r} not found (remote code layout)")
+def apply_umask(directory: str) -> None:
+    """Give ``directory`` and the files in it the modes any new file gets (0777/0666 & ~umask):
+    ``tempfile.mkdtemp`` makes 0700 and some writers 0600, unreadable to the rest of a team."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~umask)
+
+
+PROVENANCE = ("portable", "full")
+
+
+def portable_paths(obj: Any, base: Optional[str] = None) -> Any:
+    """``obj`` (JSON-like) with every absolute path made shareable: relative to ``base``
+    (default: the working directory) when inside it, else ``.../<last component>``."""
+    base = os.path.abspath(base or os.getcwd())
+    if isinstance(obj, dict):
+        return {k: portable_paths(v, base) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable_paths(v, base) for v in obj]
+    if isinstance(obj, str) and os.path.isabs(obj):
+        path = os.path.normpath(obj)
+        if path == base or path.startswith(base.rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, base)
+        return ".../" + os.path.basename(path)
+    return obj
+
+
             text = text.replace(old, new)
         Path(out, name).write_text(text)
 
@@ -326,6 +411,7 @@ def write_model_dir(
     out: str,
     model_config: ModelConfig,
     state_dict: Dict[str, torch.Tensor],
+    provenance: str = "portable",
     sp_model_path: str,
     architecture: str = "LinformerForMaskedLM",
     dtype: str = "float32",
@@ -334,6 +420,8 @@ def write_model_dir(
 ) -> None:
     """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
 
+    if provenance not in PROVENANCE:
+        raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
     ``state_dict`` uses the training model's names (tied decoder weight left out);
     ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
     """
@@ -381,7 +469,11 @@ def export_checkpoint(
     tokenizer: Optional[str] = None,
     overwrite: bool = False,
 ) -> str:
-    """Export ``checkpoint`` (tag ``tag``, default: ``latest``) to ``out``; returns ``out``."""
+    """Export ``checkpoint`` (tag ``tag``, default: ``latest``) to ``out``; returns ``out``.
+
+    ``provenance='portable'`` (default) writes the paths in ``linformer_export.json`` relative to
+    the working directory (or as ``.../name`` outside it); ``'full'`` keeps them absolute.
+    """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     ckpt, tag = resolve_tag(checkpoint, tag)
@@ -400,10 +492,20 @@ def export_checkpoint(
             raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
     state_dict = check_state_dict(consolidate(ckpt, tag), model_config, tag_dir)
 
+    p.add_argument("--provenance", default="portable", choices=PROVENANCE,
+                   help="paths in linformer_export.json: relative to the working directory "
+                   "(portable, default) or absolute (full)")  # fmt: skip
     # Write next to the target, then swap in: a failed export leaves no half-written model.
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)  # mode 0700: write_model_dir fixes it
+    record = {
+        "checkpoint": ckpt,
+        "tag": tag,
+        "step": meta.get("step"),
+        "dtype": dtype,
+        "training_config": meta.get("config"),
+    }
     try:
         write_model_dir(
             tmp,
@@ -411,13 +513,7 @@ def export_checkpoint(
             state_dict,
             sp_path,
             dtype=dtype,
-            provenance={
-                "checkpoint": ckpt,
-                "tag": tag,
-                "step": meta.get("step"),
-                "dtype": dtype,
-                "training_config": meta.get("config"),
-            },
+            provenance=record if provenance == "full" else portable_paths(record),
         )
         _verify_weights(tmp, state_dict, dtype)
         if os.path.exists(out):
@@ -461,8 +557,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
         out = export_checkpoint(
-            args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite
-        )
+            args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite,
+            args.provenance,
+        )  # fmt: skip
     except ExportError as e:
         print(f"export failed: {e}", file=sys.stderr)
         return 2

@@ -21,10 +21,21 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from linformer_ds.export import ExportError, write_model_dir
+from linformer_ds.export import ExportError, portable_paths, write_model_dir
 from linformer_ds.model import ModelConfig
 
-LOCAL_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
+LOCAL_FORMATS = {
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "label<TAB>text lines",
+}
+FORMATS_HELP = ".csv/.tsv (header row), .json/.jsonl, .parquet, .txt (one 'label<TAB>text' a line)"
+# Default learning rate: 5e-5 at BERT-base width (768), scaled by 768 / hidden_size (smaller
+# encoders take larger steps, as for BERT's small models), clipped to [LR_MIN, LR_MAX].
+LR_AT_768, LR_MIN, LR_MAX = 5e-5, 2e-5, 5e-4
 
 
 class FinetuneError(ValueError):
@@ -32,8 +43,11 @@ class FinetuneError(ValueError):
 
 
 # ========================================================================================== data
-def _load(source: str, config_name: Optional[str] = None) -> Any:
-    """A ``datasets`` DatasetDict from a local csv/jsonl file, a local directory or a Hub name."""
+def _load(
+    source: str, config_name: Optional[str] = None, columns: Tuple[str, str] = ("text", "label")
+) -> Any:
+    """A ``datasets`` DatasetDict from a local file (:data:`FORMATS_HELP`), a local directory
+    or a Hub name. A ``.txt`` file gives the columns ``columns`` (text, label)."""
     import datasets
 
     ext = os.path.splitext(source)[1].lower()
@@ -41,14 +55,46 @@ def _load(source: str, config_name: Optional[str] = None) -> Any:
         if not os.path.isfile(source):
             raise FinetuneError(f"data file {source} not found")
         kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
+        if ext == ".txt":
+            return datasets.DatasetDict({"train": _load_txt(source, columns)})
         return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs)
     try:
+    if os.path.isfile(source):
+        raise FinetuneError(
+            f"{source}: unsupported file type {ext or '(none)'}; use {FORMATS_HELP}"
+        )
         return datasets.load_dataset(source, config_name)
     except Exception as e:  # noqa: BLE001  (datasets raises many types for a bad name)
         raise FinetuneError(f"cannot load dataset {source!r}: {type(e).__name__}: {e}") from e
 
 
 def load_splits(
+def _load_txt(path: str, columns: Tuple[str, str]) -> Any:
+    """``label<TAB>text`` lines (blank lines skipped) as a Dataset with ``columns``."""
+    import datasets
+
+    texts, labels = [], []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            label, tab, text = line.partition("\t")
+            if not tab or not label.strip():
+                raise FinetuneError(
+                    f"{path} line {i}: expected 'label<TAB>text' (a .txt file holds one labelled "
+                    "example per line)"
+                )
+            labels.append(label.strip())
+            texts.append(text)
+    return datasets.Dataset.from_dict({columns[0]: texts, columns[1]: labels})
+
+
+def default_lr(hidden_size: int) -> float:
+    """The fine-tuning learning rate used when ``--lr`` is not given (see :data:`LR_AT_768`)."""
+    return min(LR_MAX, max(LR_MIN, LR_AT_768 * 768 / int(hidden_size)))
+
+
     train: str,
     validation: Optional[str] = None,
     text_column: str = "text",
@@ -64,12 +110,12 @@ def load_splits(
     The validation rows come from ``validation`` (a file), else the source's ``validation_split``,
     else a seeded ``validation_fraction`` of the training rows.
     """
-    data = _load(train, dataset_config)
+    data = _load(train, dataset_config, (text_column, label_column))
     if train_split not in data:
         raise FinetuneError(f"{train}: no split {train_split!r} (has {sorted(data)})")
     train_ds = data[train_split]
     if validation is not None:
-        valid_ds = _load(validation)["train"]
+        valid_ds = _load(validation, columns=(text_column, label_column))["train"]
     elif validation_split in data:
         valid_ds = data[validation_split]
     else:
@@ -147,7 +193,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Fine-tune an exported Linformer for classification.")
     p.add_argument("--model", required=True, help="exported model directory (launch/export.py)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--train", help="training data: .csv/.tsv/.jsonl/.json file")
+    src.add_argument("--train", help=f"training data file: {FORMATS_HELP}")
     src.add_argument("--dataset", help="a Hugging Face dataset name or local dataset directory")
     p.add_argument("--dataset-config", default=None, help="dataset configuration name")
     p.add_argument("--validation", default=None, help="validation file (same format as --train)")
@@ -162,7 +208,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--eval-batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 5e-5 * 768 / hidden_size, in [2e-5, 5e-4])")  # fmt: skip
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-ratio", type=float, default=0.06)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -179,9 +226,15 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
     if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
+    out, base = os.path.realpath(args.out), os.path.realpath(args.model)
+    if out == base or out.startswith(base + os.sep) or base.startswith(out + os.sep):
+        raise FinetuneError(
+            f"--out {args.out} overlaps --model {args.model}: write the fine-tuned model elsewhere "
+            "(the base model is read while the output is written)"
+        )
         raise FinetuneError(f"--out {args.out} exists and is not empty (use --overwrite)")
     for name in ("epochs", "batch_size", "eval_batch_size", "lr"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise FinetuneError(f"--{name.replace('_', '-')} must be > 0")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -213,6 +266,8 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     tr_s, va_s = encode(tokenizer, tr_x, max_length), encode(tokenizer, va_x, max_length)
     pad_id = int(tokenizer.pad_token_id)
 
+    if args.lr is None:
+        args.lr = default_lr(model.config.hidden_size)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embeddings" not in n]
     no_decay = [
         p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)
@@ -234,7 +289,7 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     rng = random.Random(args.seed)
     print(
         f"[finetune] train={len(tr_s)} valid={len(va_s)} labels={[str(v) for v in labels]} "
-        f"max_length={max_length} steps={total}",
+        f"max_length={max_length} steps={total} lr={args.lr:.3g}",
         flush=True,
     )
     while step < total:
@@ -269,7 +324,8 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         "labels": [str(v) for v in labels],
         "max_length": max_length,
         "history": history,
-        "base_model": os.path.abspath(args.model),
+        "base_model": portable_paths(os.path.abspath(args.model)),
+        "lr": args.lr,
     }
     _save(model, args, results)
     return results
@@ -294,10 +350,13 @@ def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None
             "label2id": dict(model.config.label2id),
             "problem_type": "single_label_classification",
         },
-        provenance={"finetuned_from": os.path.abspath(args.model), "dtype": "float32"},
+        provenance={
+            "finetuned_from": portable_paths(os.path.abspath(args.model)),
+            "dtype": "float32",
+        },
     )
     with open(os.path.join(args.out, "finetune_results.json"), "w") as f:
-        json.dump({**results, "args": vars(args)}, f, indent=2)
+        json.dump({**results, "args": portable_paths(vars(args))}, f, indent=2)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

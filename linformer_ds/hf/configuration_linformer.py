@@ -14,6 +14,15 @@ from ..model import ModelConfig
 # ModelConfig fields that PretrainedConfig already knows (and handles itself)
 _HF_OWNED = ("num_labels",)
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in _HF_OWNED)
+# The fixed special ids of every data_prep tokenizer (data_prep.tokenizer.SPECIAL_IDS; repeated
+# here because remote code cannot import data_prep): config.json carries them like BERT's does.
+TOKEN_IDS = {
+    "bos_token_id": 2,
+    "eos_token_id": 3,
+    "cls_token_id": 2,
+    "sep_token_id": 3,
+    "mask_token_id": 4,
+}
 
 
 class LinformerConfig(PretrainedConfig):
@@ -34,6 +43,8 @@ class LinformerConfig(PretrainedConfig):
             setattr(self, name, kwargs.pop(name, defaults[name]))
         kwargs.setdefault("pad_token_id", self.pad_token_id)
         kwargs.setdefault("tie_word_embeddings", self.tie_word_embeddings)
+        for name, value in TOKEN_IDS.items():
+            setattr(self, name, kwargs.pop(name, value))
         super().__init__(**kwargs)
         self.to_model_config()  # validate early: a bad option fails here, naming the field
 

@@ -1,16 +1,22 @@
 """Hugging Face model classes for Linformer encoders (shipped as remote code with every export).
 
-The classes wrap the plain-PyTorch modules of ``model.py`` under the same parameter names as the
-training model (``encoder.*``, ``lm_head.*``, ``pooler.*``, ``classifier.*``), so a consolidated
-training state dict loads without renaming. ``lm_head.decoder.weight`` is tied to
-``encoder.token_embeddings.weight`` (``tie_word_embeddings``) and is not stored in the weights file.
+The classes are thin adapters over the plain-PyTorch modules of ``model.py``, under the same
+parameter names as the training model (``encoder.*``, ``lm_head.*``, ``pooler.*``,
+``classifier.*``), so a consolidated training state dict loads without renaming.
+``lm_head.decoder.weight`` is tied to ``encoder.token_embeddings.weight`` and is not stored.
+
+What the adapters add to ``model.py``: the HF calling conventions (``return_dict``,
+``output_hidden_states``, ``inputs_embeds``), clear refusals of the arguments a Linformer cannot
+honour (``output_attentions``, ``position_ids``, ``head_mask``, ...), and padding on any side: a
+row whose padding is not all on the right is compacted (real tokens first, in order) before the
+encoder and its outputs are put back, so positions and the columns of ``E``/``F`` are those of
+the unpadded sequence (like RoBERTa's position ids) and the classifier pools the first real token.
 """
 
 import functools
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import (
@@ -19,33 +25,87 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from ..model import ConvProjection, LinearProjection, LinformerEncoder, MLMHead
+from ..model import (
+    ClassificationHead,
+    LinformerEncoder,
+    MLMHead,
+    init_weights,
+    mlm_loss,
+    sequence_classification_loss,
+)
 from .configuration_linformer import LinformerConfig
+
+# Arguments other HF encoders take that a Linformer cannot honour: name -> why.
+UNSUPPORTED = {
+    "output_attentions": "Linformer attention has no n x n attention weights to return",
+    "position_ids": "positions are always 0..n-1 of the unpadded sequence",
+    "head_mask": "heads cannot be masked",
+    "encoder_hidden_states": "the model is an encoder without cross-attention",
+    "encoder_attention_mask": "the model is an encoder without cross-attention",
+    "past_key_values": "the model is an encoder without a cache",
+    "use_cache": "the model is an encoder without a cache",
+}
+
+
+def _check_kwargs(kwargs: Dict[str, Any]) -> None:
+    """Refuse, by name, any argument this model would otherwise silently ignore.
+
+    ``None``/``False`` values are accepted (callers pass defaults), and so are all-zero
+    ``token_type_ids`` (the model has no segment embeddings).
+    """
+    for name, value in kwargs.items():
+        if value is None or value is False:
+            continue
+        if name == "token_type_ids":
+            if isinstance(value, torch.Tensor) and not value.any():
+                continue
+            raise ValueError(
+                "token_type_ids: this model has no segment embeddings; pass none (or all zeros)"
+            )
+        why = UNSUPPORTED.get(name, "not an argument of this model")
+        raise ValueError(f"{name} is not supported: {why}")
+
+
+def _compaction_order(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[B, n]`` gather order that moves every row's real tokens to the front (stable), or
+    ``None`` when all padding is already on the right."""
+    if attention_mask is None:
+        return None
+    real = attention_mask != 0
+    if bool((real[:, 1:] <= real[:, :-1]).all()):  # every row: ones, then zeros
+        return None
+    return torch.argsort((~real).to(torch.int8), dim=1, stable=True)
+
+
+def _gather(x: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x [B, n, ...]`` reordered along dim 1 by ``order [B, n]``."""
+    if x is None:
+        return None
+    idx = order.view(*order.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(1, idx)
+
+
+def _restore(x: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """Undo :func:`_gather`: ``out[b, order[b, j]] = x[b, j]``."""
+    if order is None:
+        return x
+    idx = order.view(*order.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return torch.empty_like(x).scatter(1, idx, x)
 
 
 class LinformerPreTrainedModel(PreTrainedModel):
-    """Shared init, config class and activation checkpointing of the Linformer HF models."""
+    """Shared init, config class, activation checkpointing and input handling."""
 
     config_class = LinformerConfig
     base_model_prefix = "encoder"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    accepts_loss_kwargs = False  # the losses are means; Trainer need not pass num_items_in_batch
     _no_split_modules = ["EncoderLayer"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-            module.bias.zero_()
-        elif isinstance(module, (LinearProjection, ConvProjection)):
-            module.reset_parameters()
+        init_weights(module, self.config.initializer_range)
 
     def gradient_checkpointing_enable(
         self, gradient_checkpointing_kwargs: Optional[dict] = None
@@ -67,11 +127,61 @@ class LinformerPreTrainedModel(PreTrainedModel):
         return self.encoder.token_embeddings
 
     def set_input_embeddings(self, value: nn.Module) -> None:
+        """Also keeps the encoder's ``ModelConfig`` (which checks input ids) at the new size."""
         self.encoder.token_embeddings = value
+        self.encoder.config.vocab_size = int(value.num_embeddings)
+
+    def _encode(
+        self,
+        input_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        inputs_embeds: Optional[torch.Tensor],
+        output_hidden_states: Optional[bool],
+        kwargs: Dict[str, Any],
+    ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]], Optional[torch.Tensor]]:
+        """Run the encoder on compacted rows.
+
+        Returns ``hidden [B, n, D]`` in compacted order (row ``b``'s real tokens first), the
+        hidden states (``num_layers + 1`` tensors ``[B, n, D]``, caller's order) or ``None``,
+        and the compaction order (``None`` = identity) for :func:`_restore`.
+        """
+        _check_kwargs(kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            self._check_embeds(inputs_embeds, attention_mask)
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        order = _compaction_order(attention_mask)
+        if order is not None:
+            input_ids, inputs_embeds = _gather(input_ids, order), _gather(inputs_embeds, order)
+            attention_mask = attention_mask.gather(1, order)
+        states: Optional[list] = [] if output_hidden_states else None
+        hidden = self.encoder(input_ids, attention_mask, inputs_embeds, states)
+        all_states = tuple(_restore(h, order) for h in states) if states is not None else None
+        return hidden, all_states, order
+
+    def _check_embeds(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> None:
+        d, n_max = self.config.hidden_size, self.config.max_seq_len
+        if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
+            raise TypeError("inputs_embeds must be a floating-point torch.Tensor [batch, seq, D]")
+        if embeds.dim() != 3 or embeds.shape[-1] != d or not 0 < embeds.shape[1] <= n_max:
+            raise ValueError(
+                f"inputs_embeds must be [batch, seq_len <= {n_max}, {d}], "
+                f"got shape {tuple(embeds.shape)}"
+            )
+        if attention_mask is not None and attention_mask.shape != embeds.shape[:2]:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match inputs_embeds "
+                f"shape {tuple(embeds.shape[:2])}"
+            )
+
+    def _return_dict(self, return_dict: Optional[bool]) -> bool:
+        return return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
 
 
 class LinformerModel(LinformerPreTrainedModel):
-    """The bare encoder: ``last_hidden_state`` ``[B, n, D]``."""
+    """The bare encoder: ``last_hidden_state [B, n, D]`` (and ``hidden_states`` on request)."""
 
     def __init__(self, config: LinformerConfig):
         super().__init__(config)
@@ -80,19 +190,24 @@ class LinformerModel(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         **kwargs: Any,
     ) -> BaseModelOutput:
-        hidden = self.encoder(input_ids, attention_mask)
-        if return_dict is False:
-            return (hidden,)
-        return BaseModelOutput(last_hidden_state=hidden)
+        hidden, states, order = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
+        )
+        hidden = _restore(hidden, order)
+        if not self._return_dict(return_dict):
+            return (hidden,) if states is None else (hidden, states)
+        return BaseModelOutput(last_hidden_state=hidden, hidden_states=states)
 
 
 class LinformerForMaskedLM(LinformerPreTrainedModel):
-    """Encoder + MLM head. ``labels`` ``[B, n]`` with ``-100`` = ignore; logits ``[B, n, V]``."""
+    """Encoder + MLM head. ``labels [B, n]`` with ``-100`` = ignore; logits ``[B, n, V]``."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "encoder.token_embeddings.weight"}
 
@@ -111,25 +226,31 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         **kwargs: Any,
     ) -> MaskedLMOutput:
-        logits = self.lm_head(self.encoder(input_ids, attention_mask))
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100
+        hidden, states, order = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
+        )
+        logits = _restore(self.lm_head(hidden), order)
+        if labels is not None and labels.shape != logits.shape[:2]:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match the input {tuple(logits.shape[:2])}"
             )
-        if return_dict is False:
-            return (logits,) if loss is None else (loss, logits)
-        return MaskedLMOutput(loss=loss, logits=logits)
+        loss = None if labels is None else mlm_loss(logits, labels)
+        if not self._return_dict(return_dict):
+            out = (logits,) if states is None else (logits, states)
+            return out if loss is None else (loss, *out)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=states)
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
-    """Encoder + pooler (first token, dense + tanh) + linear classifier: logits ``[B, num_labels]``."""
+    """Encoder + first-real-token pooler (dense + tanh) + classifier: ``[B, num_labels]``."""
 
     def __init__(self, config: LinformerConfig):
         super().__init__(config)
@@ -144,26 +265,34 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput:
-        hidden = self.encoder(input_ids, attention_mask)
-        pooled = torch.tanh(self.pooler(hidden[:, 0]))
-        logits = self.classifier(self.drop(pooled))
+        hidden, states, _ = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
+        )
+        # compacted order: position 0 is every row's first real token
+        logits = ClassificationHead.forward(hidden, self.pooler, self.drop, self.classifier)
         loss = None
         if labels is not None:
-            if self.num_labels == 1 or self.config.problem_type == "regression":
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            elif self.config.problem_type == "multi_label_classification":
-                loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.long())
-        if return_dict is False:
-            return (logits,) if loss is None else (loss, logits)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+            if self.config.problem_type is None:  # as BERT infers it
+                self.config.problem_type = (
+                    "regression"
+                    if self.num_labels == 1
+                    else "single_label_classification"
+                    if not labels.is_floating_point()
+                    else "multi_label_classification"
+                )
+            loss = sequence_classification_loss(logits, labels, self.config.problem_type)
+        if not self._return_dict(return_dict):
+            out = (logits,) if states is None else (logits, states)
+            return out if loss is None else (loss, *out)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=states)
 
 
 __all__ = [
