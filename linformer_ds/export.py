@@ -345,11 +345,6 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
         clean_up_tokenization_spaces=False,
         **names,
         **CLS_SEP,
-    for name, (_, token_id) in SPECIAL_TOKENS.items():  # bos_token_id, ... (pad: the model's)
-        if name != "pad_token":
-            extra.setdefault(name.replace("_token", "_token_id"), token_id)
-    extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
-    extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
     )
     sp = spm.SentencePieceProcessor(model_file=sp_model_path)
     for text in _CHECK_TEXTS:
@@ -362,7 +357,6 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
             )
     return tok
 
-    apply_umask(out)
 
 def write_remote_code(out: str) -> None:
     """Copy ``model.py`` and the HF wrappers, with their package imports made flat."""
@@ -371,6 +365,66 @@ def write_remote_code(out: str) -> None:
         for old, new in rewrites:
             if old not in text:
                 raise ExportError(f"{src}: expected import {old!r} not found (remote code layout)")
+            text = text.replace(old, new)
+        Path(out, name).write_text(text)
+
+
+def write_model_dir(
+    out: str,
+    model_config: ModelConfig,
+    state_dict: Dict[str, torch.Tensor],
+    sp_model_path: str,
+    architecture: str = "LinformerForMaskedLM",
+    dtype: str = "float32",
+    config_extra: Optional[Dict[str, Any]] = None,
+    provenance: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
+
+    ``state_dict`` uses the training model's names (tied decoder weight left out);
+    ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
+    """
+    from safetensors.torch import save_file
+
+    from linformer_ds.hf.configuration_linformer import LinformerConfig
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_tokenizer(sp_model_path, model_config)
+    os.makedirs(out, exist_ok=True)
+    tensors = {
+        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in state_dict.items()
+    }
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+    extra = dict(config_extra or {})
+    for name, (_, token_id) in SPECIAL_TOKENS.items():  # bos_token_id, ... (pad: the model's)
+        if name != "pad_token":
+            extra.setdefault(name.replace("_token", "_token_id"), token_id)
+    extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
+    extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
+    hf_config = LinformerConfig.from_model_config(model_config, **extra)
+    hf_config.architectures = [architecture]
+    hf_config.auto_map = dict(AUTO_MAP)
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out)
+    write_remote_code(out)
+    write_tokenizer(out, sp_model_path, model_config.max_seq_len)
+    if provenance is not None:
+        _write_json(
+            os.path.join(out, "linformer_export.json"),
+            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance},
+        )
+    apply_umask(out)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def apply_umask(directory: str) -> None:
     """Give ``directory`` and the files in it the modes any new file gets (0777/0666 & ~umask):
     ``tempfile.mkdtemp`` makes 0700 and some writers 0600, unreadable to the rest of a team."""
@@ -403,63 +457,6 @@ def portable_paths(obj: Any, base: Optional[str] = None) -> Any:
     return obj
 
 
-            text = text.replace(old, new)
-        Path(out, name).write_text(text)
-
-
-def write_model_dir(
-    out: str,
-    model_config: ModelConfig,
-    state_dict: Dict[str, torch.Tensor],
-    provenance: str = "portable",
-    sp_model_path: str,
-    architecture: str = "LinformerForMaskedLM",
-    dtype: str = "float32",
-    config_extra: Optional[Dict[str, Any]] = None,
-    provenance: Optional[Dict[str, Any]] = None,
-) -> None:
-    """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
-
-    if provenance not in PROVENANCE:
-        raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
-    ``state_dict`` uses the training model's names (tied decoder weight left out);
-    ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
-    """
-    from safetensors.torch import save_file
-
-    from linformer_ds.hf.configuration_linformer import LinformerConfig
-
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    check_tokenizer(sp_model_path, model_config)
-    os.makedirs(out, exist_ok=True)
-    tensors = {
-        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
-        for k, v in state_dict.items()
-    }
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-
-    extra = dict(config_extra or {})
-    hf_config = LinformerConfig.from_model_config(model_config, **extra)
-    hf_config.architectures = [architecture]
-    hf_config.auto_map = dict(AUTO_MAP)
-    hf_config.dtype = dtype
-    hf_config.save_pretrained(out)
-    write_remote_code(out)
-    write_tokenizer(out, sp_model_path, model_config.max_seq_len)
-    if provenance is not None:
-        _write_json(
-            os.path.join(out, "linformer_export.json"),
-            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance},
-        )
-
-
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
 # ======================================================================================= export
 def export_checkpoint(
     checkpoint: str,
@@ -468,6 +465,7 @@ def export_checkpoint(
     dtype: str = "float32",
     tokenizer: Optional[str] = None,
     overwrite: bool = False,
+    provenance: str = "portable",
 ) -> str:
     """Export ``checkpoint`` (tag ``tag``, default: ``latest``) to ``out``; returns ``out``.
 
@@ -476,6 +474,8 @@ def export_checkpoint(
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if provenance not in PROVENANCE:
+        raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
     ckpt, tag = resolve_tag(checkpoint, tag)
     tag_dir = os.path.join(ckpt, tag)
     meta, model_config = read_meta(tag_dir)
@@ -492,9 +492,6 @@ def export_checkpoint(
             raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
     state_dict = check_state_dict(consolidate(ckpt, tag), model_config, tag_dir)
 
-    p.add_argument("--provenance", default="portable", choices=PROVENANCE,
-                   help="paths in linformer_export.json: relative to the working directory "
-                   "(portable, default) or absolute (full)")  # fmt: skip
     # Write next to the target, then swap in: a failed export leaves no half-written model.
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -549,6 +546,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the tag's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--provenance", default="portable", choices=PROVENANCE,
+                   help="paths in linformer_export.json: relative to the working directory "
+                   "(portable, default) or absolute (full)")  # fmt: skip
     return p.parse_args(argv)
 
 

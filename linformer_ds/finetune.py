@@ -54,21 +54,20 @@ def _load(
     if ext in LOCAL_FORMATS:
         if not os.path.isfile(source):
             raise FinetuneError(f"data file {source} not found")
-        kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
         if ext == ".txt":
             return datasets.DatasetDict({"train": _load_txt(source, columns)})
+        kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
         return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs)
-    try:
     if os.path.isfile(source):
         raise FinetuneError(
             f"{source}: unsupported file type {ext or '(none)'}; use {FORMATS_HELP}"
         )
+    try:
         return datasets.load_dataset(source, config_name)
     except Exception as e:  # noqa: BLE001  (datasets raises many types for a bad name)
         raise FinetuneError(f"cannot load dataset {source!r}: {type(e).__name__}: {e}") from e
 
 
-def load_splits(
 def _load_txt(path: str, columns: Tuple[str, str]) -> Any:
     """``label<TAB>text`` lines (blank lines skipped) as a Dataset with ``columns``."""
     import datasets
@@ -95,6 +94,7 @@ def default_lr(hidden_size: int) -> float:
     return min(LR_MAX, max(LR_MIN, LR_AT_768 * 768 / int(hidden_size)))
 
 
+def load_splits(
     train: str,
     validation: Optional[str] = None,
     text_column: str = "text",
@@ -225,13 +225,13 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
-    if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
     out, base = os.path.realpath(args.out), os.path.realpath(args.model)
     if out == base or out.startswith(base + os.sep) or base.startswith(out + os.sep):
         raise FinetuneError(
             f"--out {args.out} overlaps --model {args.model}: write the fine-tuned model elsewhere "
             "(the base model is read while the output is written)"
         )
+    if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
         raise FinetuneError(f"--out {args.out} exists and is not empty (use --overwrite)")
     for name in ("epochs", "batch_size", "eval_batch_size", "lr"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -265,9 +265,9 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         raise FinetuneError(f"--max-length must be in [3, N_max={n_max}], got {max_length}")
     tr_s, va_s = encode(tokenizer, tr_x, max_length), encode(tokenizer, va_x, max_length)
     pad_id = int(tokenizer.pad_token_id)
-
     if args.lr is None:
         args.lr = default_lr(model.config.hidden_size)
+
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embeddings" not in n]
     no_decay = [
         p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)
