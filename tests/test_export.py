@@ -366,6 +366,44 @@ def test_export_weights_equal_training_weights(checkpoints, exported):
             assert "encoder.layers.1.attention.proj_v.weight" in stored
         meta = json.loads((out / "linformer_export.json").read_text())
         assert (meta["tag"], meta["step"], meta["dtype"]) == (TAG, 2, "float32")
+        assert meta["checkpoint"] == ".../" + name  # outside the working directory: no abs path
+
+
+def _strings(obj):
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _strings(v)]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return [obj] if isinstance(obj, str) else []
+
+
+def test_export_modes_follow_umask_and_provenance_is_portable(checkpoints, exported, tmp_path):
+    """Directory 0777 & ~umask, files 0666 & ~umask (not mkdtemp's 0700 / safetensors' 0600);
+    no absolute path in linformer_export.json unless --provenance full."""
+    from linformer_ds.export import main
+
+    umask = os.umask(0)
+    os.umask(umask)
+    out = exported["z1_dense"]
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
+    ckpt = checkpoints / "z1_dense"
+    ckpt_cfg = {"deepspeed": {}, "data": {"path": str(tmp_path / "data")}}
+    meta_path = ckpt / TAG / "linformer_meta.json"
+    original = meta_path.read_text()
+    meta_path.write_text(json.dumps({**json.loads(original), "config": ckpt_cfg}))
+    try:
+        assert main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "p")]) == 0
+        assert main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "f"),
+                     "--provenance", "full"]) == 0  # fmt: skip
+    finally:
+        meta_path.write_text(original)
+    portable = json.loads((tmp_path / "p" / "linformer_export.json").read_text())
+    assert not [s for s in _strings(portable) if os.path.isabs(s)], portable
+    assert portable["training_config"]["data"]["path"] == ".../data"
+    full = json.loads((tmp_path / "f" / "linformer_export.json").read_text())
+    assert full["checkpoint"] == str(ckpt) and full["training_config"] == ckpt_cfg
 
 
 def test_export_directory_layout(exported):
@@ -379,7 +417,7 @@ def test_export_directory_layout(exported):
             "linformer_model.py",
             "model.safetensors",
             "modeling_linformer.py",
-            "special_tokens_map.json",
+            "tokenizer.json",
             "tokenizer.model",
             "tokenizer_config.json",
         ]
@@ -394,6 +432,8 @@ def test_export_directory_layout(exported):
         "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
     }
     assert (config["hidden_size"], config["k"], config["sharing"]) == (32, 8, "layerwise")
+    ids = {k: config[k + "_token_id"] for k in ("pad", "bos", "eos", "cls", "sep", "mask")}
+    assert ids == {"pad": 0, "bos": 2, "eos": 3, "cls": 2, "sep": 3, "mask": 4}
     # model.py ships verbatim; the wrappers import it flat
     assert (out / "linformer_model.py").read_text() == (REPO / "linformer_ds/model.py").read_text()
     for f in ("configuration_linformer.py", "modeling_linformer.py"):
@@ -456,7 +496,7 @@ def test_tokenizer_matches_sentencepiece_in_fresh_process(exported, tmp_path):
     )
     res = run_fresh(script, [str(out)], cwd=tmp_path)
     for r in res.values():
-        assert r["class"] == "SentencePieceBackend"
+        assert r["class"] == "TokenizersBackend"
         assert r["plain_equal"] and all(r["with_special"])
         assert r["ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3}
         assert r["max_len"] == SEQ

@@ -145,3 +145,45 @@ def test_finetune_rejects_bad_input(task, tmp_path):
               "--label-column", "module", "--out", str(tmp_path / "o")]  # fmt: skip
     assert main(["--model", str(tmp_path), *common]) == 2  # not an exported model
     assert main(["--model", str(root / "base"), "--max-length", "999", *common]) == 2
+
+
+def test_txt_files_and_unsupported_formats(task, tmp_path):
+    """A .txt file holds 'label<TAB>text' lines; other file types are refused by name."""
+    from linformer_ds.finetune import FinetuneError, load_splits
+
+    rows = task["rows"]["train"][:40]
+    (tmp_path / "train.txt").write_text("".join(f"{y}\t{t}\n" for t, y in rows) + "\n")
+    tr_x, tr_y, va_x, va_y = load_splits(str(tmp_path / "train.txt"), validation_fraction=0.25)
+    assert sorted(zip(tr_x + va_x, tr_y + va_y)) == sorted(rows)
+    assert len(va_x) == 10
+    (tmp_path / "bad.txt").write_text("email\tok\nno tab on this line\n")
+    with pytest.raises(FinetuneError, match=r"bad.txt line 2: expected 'label<TAB>text'"):
+        load_splits(str(tmp_path / "bad.txt"))
+    (tmp_path / "data.xml").write_text("<x/>")
+    with pytest.raises(FinetuneError, match=r"unsupported file type .xml; use .csv/.tsv"):
+        load_splits(str(tmp_path / "data.xml"))
+
+
+def test_out_must_not_overlap_the_base_model(task, tmp_path):
+    import shutil
+
+    from linformer_ds.finetune import main
+
+    base = tmp_path / "base"
+    shutil.copytree(task["root"] / "base", base)
+    before = sorted(p.name for p in base.iterdir())
+    common = ["--train", str(task["root"] / "train.csv"), "--text-column", "snippet",
+              "--label-column", "module", "--overwrite"]  # fmt: skip
+    for out in (base, base / "sub", tmp_path):  # equal, inside, around
+        assert main(["--model", str(base), "--out", str(out), *common]) == 2
+    assert sorted(p.name for p in base.iterdir()) == before
+
+
+def test_default_learning_rate_scales_with_width():
+    from linformer_ds.finetune import default_lr, parse_args
+
+    assert parse_args(["--model", "m", "--train", "t.csv", "--out", "o"]).lr is None
+    assert default_lr(768) == pytest.approx(5e-5)  # BERT-base practice
+    assert default_lr(128) == pytest.approx(3e-4)  # configs/tiny_cpu.yaml
+    assert default_lr(1024) == pytest.approx(3.75e-5)
+    assert default_lr(32) == 5e-4 and default_lr(8192) == 2e-5  # clipped

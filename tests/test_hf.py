@@ -174,7 +174,11 @@ def test_forward_semantics_in_transformers_only_process(export, tmp_path):
     assert "token_type_ids" in err["token_type_ids"] and "bogus" in err["bogus"]
     assert res["config_ids"] == res["tok_ids"] == {"bos": 2, "eos": 3, "pad": 0}
     r = res["resize"]
-    assert r["v0"] == VOCAB and r["config"] == VOCAB + 2 and r["shape"] == [1, len(r["ids"]), VOCAB + 2]
+    assert (
+        r["v0"] == VOCAB
+        and r["config"] == VOCAB + 2
+        and r["shape"] == [1, len(r["ids"]), VOCAB + 2]
+    )
     assert VOCAB in r["ids"] and VOCAB + 1 in r["ids"]
     assert r["ids"][0] == 2 and r["ids"][-1] == 3
     assert r["reloaded_diff"] <= 1e-6 and r["tied"]
