@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from linformer_ds.model import LinformerForMaskedLM, ModelConfig, flops_per_token
+from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, flops_per_token
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
 VARIANTS = ("linear", "conv", "hybrid", "dense")
@@ -237,7 +237,7 @@ class Trainee:
         self.variant, self.n, self.device = variant, n, device
         self.config = model_config(bc, variant, n)
         torch.manual_seed(bc.seed)
-        model = LinformerForMaskedLM(self.config).to(device).train()
+        model = LinformerForMaskedLMPretraining(self.config).to(device).train()
         self.model = model
         if bc.precision == "bf16":
             model.to(torch.bfloat16)

@@ -3,6 +3,7 @@
 from linformer_ds.model import (
     LinformerEncoder,
     LinformerForMaskedLM,
+    LinformerForMaskedLMPretraining,
     LinformerForSequenceClassification,
     LinformerSelfAttention,
     ModelConfig,
@@ -15,6 +16,7 @@ __all__ = [
     "LinformerSelfAttention",
     "LinformerEncoder",
     "LinformerForMaskedLM",
+    "LinformerForMaskedLMPretraining",
     "LinformerForSequenceClassification",
     "__version__",
 ]

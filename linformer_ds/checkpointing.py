@@ -23,12 +23,15 @@ Security: DeepSpeed 0.19.8 reads its files with ``torch.load(weights_only=False)
 three DeepSpeed classes these files hold allowed, so a checkpoint cannot run pickled code.
 """
 
+import contextlib
 import glob
 import json
 import os
 import re
 import shutil
+import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -297,6 +300,8 @@ def save(
     epoch: int,
     sampler_state: Dict[str, Any],
     train_ds,
+    client_extra: Optional[Dict[str, Any]] = None,
+    extra_meta: Optional[Dict[str, Any]] = None,
 ) -> str:
     """Collective: every rank calls it. Returns the tag; a :class:`CheckpointError` (naming the
     directory) if it cannot be written. Earlier tags and ``latest`` are untouched until the new
@@ -323,6 +328,7 @@ def save(
             # Randomness is re-seeded from (seed, step, rank) every step: no RNG state to restore.
             "rng": {"scheme": "reseed(seed, step, rank)", "seed": cfg.train.seed},
             "tokenizer": os.path.join(str(train_ds.path), "tokenizer.model"),
+            **(client_extra or {}),
         }
         engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client, save_latest=False)
         dist.barrier()
@@ -338,6 +344,8 @@ def save(
                 "model": cfg.model.to_dict(),
                 "config": to_dict(cfg),
                 "tokenizer": "tokenizer.model",
+                "special_ids": dict(getattr(train_ds, "manifest", {}).get("special_ids", {})),
+                **(extra_meta or {}),
             }
             tok = os.path.join(str(train_ds.path), "tokenizer.model")
             if os.path.isfile(tok):
@@ -488,6 +496,137 @@ def load(
     return client
 
 
-def torch_load_safe(path: str) -> Any:
-    """``torch.load`` without executing pickled code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+@contextlib.contextmanager
+def weights_only_torch_load() -> Iterator[None]:
+    """Force every ``torch.load`` inside the block to ``weights_only=True`` (DeepSpeed's few
+    checkpoint classes allowed): for DeepSpeed tools that load with ``weights_only=False``
+    themselves (``zero_to_fp32``, ``ds_to_universal``)."""
+    original = torch.load
+
+    def safe_load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(safe_globals()):
+            return original(f, *args, **kwargs)
+
+    torch.load = safe_load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def resolve_checkpoint(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
+    """``(checkpoint_dir, tag)`` for a reader (export): ``checkpoint`` is a ``checkpoint.dir`` or
+    a tag directory itself; ``tag`` None means the newest usable one. The tag must validate
+    like a resume would (marker, metadata, inventory); a :class:`CheckpointError` says why not."""
+    ckpt = os.path.abspath(checkpoint)
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"{checkpoint}: no such directory")
+    if tag is None and os.path.isfile(os.path.join(ckpt, META_FILE)):
+        ckpt, tag = os.path.dirname(ckpt), os.path.basename(ckpt)  # given the tag directory
+    if tag is None:
+        if not tag_dirs(ckpt):
+            raise CheckpointError(
+                f"{checkpoint} is not a linformer_ds checkpoint directory: no step_* tags in it "
+                f"(found: {_listing(ckpt)})"
+            )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tag = latest_tag(ckpt)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        if tag is None:
+            raise CheckpointError(f"{checkpoint}: no usable checkpoint (see the warning above)")
+        return ckpt, tag
+    if not os.path.isdir(os.path.join(ckpt, tag)):
+        raise CheckpointError(
+            f"tag {tag!r} not found in {ckpt} (tags there: {', '.join(tag_dirs(ckpt)) or 'none'})"
+        )
+    problem = tag_problem(ckpt, tag)
+    if problem is not None:
+        raise CheckpointError(f"{os.path.join(ckpt, tag)} is {problem}")
+    return ckpt, tag
+
+
+def _listing(d: str, n: int = 8) -> str:
+    names = sorted(os.listdir(d))
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
+
+
+# ============================================================================ checkpoint manager
+class CheckpointManager:
+    """The trainer's checkpoints: resolve the tag to resume from, load it (converting to a
+    universal checkpoint when the number of ranks changed), save, prune.
+
+    Use: ``prepare()`` before any collective (writability, tag choice, metadata checks), then
+    ``ds_config_overrides`` for the engine, then ``load(engine)`` and ``save(...)`` (collective).
+    """
+
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int):
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.dir = cfg.checkpoint.dir
+        self.tag: Optional[str] = None
+        self.meta: Optional[Dict[str, Any]] = None
+        self.universal = False
+        self.last_saved_step = -1
+
+    def prepare(self) -> Optional[str]:
+        """Check the directories and choose the tag to resume from (None: a fresh start)."""
+        check_writable(self.dir, "checkpoint.dir")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.tag, self.meta = select_resume(self.dir, self.cfg.checkpoint.resume, self.cfg)
+        if self.rank == 0:
+            for w in caught:
+                print(f"[warn] {w.message}", flush=True)
+        if self.tag is not None:
+            assert self.meta is not None
+            self.universal = needs_universal(self.dir, self.tag, self.meta, self.world)
+            self.last_saved_step = int(self.meta["step"])
+        return self.tag
+
+    def ds_config_overrides(self) -> Dict[str, Any]:
+        """What the DeepSpeed config must say to load the chosen tag (fixed at initialize)."""
+        return {"checkpoint": {"load_universal": True}} if self.universal else {}
+
+    def load(self, engine) -> Dict[str, Any]:
+        """Collective: load the prepared tag into ``engine``; returns its client state."""
+        import deepspeed.comm as dist
+
+        assert self.tag is not None and self.meta is not None
+        load_dir = None
+        if self.universal:
+            if self.rank == 0:
+                print(
+                    f"[resume] {self.dir}/{self.tag} was saved by {self.meta['world_size']} "
+                    f"rank(s), this run has {self.world}: converting it to a universal checkpoint",
+                    flush=True,
+                )
+                convert_to_universal(self.dir, self.tag)
+            dist.barrier()
+            load_dir = os.path.join(self.dir, UNIVERSAL_DIR)
+        client = load(engine, self.dir, self.tag, self.cfg, load_dir=load_dir)
+        if self.universal:
+            dist.barrier()
+            if self.rank == 0:  # derived data: the next save writes a native checkpoint
+                shutil.rmtree(os.path.join(self.dir, UNIVERSAL_DIR), ignore_errors=True)
+        return client
+
+    def save(
+        self,
+        engine,
+        step: int,
+        epoch: int,
+        sampler_state: Dict[str, Any],
+        train_ds,
+        client_extra: Optional[Dict[str, Any]] = None,
+    ) -> str:
+        """Collective: write ``step``'s checkpoint (see :func:`save`); returns the tag."""
+        tag = save(engine, self.cfg, self.dir, step, epoch, sampler_state, train_ds, client_extra)
+        self.last_saved_step = step
+        return tag
+
+    def latest(self) -> Optional[str]:
+        """Path of the newest complete checkpoint, or None."""
+        tag = latest_tag(self.dir)
+        return os.path.join(self.dir, tag) if tag else None

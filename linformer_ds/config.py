@@ -204,6 +204,12 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
         bad("train.eval_interval", "eval_interval and eval_batches must be >= 0")
     if t.nonfinite not in ("stop", "skip"):
         bad("train.nonfinite", f"must be 'stop' or 'skip', got {t.nonfinite!r}")
+    if t.nonfinite == "skip" and ds.precision == "fp32" and z.stage == 0:
+        bad(
+            "train.nonfinite",
+            "'skip' needs an optimizer that DeepSpeed can make skip a step (zero.stage >= 1, "
+            "or precision bf16/fp16); ZeRO-0 fp32 applies every update",
+        )
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         bad("train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
     if not 0.0 < cfg.data.mlm_probability < 1.0:

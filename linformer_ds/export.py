@@ -21,7 +21,6 @@ and loads with ``transformers`` alone (``trust_remote_code=True``), no linformer
 """
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -33,22 +32,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from data_prep.tokenizer import SPECIAL_IDS, SPECIAL_PIECES
+from linformer_ds import checkpointing as ckpt
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
 
-META_FILE = "linformer_meta.json"  # written by linformer_ds.checkpointing.save
-COMPLETE_FILE = "COMPLETE"
-META_FORMAT_VERSION = 1
 EXPORT_FORMAT_VERSION = 1
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Special tokens of the SentencePiece models made by data_prep: piece -> id.
+# Special tokens of the SentencePiece models made by data_prep: HF name -> (piece, id), from
+# data_prep's one table (a checkpoint's metadata records the ids it was trained with).
+_HF_NAMES = {"pad": "pad_token", "unk": "unk_token", "cls": "bos_token", "sep": "eos_token",
+             "mask": "mask_token"}  # fmt: skip
 SPECIAL_TOKENS = {
-    "pad_token": ("<pad>", 0),
-    "unk_token": ("<unk>", 1),
-    "bos_token": ("<s>", 2),
-    "eos_token": ("</s>", 3),
-    "mask_token": ("<mask>", 4),
+    _HF_NAMES[key]: (SPECIAL_PIECES[key], SPECIAL_IDS[key]) for key in _HF_NAMES
 }
 CLS_SEP = {"cls_token": "<s>", "sep_token": "</s>"}
 
@@ -79,38 +76,33 @@ class ExportError(RuntimeError):
 
 # ==================================================================================== checkpoint
 def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
-    """``(checkpoint_dir, tag)`` after checking both; a tag directory itself is accepted too."""
-    ckpt = os.path.abspath(checkpoint)
-    if not os.path.isdir(ckpt):
-        raise ExportError(f"--checkpoint {checkpoint}: no such directory")
-    if tag is None and os.path.isfile(os.path.join(ckpt, META_FILE)):
-        ckpt, tag = os.path.dirname(ckpt), os.path.basename(ckpt)  # given the tag directory
-    if tag is None:
-        latest = os.path.join(ckpt, "latest")
-        if not os.path.isfile(latest):
-            raise ExportError(
-                f"--checkpoint {checkpoint} is not a DeepSpeed checkpoint directory: it has no "
-                f"'latest' file naming the newest tag (found: {_listing(ckpt)}); pass --tag"
-            )
-        with open(latest) as f:
-            tag = f.read().strip()
-        if not tag:
-            raise ExportError(f"{latest} is empty; pass --tag")
-    tag_dir = os.path.join(ckpt, tag)
-    if not os.path.isdir(tag_dir):
-        tags = sorted(d for d in os.listdir(ckpt) if os.path.isdir(os.path.join(ckpt, d)))
-        raise ExportError(f"tag {tag!r} not found in {ckpt} (tags there: {tags or 'none'})")
-    if not os.path.isfile(os.path.join(tag_dir, META_FILE)):
+    """``(checkpoint_dir, tag)``, validated by the checkpoint manager's rules."""
+    try:
+        return ckpt.resolve_checkpoint(checkpoint, tag)
+    except ckpt.CheckpointError as e:
+        raise ExportError(f"--checkpoint {e}") from None
+
+
+def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
+    """The checkpoint's metadata and the ``ModelConfig`` it describes."""
+    try:
+        meta = ckpt.read_meta(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    except ckpt.CheckpointError as e:
+        raise ExportError(str(e)) from None
+    path = os.path.join(tag_dir, ckpt.META_FILE)
+    if not isinstance(meta.get("model"), dict):
+        raise ExportError(f"{path}: has no 'model' section")
+    try:
+        model_config = ModelConfig.from_dict(meta["model"])
+    except (ModelConfigError, TypeError) as e:
+        raise ExportError(f"{path}: invalid model config: {e}") from e
+    ids = meta.get("special_ids")
+    if ids and any(int(ids.get(k, v)) != v for k, v in SPECIAL_IDS.items()):
         raise ExportError(
-            f"{tag_dir} is not a linformer_ds checkpoint: {META_FILE} is missing "
-            f"(found: {_listing(tag_dir)})"
+            f"{path}: the data was made with special ids {ids}; this exporter writes tokenizers "
+            f"with data_prep's fixed ids {SPECIAL_IDS}"
         )
-    if not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
-        raise ExportError(
-            f"{tag_dir} is incomplete (no {COMPLETE_FILE} marker: the save was interrupted); "
-            "export an older tag with --tag"
-        )
-    return ckpt, tag
+    return meta, model_config
 
 
 def _listing(d: str, n: int = 8) -> str:
@@ -118,55 +110,11 @@ def _listing(d: str, n: int = 8) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
 
 
-def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
-    """The checkpoint's metadata JSON and the ``ModelConfig`` it describes."""
-    path = os.path.join(tag_dir, META_FILE)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{path}: not valid JSON ({e})") from e
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > META_FORMAT_VERSION:
-        raise ExportError(
-            f"{path}: format_version {version!r} is not supported by this exporter "
-            f"(knows <= {META_FORMAT_VERSION})"
-        )
-    if not isinstance(meta.get("model"), dict):
-        raise ExportError(f"{path}: has no 'model' section")
-    try:
-        model_config = ModelConfig.from_dict(meta["model"])
-    except (ModelConfigError, TypeError) as e:
-        raise ExportError(f"{path}: invalid model config: {e}") from e
-    return meta, model_config
-
-
-@contextlib.contextmanager
-def _weights_only_torch_load():
-    """Make DeepSpeed's zero_to_fp32 (which passes weights_only=False) load without running
-    pickled code: every torch.load inside is forced to weights_only=True, allowing only
-    DeepSpeed's few checkpoint classes."""
-    from linformer_ds.checkpointing import safe_globals
-
-    original = torch.load
-
-    def safe_load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(safe_globals()):
-            return original(f, *args, **kwargs)
-
-    torch.load = safe_load
-    try:
-        yield
-    finally:
-        torch.load = original
-
-
 def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation."""
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
-        with _weights_only_torch_load():
+        with ckpt.weights_only_torch_load():
             return _consolidate_zero(checkpoint_dir, tag)
     return _consolidate_stage0(tag_dir)
 
@@ -190,17 +138,15 @@ def _consolidate_zero(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
 
 def _consolidate_stage0(tag_dir: str) -> Dict[str, torch.Tensor]:
     """ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file."""
-    from linformer_ds.checkpointing import CheckpointError, safe_torch_load
-
-    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    path = os.path.join(tag_dir, ckpt.MODEL_STATES)
     if not os.path.isfile(path):
         raise ExportError(
             f"{tag_dir} holds neither ZeRO optimizer shards (*_optim_states.pt) nor "
-            f"mp_rank_00_model_states.pt: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
+            f"{ckpt.MODEL_STATES}: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
         )
     try:
-        states = safe_torch_load(path)  # weights_only=True: no pickled code runs
-    except CheckpointError as e:
+        states = ckpt.safe_torch_load(path)  # weights_only=True: no pickled code runs
+    except ckpt.CheckpointError as e:
         raise ExportError(str(e)) from None
     if "module" not in states:
         raise ExportError(f"{path} has no 'module' state dict")
@@ -244,7 +190,7 @@ def check_state_dict(
         if shapes:
             parts.append(f"shape mismatch {_short(shapes)}")
         raise ExportError(
-            f"{where}: the weights do not match the model config in {META_FILE} ("
+            f"{where}: the weights do not match the model config in {ckpt.META_FILE} ("
             + "; ".join(parts)
             + ")"
         )

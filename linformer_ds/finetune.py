@@ -23,6 +23,7 @@ import torch
 
 from linformer_ds.export import ExportError, portable_paths, write_model_dir
 from linformer_ds.model import ModelConfig
+from linformer_ds.optim import lr_scheduler, param_groups
 
 LOCAL_FORMATS = {
     ".csv": "csv",
@@ -268,20 +269,10 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     if args.lr is None:
         args.lr = default_lr(model.config.hidden_size)
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embeddings" not in n]
-    no_decay = [
-        p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embeddings" not in n)
-    ]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-    )  # fmt: skip
+    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr)
     steps_per_epoch = math.ceil(len(tr_s) / args.batch_size)
     total = max(1, math.ceil(args.epochs * steps_per_epoch))
-    warmup = int(args.warmup_ratio * total)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
-    )  # fmt: skip
+    sched = lr_scheduler(opt, int(args.warmup_ratio * total), total, decay="linear")
 
     history: List[Dict[str, Any]] = []
     step, t0 = 0, time.time()

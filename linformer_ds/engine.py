@@ -1,0 +1,124 @@
+"""The DeepSpeed side of training: process group, accelerator checks, the final DeepSpeed JSON,
+activation checkpointing applied to the plain model from outside, and the engine itself."""
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from linformer_ds.config import ConfigError, JobConfig, deepspeed_config
+from linformer_ds.model import LinformerForMaskedLMPretraining
+from linformer_ds.optim import lr_scheduler, param_groups
+
+
+@dataclass
+class World:
+    """Where this process runs: ranks, device, collective backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: Optional[str] = None
+
+
+def final_deepspeed_config(
+    cfg: JobConfig, world_size: int, overrides: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """The JSON handed to ``deepspeed.initialize``: the config's, plus what the run needs
+    (overflow checks under bf16 so non-finite steps are skipped; checkpoint loading flags)."""
+    ds = deepspeed_config(cfg, world_size)
+    if cfg.deepspeed.precision == "bf16":
+        ds["bf16"]["check_grad_overflow"] = True
+    for key, value in (overrides or {}).items():
+        ds[key] = value
+    return ds
+
+
+def check_accelerator(cfg: JobConfig) -> None:
+    """What only the live accelerator can tell: is the configured precision supported?"""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    precision = cfg.deepspeed.precision
+    supported = {"fp16": acc.is_fp16_supported, "bf16": acc.is_bf16_supported}
+    if precision in supported and not supported[precision]():
+        raise ConfigError(
+            f"deepspeed.precision: {precision} is not supported by this machine's "
+            f"{acc.device_name()} accelerator (DeepSpeed's check); use "
+            f"{'bf16 or fp32' if precision == 'fp16' else 'fp32'}"
+        )
+
+
+def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> World:
+    """Start the process group (gloo on CPU unless configured) and pick this rank's device."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+
+    check_accelerator(cfg)
+    acc = get_accelerator()
+    on_cpu = acc.device_name() == "cpu"
+    backend = cfg.deepspeed.dist_backend or ("gloo" if on_cpu else acc.communication_backend_name())
+    disable_deepspeed_shm_allreduce()  # training never uses it; it leaks /dev/shm on CPU
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    device = torch.device("cpu") if on_cpu else torch.device(acc.device_name(local_rank))
+    if not on_cpu:
+        acc.set_device(local_rank)
+    return World(rank, world_size, local_rank, device, backend)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict) -> None:
+    """Wrap encoder layers in activation checkpointing as configured (no-op when disabled).
+
+    torch's non-reentrant checkpoint by default: correct with the layerwise-shared projection
+    under ZeRO-2/3 (reentrant checkpointing triggers DeepSpeed issue 988). DeepSpeed's own
+    (partitioned / CPU) variant when asked for; config.validate refuses it under ZeRO-3.
+    """
+    ac = cfg.deepspeed.activation_checkpointing
+    if not ac.enabled:
+        return
+    n_layers = ac.number_checkpoints or cfg.model.num_layers
+    if ac.partition_activations or ac.cpu_checkpointing:
+        import deepspeed
+        from deepspeed.runtime.activation_checkpointing.checkpointing import (
+            non_reentrant_checkpoint,
+        )
+
+        deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+
+        def fn(layer, x, mask, shared):
+            # Only the activation goes through DeepSpeed's checkpoint: its partitioned path
+            # mis-pairs tensors with their sizes when non-tensor arguments (the shared
+            # projection module, a None mask) are passed along (deepspeed 0.19).
+            return non_reentrant_checkpoint(lambda h: layer(h, mask, shared), x)
+    else:
+        fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model.encoder.set_activation_checkpointing(fn, layers=list(range(n_layers)))
+
+
+def build_model(cfg: JobConfig) -> LinformerForMaskedLMPretraining:
+    """The plain model, initialised identically on every rank (seeded)."""
+    torch.manual_seed(cfg.train.seed)
+    return LinformerForMaskedLMPretraining(cfg.model)
+
+
+def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any]):
+    """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine."""
+    import deepspeed
+
+    apply_activation_checkpointing(model, cfg, ds_config)
+    s = cfg.scheduler
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.optimizer.weight_decay),
+        lr_scheduler=lambda opt: lr_scheduler(
+            opt, s.warmup_steps, cfg.train.max_steps, s.decay, s.min_lr_ratio
+        ),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return engine

@@ -1,0 +1,47 @@
+"""Validation during pretraining: MLM loss, accuracy and perplexity on a fixed slice."""
+
+import math
+from typing import Dict
+
+import torch
+
+from linformer_ds.config import JobConfig
+from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
+
+
+@torch.no_grad()
+def evaluate(engine, valid_ds, cfg: JobConfig, rank: int, world: int, device) -> Dict[str, float]:
+    """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``)."""
+    import deepspeed.comm as dist
+
+    from linformer_ds.data import MLMMasking
+
+    masker = MLMMasking(
+        valid_ds.vocab_size,
+        valid_ds.mask_id,
+        valid_ds.special_ids,
+        mlm_probability=cfg.data.mlm_probability,
+        seed=cfg.train.seed + 1,
+        pad_id=valid_ds.pad_id,
+    )
+    mb = cfg.train.micro_batch_size
+    n_rows = min(len(valid_ds), cfg.train.eval_batches * mb * world)
+    mine = list(range(rank, n_rows - (n_rows % world), world))
+    engine.eval()
+    stats = torch.zeros(4, dtype=torch.float64)
+    for start in range(0, cfg.train.eval_batches * mb, mb):
+        idx = mine[start : start + mb]
+        if not idx:
+            break
+        tokens = torch.stack([valid_ds[i] for i in idx])
+        batch = {k: v.to(device) for k, v in masker(tokens, torch.tensor(idx), 0).items()}
+        out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
+    engine.train()
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "mlm_accuracy": float(stats[STAT_CORRECT] / max(stats[STAT_COUNT], 1)),
+    }
