@@ -381,3 +381,65 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._start, self._yielded = consumed, 0
+
+
+class TrainBatches:
+    """The training stream of one rank: sampler -> rows -> MLM masking -> device tensors.
+
+    ``next_batch()`` returns ``input_ids, attention_mask, labels`` ``[micro_batch, N]``; it moves
+    to the next epoch when the current one is exhausted. ``state_dict`` / ``load_state_dict``
+    carry the position (any world size). ``on_batch(step_epoch, indices)`` is an optional
+    observer (the trainer's sample-log debug hook).
+    """
+
+    def __init__(
+        self,
+        dataset: ShardDataset,
+        masker: MLMMasking,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        seed: int,
+        device: Union[str, torch.device] = "cpu",
+    ) -> None:
+        self.dataset, self.masker = dataset, masker
+        self.micro_batch_size = int(micro_batch_size)
+        self.device = torch.device(device)
+        self.sampler = ResumableDistributedSampler(len(dataset), rank, world_size, seed=seed)
+        self.world_size = world_size
+        self.epoch = 0
+        self._it: Optional[Iterator[int]] = None
+        self.on_batch = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, epoch: int, sampler_state: Dict[str, int]) -> None:
+        self.epoch = int(epoch)
+        self.sampler.load_state_dict(sampler_state)
+        self._it = None
+
+    def _next_index(self) -> int:
+        if self._it is None:
+            self.sampler.set_epoch(self.epoch)
+            self._it = iter(self.sampler)
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
+            self._it = iter(self.sampler)
+            if len(self.sampler) == 0:
+                raise DataError(
+                    f"{self.dataset.path}: the {self.dataset.split} split has {len(self.dataset)} "
+                    f"rows: too few for {self.world_size} ranks"
+                ) from None
+            return next(self._it)
+
+    def next_batch(self) -> Dict[str, torch.Tensor]:
+        idx = [self._next_index() for _ in range(self.micro_batch_size)]
+        if self.on_batch is not None:
+            self.on_batch(self.epoch, idx)
+        tokens = torch.stack([self.dataset[i] for i in idx])
+        batch = self.masker(tokens, torch.tensor(idx), self.epoch)
+        return {k: v.to(self.device) for k, v in batch.items()}
