@@ -118,6 +118,9 @@ def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
             meta = {
                 "format_version": 1,
                 "step": 2,
+                "epoch": 0,
+                "sampler": {"epoch": 0, "consumed": 8},
+                "world_size": 2,
                 "zero_stage": stage,
                 "model": model_config.to_dict(),
                 "config": {"name": name, "deepspeed": ds_config},
