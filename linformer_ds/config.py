@@ -6,9 +6,12 @@ DeepSpeed JSON config is derived from it by ``deepspeed_config``.
 """
 
 import copy
+import dataclasses
+import difflib
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -27,6 +30,9 @@ class DataConfig:
     valid_split: str = "valid"
     mlm_probability: float = 0.15
     verify_checksums: bool = False  # full sha256 of every shard at start (slow on big data)
+    # BERT/RoBERTa-style short inputs: this fraction of training rows is cut to a random length
+    # in [2, N-1] (the tail becomes unlabelled padding); a function of (seed, epoch, row)
+    short_seq_prob: float = 0.0
 
 
 @dataclass
@@ -102,6 +108,8 @@ class DeepSpeedConfig:
 class LoggingConfig:
     dir: str = "runs/${name}"
     tensorboard: bool = True
+    # Prometheus /metrics on every rank at port + local rank (0: free ports, logged); None: off
+    prometheus_port: Optional[int] = None
 
 
 @dataclass
@@ -168,8 +176,42 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     assert isinstance(cfg, JobConfig)
+    _check_required(path, overrides or [])
     validate(cfg)
     return cfg
+
+
+# What a job config must set itself: the schema's defaults for these describe no real run (the
+# default model is a 102M-parameter BERT-base; the default data path a README example).
+REQUIRED_KEYS = ("data.path", "model")
+
+
+def _check_required(path: Optional[str], overrides: List[str]) -> None:
+    """A config that sets nothing, or leaves ``data.path`` / ``model`` to the schema, is an error
+    (the YAML file and the overrides together must set them)."""
+    user = _load_yaml(path) if path else OmegaConf.create({})
+    if path and len(user) == 0:
+        raise ConfigError(
+            f"{path}: the config file sets nothing; start from one in configs/ (e.g. "
+            "configs/tiny_cpu.yaml)"
+        )
+    user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(overrides)))
+    if not path and not overrides:
+        raise ConfigError(
+            "no job config: pass --config FILE (see configs/, e.g. configs/tiny_cpu.yaml) "
+            "and/or key=value overrides that set data.path and model.*"
+        )
+    if OmegaConf.select(user, "data.path") is None:
+        raise ConfigError(
+            "data.path: not set; name a data_prep output directory (data.path=DIR in the YAML "
+            "file or as an override)"
+        )
+    model = OmegaConf.select(user, "model")
+    if not isinstance(model, DictConfig) or len(model) == 0:
+        raise ConfigError(
+            "model: not set; the config would train the schema's default 102M-parameter model. "
+            "Describe the model (a model: section, e.g. from configs/tiny_cpu.yaml)"
+        )
 
 
 def to_dict(cfg: JobConfig) -> Dict[str, Any]:
@@ -189,19 +231,66 @@ def from_dict(d: Dict[str, Any]) -> JobConfig:
 
 
 # =================================================================================== validation
+DIST_BACKENDS = ("gloo", "nccl", "mpi", "ccl", "hccl")
+
+
+def _attr(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _numbers(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
+    """``(key path, value)`` of every number in a (nested) config dataclass, lists included."""
+    out: List[Tuple[str, Any]] = []
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            out += _numbers(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _numbers(v, f"{prefix}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += _numbers(v, f"{prefix}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.append((prefix, obj))
+    return out
+
+
 def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     """Impossible combinations, with the key path in the message. ``world_size`` if known."""
 
     def bad(key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
+    for key, value in _numbers(cfg):  # nan/inf anywhere: named before any range check
+        if isinstance(value, float) and not math.isfinite(value):
+            bad(key, f"must be a finite number, got {value}")
     cfg.model.validate()
+    for key in ("layer_norm_eps", "initializer_range", "projection_init_std"):
+        value = getattr(cfg.model, key)
+        if value is not None and value <= 0:
+            bad(f"model.{key}", f"must be > 0, got {value}")
+    cd = cfg.model.classifier_dropout
+    if cd is not None and not 0.0 <= cd < 1.0:
+        bad("model.classifier_dropout", f"must be in [0, 1), got {cd}")
+    for key in ("name", "data.path", "data.train_split", "data.valid_split", "logging.dir",
+                "checkpoint.dir"):  # fmt: skip
+        if not str(_attr(cfg, key) or "").strip():
+            bad(key, "must not be empty")
     t, ds, z = cfg.train, cfg.deepspeed, cfg.deepspeed.zero
     for key in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "log_interval"):
         if getattr(t, key) < 1:
             bad(f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
-    if t.eval_interval < 0 or t.eval_batches < 0:
-        bad("train.eval_interval", "eval_interval and eval_batches must be >= 0")
+    for key in ("eval_interval", "eval_batches"):
+        if getattr(t, key) < 0:
+            bad(f"train.{key}", f"must be >= 0 (0 turns evaluation off), got {getattr(t, key)}")
+    if t.stop_at_step is not None and t.stop_at_step < 1:
+        bad("train.stop_at_step", f"must be >= 1 (or null: run to max_steps), got {t.stop_at_step}")
+    if t.global_batch_size is not None and t.global_batch_size < 1:
+        bad("train.global_batch_size", f"must be >= 1 (or null), got {t.global_batch_size}")
+    if not 0 <= t.seed < 2**32:
+        bad("train.seed", f"must be in [0, 2**32), got {t.seed}")
     if t.nonfinite not in ("stop", "skip"):
         bad("train.nonfinite", f"must be 'stop' or 'skip', got {t.nonfinite!r}")
     if t.nonfinite == "skip" and ds.precision == "fp32" and z.stage == 0:
@@ -212,10 +301,19 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
         )
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         bad("train.peak_tflops", f"must be > 0, got {t.peak_tflops}")
+    port = cfg.logging.prometheus_port
+    if port is not None and not 0 <= port <= 65535:
+        bad("logging.prometheus_port", f"must be a TCP port in [0, 65535] (0: free), got {port}")
+    if not 0.0 <= cfg.data.short_seq_prob < 1.0:
+        bad("data.short_seq_prob", f"must be in [0, 1), got {cfg.data.short_seq_prob}")
     if not 0.0 < cfg.data.mlm_probability < 1.0:
         bad("data.mlm_probability", f"must be in (0, 1), got {cfg.data.mlm_probability}")
     if cfg.optimizer.lr <= 0:
         bad("optimizer.lr", f"must be > 0, got {cfg.optimizer.lr}")
+    if cfg.optimizer.eps <= 0:
+        bad("optimizer.eps", f"must be > 0, got {cfg.optimizer.eps}")
+    if cfg.optimizer.weight_decay < 0:
+        bad("optimizer.weight_decay", f"must be >= 0, got {cfg.optimizer.weight_decay}")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         bad("optimizer.betas", f"must be two numbers in [0, 1), got {cfg.optimizer.betas}")
     if cfg.scheduler.decay not in ("linear", "cosine", "constant"):
@@ -233,7 +331,25 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     if z.offload_optimizer and z.stage == 0:
         bad("deepspeed.zero.offload_optimizer", "needs zero.stage >= 1")
     if ds.gradient_clipping < 0:
-        bad("deepspeed.gradient_clipping", f"must be >= 0, got {ds.gradient_clipping}")
+        bad("deepspeed.gradient_clipping", f"must be >= 0 (0: no clipping), got {ds.gradient_clipping}")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(z, key) < 1:
+            bad(f"deepspeed.zero.{key}", f"must be >= 1 (elements), got {getattr(z, key)}")
+    if ds.loss_scale < 0:
+        bad("deepspeed.loss_scale", f"must be >= 0 (0: dynamic), got {ds.loss_scale}")
+    if not 0 <= ds.initial_scale_power <= 63:
+        bad("deepspeed.initial_scale_power", f"must be in [0, 63], got {ds.initial_scale_power}")
+    for key in ("loss_scale_window", "hysteresis"):
+        if getattr(ds, key) < 1:
+            bad(f"deepspeed.{key}", f"must be >= 1, got {getattr(ds, key)}")
+    if ds.min_loss_scale <= 0:
+        bad("deepspeed.min_loss_scale", f"must be > 0, got {ds.min_loss_scale}")
+    if ds.dist_backend is not None and ds.dist_backend not in DIST_BACKENDS:
+        bad(
+            "deepspeed.dist_backend",
+            f"must be one of {', '.join(DIST_BACKENDS)} (or null: nccl on CUDA, gloo on CPU), "
+            f"got {ds.dist_backend!r}",
+        )
     ac = ds.activation_checkpointing
     if ac.number_checkpoints is not None and not 1 <= ac.number_checkpoints <= cfg.model.num_layers:
         bad(
@@ -251,8 +367,9 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
         )
     if cfg.checkpoint.resume not in ("auto", "never") and "/" in cfg.checkpoint.resume:
         bad("checkpoint.resume", "must be auto, never or a tag name inside checkpoint.dir")
-    if cfg.checkpoint.keep_last < 0 or cfg.checkpoint.save_interval < 0:
-        bad("checkpoint.keep_last", "keep_last and save_interval must be >= 0")
+    for key, what in (("save_interval", "0: only the final checkpoint"), ("keep_last", "0: all")):
+        if getattr(cfg.checkpoint, key) < 0:
+            bad(f"checkpoint.{key}", f"must be >= 0 ({what}), got {getattr(cfg.checkpoint, key)}")
     if world_size is not None:
         per_step = t.micro_batch_size * t.gradient_accumulation_steps * world_size
         if t.global_batch_size is not None and t.global_batch_size != per_step:
@@ -262,6 +379,7 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
                 f"({world_size}) x gradient_accumulation_steps ({t.gradient_accumulation_steps})"
                 f" = {per_step}",
             )
+        check_deepspeed_extra(cfg, world_size)
 
 
 # ========================================================================= DeepSpeed JSON config
@@ -337,3 +455,81 @@ def deepspeed_config(cfg: JobConfig, world_size: int) -> Dict[str, Any]:
             "profile": False,
         }
     return _deep_update(out, OmegaConf.to_container(OmegaConf.create(ds.extra)) or {})
+
+
+# Keys of the DeepSpeed JSON that the job config owns (set them through train.* instead).
+_OWNED_DS_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+}
+
+
+class _RecordingDict(dict):
+    """A dict that records which keys are looked up (DeepSpeed's config parser reads it)."""
+
+    seen: set
+
+    def get(self, key, default=None):  # noqa: D102
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self.seen.add(key)
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+
+def _pydantic_key(ds: Dict[str, Any], loc: Tuple[Any, ...], model: str) -> str:
+    """The JSON path of a pydantic error ``loc`` inside the DeepSpeed config ``ds``."""
+    path = [str(p) for p in loc]
+    for top, value in ds.items():
+        node: Any = value
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and (path[-1] in node or not path):
+            return ".".join([top, *path])
+    return ".".join(path) or model
+
+
+def check_deepspeed_extra(cfg: JobConfig, world_size: int) -> None:
+    """Validate the derived DeepSpeed JSON (``deepspeed.extra`` included) with DeepSpeed's own
+    config classes before any process group starts; one :class:`ConfigError` naming the key."""
+    extra = OmegaConf.to_container(OmegaConf.create(cfg.deepspeed.extra)) or {}
+    for key, owner in _OWNED_DS_KEYS.items():
+        if key in extra:
+            bad = f"deepspeed.extra.{key}"
+            raise ConfigError(f"{bad}: the job config sets it; use {owner} instead")
+    import pydantic
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = deepspeed_config(cfg, world_size)
+    # Without a process group DeepSpeed assumes one rank: check the batch arithmetic for that.
+    ds["train_batch_size"] = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    probe = _RecordingDict(ds)
+    probe.seen = set()
+    try:
+        DeepSpeedConfig(probe)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        key = _pydantic_key(ds, tuple(err["loc"]), e.title)
+        where = f"deepspeed.extra.{key}" if key.split(".")[0] in extra else f"deepspeed ({key})"
+        raise ConfigError(f"{where}: {err['msg']} (got {err.get('input')!r})") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"deepspeed.extra: DeepSpeed refuses the derived config: {first}") from None
+    known = set(probe.seen) | {
+        v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)
+    }
+    for key in extra:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"deepspeed.extra.{key}: DeepSpeed does not read this key{hint} (see "
+                "https://www.deepspeed.ai/docs/config-json/)"
+            )

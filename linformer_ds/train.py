@@ -177,6 +177,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         mlm_probability=cfg.data.mlm_probability,
         seed=cfg.train.seed,
         pad_id=train_ds.pad_id,
+        short_seq_prob=cfg.data.short_seq_prob,
     )
     batches = TrainBatches(
         train_ds, masker, rank, world, cfg.train.micro_batch_size, cfg.train.seed, w.device
@@ -194,6 +195,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         tokens_per_step=ds_config["train_batch_size"] * seq_len,
     )
     if resume_tag is not None:
+        t_load = time.perf_counter()
         client = checkpoints.load(engine)
         step = int(client["step"])
         try:
@@ -201,6 +203,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         except ValueError as e:
             raise ckpt.CheckpointError(f"{checkpoints.dir}/{resume_tag}: {e}") from None
         metrics.load_state_dict(client.get("metrics"))
+        metrics.on_resume(step, time.perf_counter() - t_load)
         rank0_print(
             f"[resume] {checkpoints.dir}/{resume_tag}: step {step}, epoch {batches.epoch}, "
             f"sampler consumed {client['sampler']['consumed']} (saved by "
@@ -231,6 +234,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             engine, step, batches.epoch, batches.sampler.state_dict(), train_ds,
             client_extra={"metrics": metrics.state_dict()},
         )  # fmt: skip
+        metrics.checkpoint_done("save", time.perf_counter() - t0)
         rank0_print(
             f"[checkpoint] {reason}: {checkpoints.dir}/{ckpt.tag_for(step)} ({time.perf_counter() - t0:.1f}s)"
         )
@@ -257,7 +261,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         t0 = time.perf_counter()
         stats = torch.zeros(4, dtype=torch.float64)
         for micro in range(gas):
-            batch = batches.next_batch()
+            batch = metrics.timed_batch(batches.next_batch)
             out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
             loss = debug.poison(out.loss, step + 1)
             engine.backward(loss)
@@ -271,7 +275,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         why = nonfinite_verdict(cfg, step, int(stats[3]), applied=engine.was_step_applied())
         if why:
             return finish(EXIT_NONFINITE, why)
-        metrics.step_done(step, stats, time.perf_counter() - t0)
+        metrics.step_done(
+            step, stats, time.perf_counter() - t0, skipped=not engine.was_step_applied()
+        )
         if metrics.should_log(step):
             metrics.log_train(step, batches.epoch, engine)
         if valid_ds is not None and step % cfg.train.eval_interval == 0:
