@@ -50,6 +50,16 @@ def check_accelerator(cfg: JobConfig) -> None:
             f"{acc.device_name()} accelerator (DeepSpeed's check); use "
             f"{'bf16 or fp32' if precision == 'fp16' else 'fp32'}"
         )
+    backend, device = cfg.deepspeed.dist_backend, acc.device_name()
+    usable = {"nccl": device == "cuda" and torch.distributed.is_nccl_available(),
+              "gloo": torch.distributed.is_gloo_available(),
+              "mpi": torch.distributed.is_mpi_available()}  # fmt: skip
+    if backend in usable and not usable[backend]:
+        raise ConfigError(
+            f"deepspeed.dist_backend: {backend} is not available with this machine's {device} "
+            f"accelerator and torch build; use {'gloo' if device == 'cpu' else 'nccl'} "
+            "(or null: the accelerator's default)"
+        )
 
 
 def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> World:
