@@ -1,0 +1,526 @@
+"""Sequence parallelism for the Linformer encoder: one sequence split across P ranks.
+
+Layout: P consecutive ranks form one sequence-parallel (SP) group and hold consecutive slices of
+the same rows (rank r of the group holds positions ``[r N/P, (r+1) N/P)``); world = DP x P.
+
+What crosses ranks, per layer (derivation in docs/sequence_parallel.md):
+
+* ``linear``: ``E K = sum_r E[:, s_r] K[s_r]``. Each rank projects its own slice with the columns
+  of E at its global offset; one all-reduce (sum) of the ``[B, k, h, d]`` result over the SP
+  group gives the exact projected keys/values. Backward: an all-reduce of the incoming gradient.
+* ``conv``: slices aligned to the stride (N/P a multiple of r) compress to whole local blocks;
+  an all-gather along the block axis gives every block (and the padding-block mask). Backward: a
+  reduce-scatter, each rank keeps the summed gradient of its own blocks.
+* ``dense``: DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``): all-to-all
+  from sequence slices to head slices and back; the full padding mask is all-gathered.
+
+The model stays plain PyTorch: :func:`parallelize` installs a :class:`SequenceParallel` object
+on the encoder, attention and projection modules; they call it where a collective is needed.
+
+The trainer's calls, in order::
+
+    groups = build_groups(sp_size)                      # after deepspeed.init_distributed
+    model = LinformerForMaskedLM(cfg)                   # same seed on every rank
+    parallelize(model, groups.sp_group)
+    model = partition_for_zero3(model, groups, ds_config)  # no-op unless ZeRO-3
+    engine = deepspeed.initialize(model=model, mpu=SequenceParallelMPU(groups), config=...)
+    batch, offset = shard_batch(batch, groups.sp_rank, groups.sp_size)
+    loss = ...sum of the rank's labelled cross-entropies / global_label_count(labels, group)
+    engine.backward(loss * backward_loss_scale(zero_stage, groups.sp_size))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from linformer_ds.model import ModelConfig
+
+KEY = "parallel.sequence_parallel_size"
+
+
+class SequenceParallelConfigError(ValueError):
+    """An impossible sequence-parallel setting; the message names the key."""
+
+
+# =================================================================================== config checks
+def config_errors(
+    sp_size: int,
+    *,
+    world_size: Optional[int],
+    seq_len: int,
+    model: ModelConfig,
+    zero_stage: int = 0,
+    zero_reduce_scatter: bool = True,
+) -> List[str]:
+    """Every reason ``sp_size`` cannot run, as one-line messages (empty: it can).
+
+    ``seq_len`` is the data's sequence length N (every row is N tokens, right-padded);
+    ``zero_reduce_scatter`` is ``zero_optimization.reduce_scatter`` of the DeepSpeed config.
+    """
+    p = int(sp_size)
+    if p < 1:
+        return [f"{KEY}: must be >= 1, got {p}"]
+    if p == 1:
+        return []
+    errors = []
+    if world_size is not None and world_size % p:
+        errors.append(f"{KEY}: {p} does not divide the world size {world_size}")
+    if seq_len % p:
+        errors.append(f"{KEY}: {p} does not divide the sequence length N={seq_len}")
+    if model.max_seq_len < seq_len:
+        errors.append(
+            f"{KEY}: {p} > 1 needs model.max_seq_len >= N (got max_seq_len={model.max_seq_len}, "
+            f"N={seq_len}): every slice takes its positions and E columns at its global offset"
+        )
+    n_local = seq_len // p
+    schedule = model.projection_schedule()
+    for i, kind in enumerate(schedule):
+        if kind == "conv" and seq_len % p == 0 and n_local % model.conv_stride(i):
+            errors.append(
+                f"{KEY}: conv layer {i}: the slice length N/P={n_local} is not a multiple of the "
+                f"conv stride {model.conv_stride(i)} (max_seq_len / k); pick N, P or k so it is"
+            )
+            break
+    if "dense" in schedule and model.num_heads % p:
+        errors.append(
+            f"{KEY}: dense layers (DeepSpeed-Ulysses) need num_heads divisible by P, got "
+            f"num_heads={model.num_heads}, P={p}"
+        )
+    if zero_stage == 3 and not zero_reduce_scatter:
+        errors.append(
+            f"{KEY}: {p} > 1 with zero.stage=3 needs zero_optimization.reduce_scatter=true: with "
+            "it off, DeepSpeed 0.19 divides the gradients of parameters that fit a reduce bucket "
+            "by DP and of larger ones by DP x P, so no single loss scale is right"
+        )
+    return errors
+
+
+def check_config(sp_size: int, **kwargs: Any) -> None:
+    """Raise :class:`SequenceParallelConfigError` with the first of :func:`config_errors`."""
+    errors = config_errors(sp_size, **kwargs)
+    if errors:
+        raise SequenceParallelConfigError(errors[0])
+
+
+# ================================================================================== process groups
+@dataclass
+class SequenceParallelGroups:
+    """This rank's place in the DP x P grid and the process groups it belongs to.
+
+    ``sp_group``: the P consecutive ranks holding slices of the same rows.
+    ``dp_group``: the DP ranks with the same slice position (one per replica).
+    ``seq_dp_group``: all DP x P ranks (DeepSpeed reduces and partitions over it).
+    """
+
+    sp_size: int
+    dp_size: int
+    sp_rank: int
+    dp_rank: int
+    rank: int
+    world_size: int
+    sp_group: Any
+    dp_group: Any
+    seq_dp_group: Any
+    single_group: Any  # this rank alone (DeepSpeed's model-parallel group of size 1)
+
+
+def group_layout(world_size: int, sp_size: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """``(sp_groups, dp_groups)`` as rank lists: SP groups are consecutive ranks."""
+    if sp_size < 1 or world_size % sp_size:
+        raise SequenceParallelConfigError(
+            f"{KEY}: {sp_size} does not divide the world size {world_size}"
+        )
+    dp = world_size // sp_size
+    sp_groups = [list(range(g * sp_size, (g + 1) * sp_size)) for g in range(dp)]
+    dp_groups = [list(range(r, world_size, sp_size)) for r in range(sp_size)]
+    return sp_groups, dp_groups
+
+
+def build_groups(sp_size: int) -> SequenceParallelGroups:
+    """Create the process groups (every rank must call this, in the same order)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "build_groups needs torch.distributed (deepspeed.init_distributed) first"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_groups, dp_groups = group_layout(world, sp_size)
+    sp_group = dp_group = single = None
+    for ranks in sp_groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            sp_group = g
+    for ranks in dp_groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    seq_dp_group = dist.new_group(list(range(world)))
+    for r in range(world):
+        g = dist.new_group([r])
+        if r == rank:
+            single = g
+    return SequenceParallelGroups(
+        sp_size=sp_size,
+        dp_size=world // sp_size,
+        sp_rank=rank % sp_size,
+        dp_rank=rank // sp_size,
+        rank=rank,
+        world_size=world,
+        sp_group=sp_group,
+        dp_group=dp_group,
+        seq_dp_group=seq_dp_group,
+        single_group=single,
+    )
+
+
+class SequenceParallelMPU:
+    """The ``mpu`` for ``deepspeed.initialize``: data x sequence parallel, no model parallelism.
+
+    DeepSpeed reduces gradients over ``get_sequence_data_parallel_group`` (all DP x P ranks) and
+    divides by the DP size (ZeRO 0-2), and counts the batch with ``get_data_parallel_world_size``.
+    """
+
+    def __init__(self, groups: SequenceParallelGroups):
+        self.groups = groups
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.groups.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.groups.sp_rank
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.groups.sp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.groups.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.groups.rank
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.groups.seq_dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def get_data_parallel_group(self) -> Any:
+        return self.groups.dp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self) -> Any:
+        return self.groups.single_group
+
+
+# ========================================================================================= batches
+def shard_batch(
+    batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int
+) -> Tuple[Dict[str, torch.Tensor], int]:
+    """This rank's ``[B, N/P]`` slice of every ``[B, N]`` tensor in ``batch``, and its offset.
+
+    Tensors of another shape (none in an MLM batch) are kept whole.
+    """
+    n = batch["input_ids"].shape[1]
+    if n % sp_size:
+        raise SequenceParallelConfigError(
+            f"{KEY}: {sp_size} does not divide the batch's sequence length {n}"
+        )
+    n_local = n // sp_size
+    offset = sp_rank * n_local
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == n:
+            out[key] = value[:, offset : offset + n_local].contiguous()
+        else:
+            out[key] = value
+    return out, offset
+
+
+# ============================================================================================ loss
+def global_label_count(labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """The replica's number of labelled positions (``labels != -100`` over all P slices).
+
+    ``labels``: this rank's ``[B, N/P]`` labels or ``[M]`` targets.
+
+    A float scalar, summed over ``group`` with no gradient; at least 1.
+    """
+    count = (labels != -100).sum().to(torch.float32).reshape(1)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return count.clamp_min(1.0)[0]
+
+
+def mlm_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum of the rank's cross-entropies over the replica's global labelled count.
+
+    ``logits [M, V]`` and ``targets [M]`` are this rank's labelled positions. Summed over the P
+    ranks of ``group`` this is the replica's mean MLM loss, and so are the gradients.
+    """
+    denom = global_label_count(targets, group)
+    return F.cross_entropy(logits.float(), targets, reduction="sum") / denom
+
+
+def backward_loss_scale(zero_stage: int, sp_size: int) -> float:
+    """The factor to multiply the loss by before ``engine.backward`` (DeepSpeed 0.19).
+
+    ZeRO 0-2 divide the gradients summed over the DP x P ranks by DP: factor 1. ZeRO-3's
+    reduce-scatter divides them by DP x P (``reduce_scatter_coalesced``): factor P.
+    """
+    return float(sp_size) if zero_stage == 3 else 1.0
+
+
+def partition_for_zero3(model: nn.Module, groups: SequenceParallelGroups, ds_config: dict):
+    """Under ZeRO-3 with P > 1, partition the parameters over all DP x P ranks now.
+
+    Left to ``deepspeed.initialize``, ZeRO-3 partitions over ``mpu.get_data_parallel_group()``
+    (DP only), so the P ranks of a replica never sum their gradients. Returns ``model``.
+    """
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    if stage != 3 or groups.sp_size == 1:
+        return model
+    import deepspeed
+
+    deepspeed.zero.Init(
+        module=model, data_parallel_group=groups.seq_dp_group, config_dict_or_path=ds_config
+    )
+    return model
+
+
+# ==================================================================================== collectives
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; backward: the sum of the incoming gradients (every rank used it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        y = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        g = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _gather_dim1(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """All-gather ``[B, c, ...]`` along dim 1 (rank order): ``[B, P c, ...]``."""
+    x = x.contiguous()
+    b, c, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    out = x.new_empty((world * b, c) + rest)  # the ranks' tensors concatenated along dim 0
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view((world, b, c) + rest).movedim(0, 1).reshape((b, world * c) + rest)
+
+
+class _AllGatherBlocks(torch.autograd.Function):
+    """All-gather along dim 1; backward: reduce-scatter, each rank's summed block gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.world = group, dist.get_world_size(group)
+        return _gather_dim1(x, group, ctx.world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        p = ctx.world
+        b, c = grad.shape[0], grad.shape[1] // p
+        rest = tuple(grad.shape[2:])
+        stacked = grad.reshape((b, p, c) + rest).movedim(1, 0).contiguous()  # [P, B, c, ...]
+        out = grad.new_empty((b, c) + rest)
+        dist.reduce_scatter_tensor(out, stacked.view((p * b, c) + rest), group=ctx.group)
+        return out, None
+
+
+class _LocalAttention(nn.Module):
+    """Softmax attention on ``[B, N, h/P, d]`` (what DistributedAttention hands over)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+        )
+        return y.transpose(1, 2)
+
+
+class SequenceParallel:
+    """The hooks the model's layers call when a sequence is split over ``group``.
+
+    A plain object (not a module): installing it changes no parameter or state-dict name.
+    """
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._ulysses: Optional[nn.Module] = None
+
+    def offset(self, n_local: int) -> int:
+        """Global position of this rank's first token (equal slices)."""
+        return self.rank * n_local
+
+    def reduce_projection(self, y: torch.Tensor) -> torch.Tensor:
+        """``[B, k, h, d]`` partial projection -> the sum over the group (E K exactly)."""
+        return _AllReduceSum.apply(y, self.group)
+
+    def gather_blocks(self, y: torch.Tensor) -> torch.Tensor:
+        """``[B, c/P, h, d]`` local conv blocks -> ``[B, c, h, d]`` of the whole sequence."""
+        return _AllGatherBlocks.apply(y, self.group)
+
+    def gather_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, n/P]`` bool -> ``[B, n]`` bool (no gradient)."""
+        return _gather_dim1(mask.to(torch.uint8), self.group, self.world_size).bool()
+
+    def dense_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor],
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """Ulysses attention: ``q, k, v [B, n/P, h, d]`` -> ``[B, n/P, h, d]``.
+
+        ``attn_mask`` is for the whole sequence, ``[B, 1, 1, n]``.
+        """
+        if self._ulysses is None:
+            from deepspeed.sequence.layer import DistributedAttention
+
+            self._ulysses = DistributedAttention(
+                _LocalAttention(), self.group, scatter_idx=2, gather_idx=1
+            )
+        return self._ulysses(q, k, v, 0, None, attn_mask=attn_mask, dropout_p=dropout_p)
+
+
+def parallelize(model: nn.Module, group: Any) -> SequenceParallel:
+    """Make every encoder, attention and projection module of ``model`` split the sequence over
+    ``group``. ``group=None`` removes it again (the unmodified P = 1 path). Returns the hooks."""
+    from linformer_ds.model import (
+        ConvProjection,
+        LinearProjection,
+        LinformerEncoder,
+        LinformerSelfAttention,
+    )
+
+    sp = SequenceParallel(group) if group is not None else None
+    for module in model.modules():
+        if isinstance(
+            module, (LinformerEncoder, LinformerSelfAttention, LinearProjection, ConvProjection)
+        ):
+            module.sequence_parallel = sp
+    return sp  # type: ignore[return-value]
+
+
+# ================================================================================ bytes per layer
+def collective_bytes_per_layer(
+    kind: str,
+    *,
+    seq_len: int,
+    sp_size: int,
+    batch_size: int,
+    hidden_size: int,
+    k: Optional[int] = None,
+    stride: Optional[int] = None,
+    with_mask: bool = True,
+    bytes_per_element: int = 4,
+) -> Dict[str, int]:
+    """Bytes one rank hands to collectives for one layer, ``{"forward", "backward"}``.
+
+    Payload = the input tensor of each call (what :func:`count_collectives` measures); the ring
+    algorithms put about ``2 (P-1)/P`` (all-reduce), ``(P-1)/P`` (all-to-all, reduce-scatter)
+    or ``P-1`` (all-gather) times that on the wire. ``kind``: linear (k needed), conv (stride
+    needed) or dense (Ulysses). Independent of the sharing mode (keys and values are projected
+    and exchanged either way). Masks go as one byte per element.
+    """
+    p, b, d, e = sp_size, batch_size, hidden_size, bytes_per_element
+    if p == 1:
+        return {"forward": 0, "backward": 0}
+    n_local = seq_len // p
+    if kind == "linear":
+        if k is None:
+            raise ValueError("linear: k is needed")
+        one = b * k * 2 * d * e  # projected keys and values [B, k, 2h, d]
+        return {"forward": one, "backward": one}
+    if kind == "conv":
+        if stride is None:
+            raise ValueError("conv: stride is needed")
+        c_local = n_local // stride
+        fwd = b * c_local * 2 * d * e + (b * c_local if with_mask else 0)
+        return {"forward": fwd, "backward": b * c_local * p * 2 * d * e}
+    if kind == "dense":
+        a2a = b * n_local * d * e  # q, k, v in and the output back, each [B, N/P, h, d]
+        return {"forward": 4 * a2a + (b * n_local if with_mask else 0), "backward": 4 * a2a}
+    raise ValueError(f"kind must be linear, conv or dense, got {kind!r}")
+
+
+class count_collectives:
+    """Context manager counting the payload bytes of torch.distributed collectives by kind.
+
+    ``with count_collectives() as c: ...``; ``c.bytes`` maps ``all_reduce``, ``all_gather``,
+    ``reduce_scatter``, ``all_to_all`` to bytes handed in (input tensors), ``c.calls`` to counts.
+    Wraps ``torch.distributed`` functions, which DeepSpeed's comm layer also calls.
+    """
+
+    _NAMES = {
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+    }
+
+    def __init__(self) -> None:
+        self.bytes: Dict[str, int] = {v: 0 for v in self._NAMES.values()}
+        self.calls: Dict[str, int] = {v: 0 for v in self._NAMES.values()}
+        self._saved: Dict[str, Any] = {}
+
+    def __enter__(self) -> count_collectives:
+        for name, kind in self._NAMES.items():
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+            setattr(dist, name, self._wrap(fn, name, kind))
+        return self
+
+    def _wrap(self, fn: Any, name: str, kind: str) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name == "all_reduce":
+                t = kwargs.get("tensor", args[0] if args else None)
+            else:  # (output, input, ...)
+                t = kwargs.get(
+                    "input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+                )
+            self.bytes[kind] += int(t.numel() * t.element_size())
+            self.calls[kind] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
