@@ -527,10 +527,23 @@ class LinformerEncoder(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+        self,
+        input_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        hidden_states: Optional[List[torch.Tensor]] = None,
     ) -> torch.Tensor:
-        check_inputs(self.config, input_ids, attention_mask)
-        n = input_ids.shape[1]
+        """``inputs_embeds [B, n, D]`` (checked by the caller) replaces the token lookup of
+        ``input_ids``; a ``hidden_states`` list receives ``num_layers + 1`` tensors ``[B, n, D]``:
+        the embeddings, the input of every later layer, and the final output (after final_ln)."""
+        if inputs_embeds is None:
+            check_inputs(self.config, input_ids, attention_mask)
+            tokens = self.token_embeddings(input_ids)
+        elif input_ids is not None:
+            raise ValueError("pass input_ids or inputs_embeds, not both")
+        else:
+            tokens = inputs_embeds
+        n = tokens.shape[1]
         sp = getattr(self, "sequence_parallel", None)  # set by sequence_parallel.parallelize
         off = 0 if sp is None else sp.offset(n)  # the slice's global position
         if off + n > self.config.max_seq_len:
@@ -538,25 +551,37 @@ class LinformerEncoder(nn.Module):
                 f"sequence-parallel slice ends at position {off + n}, past the model's "
                 f"max_seq_len {self.config.max_seq_len}"
             )
-        pos = torch.arange(off, off + n, device=input_ids.device)
-        x = self.token_embeddings(input_ids) + self.position_embeddings(pos)[None]
+        pos = torch.arange(off, off + n, device=tokens.device)
+        x = tokens + self.position_embeddings(pos)[None]
         x = self.drop(self.embed_ln(x))
         for i, layer in enumerate(self.layers):
+            if hidden_states is not None:
+                hidden_states.append(x)
             shared = self._shared_for(layer)
             if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
                 x = self._checkpoint_fn(layer, x, attention_mask, shared)
             else:
                 x = layer(x, attention_mask, shared)
-        return self.final_ln(x)
+        x = self.final_ln(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        return x
 
 
 # ========================================================================================= heads
 # NamedTuples, not dataclasses: ZeRO-3's module hooks see the tensors inside tuples (and warn
 # about, and skip, unknown output types)
 class MaskedLMOutput(NamedTuple):
-    loss: Optional[torch.Tensor]
-    logits: torch.Tensor  # [B, n, V]; with labels: [M, V] for the M positions with label != -100
-    labels: Optional[torch.Tensor] = None  # with labels: the [M] targets matching `logits`
+    loss: Optional[torch.Tensor]  # mean cross-entropy over positions with label != -100
+    logits: torch.Tensor  # [B, n, V], every position
+
+
+class LabelledMLMOutput(NamedTuple):
+    """Training-time MLM output: only the labelled positions went through the head."""
+
+    loss: torch.Tensor  # sum of cross-entropies / loss_denominator (default: M)
+    labelled_logits: torch.Tensor  # [M, V] for the M positions with label != -100, row-major
+    labelled_targets: torch.Tensor  # [M] their labels
 
 
 class SequenceClassifierOutput(NamedTuple):
@@ -564,13 +589,9 @@ class SequenceClassifierOutput(NamedTuple):
     logits: torch.Tensor  # [B, num_labels]
 
 
-class LinformerPreTrainedModel(nn.Module):
-    """Shared init and utilities of the task models."""
-
-    config: ModelConfig
-
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
+def init_weights(module: nn.Module, std: float) -> None:
+    """The initialisation of every task model (project and Hugging Face classes alike)."""
+    with torch.no_grad():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
             if module.bias is not None:
@@ -582,6 +603,34 @@ class LinformerPreTrainedModel(nn.Module):
             nn.init.zeros_(module.bias)
         elif isinstance(module, (LinearProjection, ConvProjection)):
             module.reset_parameters()
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [..., V]`` against ``labels [...]`` (``-100`` ignored)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
+
+
+def sequence_classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: Optional[str] = None
+) -> torch.Tensor:
+    """Loss of ``logits [B, C]``: regression (C = 1 or ``problem_type='regression'``),
+    multi-label (``'multi_label_classification'``, BCE) or single-label cross-entropy."""
+    if logits.shape[-1] == 1 or problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    return F.cross_entropy(logits.float(), labels.long())
+
+
+class LinformerPreTrainedModel(nn.Module):
+    """Shared init and utilities of the task models."""
+
+    config: ModelConfig
+
+    def _init_weights(self, module: nn.Module) -> None:
+        init_weights(module, self.config.initializer_range)
 
     def num_parameters(self, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
         """Unique parameters (a tied or shared tensor counts once)."""
@@ -615,12 +664,24 @@ class MLMHead(nn.Module):
         return self.decoder(self.ln(F.gelu(self.dense(x))))
 
 
+class ClassificationHead(nn.Module):
+    """First-token pooler (dense + tanh), dropout, linear classifier: ``[B, n, D] -> [B, C]``.
+
+    Its parameters are registered on the task model itself (``pooler.*``, ``classifier.*``,
+    the names every export uses); this object only holds the computation.
+    """
+
+    @staticmethod
+    def forward(hidden: torch.Tensor, pooler: nn.Module, drop: nn.Module, classifier: nn.Module):
+        return classifier(drop(torch.tanh(pooler(hidden[:, 0]))))
+
+
 class LinformerForMaskedLM(LinformerPreTrainedModel):
     """Encoder + MLM head (decoder weight tied to the token embeddings).
 
-    ``forward(input_ids, attention_mask=None, labels=None)``: without labels, logits for every
-    position ``[B, n, V]``; with labels (``-100`` = ignore), the head runs only on labelled
-    positions, returning their logits ``[M, V]`` and the mean cross-entropy.
+    ``forward(input_ids, attention_mask=None, labels=None)``: logits for every position
+    ``[B, n, V]``; with labels (``-100`` = ignore) also their mean cross-entropy. Training uses
+    :class:`LinformerForMaskedLMPretraining`, which runs the head on labelled positions only.
     """
 
     def __init__(self, config: ModelConfig):
@@ -638,26 +699,58 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
     ) -> MaskedLMOutput:
-        hidden = self.encoder(input_ids, attention_mask)
+        _check_labels(labels, input_ids)
+        logits = self.lm_head(self.encoder(input_ids, attention_mask))
+        return MaskedLMOutput(
+            loss=None if labels is None else mlm_loss(logits, labels), logits=logits
+        )
+
+
+class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
+    """The MLM model as pretraining runs it (same parameters and state dict as
+    :class:`LinformerForMaskedLM`): the head and the softmax run only on labelled positions
+    (15 % of them), which saves most of the ``V``-wide work.
+
+    ``forward(input_ids, attention_mask, labels, loss_denominator=None) -> LabelledMLMOutput``;
+    the loss is the sum of the labelled positions' cross-entropies over ``loss_denominator``
+    (default: their number; sequence parallelism passes the replica's global count).
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_denominator: Optional[torch.Tensor] = None,
+    ) -> LabelledMLMOutput:
         if labels is None:
-            return MaskedLMOutput(loss=None, logits=self.lm_head(hidden))
-        if labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}"
-            )
+            raise ValueError("LinformerForMaskedLMPretraining needs labels ([B, n], -100 = ignore)")
+        _check_labels(labels, input_ids)
+        hidden = self.encoder(input_ids, attention_mask)
         sel = labels != -100
         targets = labels[sel]
         logits = self.lm_head(hidden[sel])
-        loss = F.cross_entropy(logits.float(), targets, reduction="sum") / max(targets.numel(), 1)
-        return MaskedLMOutput(loss=loss, logits=logits, labels=targets)
+        total = F.cross_entropy(logits.float(), targets, reduction="sum")
+        denom = loss_denominator if loss_denominator is not None else max(targets.numel(), 1)
+        return LabelledMLMOutput(
+            loss=total / denom, labelled_logits=logits, labelled_targets=targets
+        )
+
+
+def _check_labels(labels: Optional[torch.Tensor], input_ids: torch.Tensor) -> None:
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
-    """Encoder + pooler (first token, dense + tanh) + linear classifier."""
+    """Encoder + pooler (first token, dense + tanh) + linear classifier: ``[B, num_labels]``."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, problem_type: Optional[str] = None):
         super().__init__()
         self.config = config
+        self.problem_type = problem_type
         self.encoder = LinformerEncoder(config)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
@@ -672,14 +765,10 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         labels: Optional[torch.Tensor] = None,
     ) -> SequenceClassifierOutput:
         hidden = self.encoder(input_ids, attention_mask)
-        pooled = torch.tanh(self.pooler(hidden[:, 0]))
-        logits = self.classifier(self.drop(pooled))
+        logits = ClassificationHead.forward(hidden, self.pooler, self.drop, self.classifier)
         loss = None
         if labels is not None:
-            if self.config.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            else:
-                loss = F.cross_entropy(logits.float(), labels.long())
+            loss = sequence_classification_loss(logits, labels, self.problem_type)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
