@@ -21,6 +21,7 @@ import torch
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
 IGNORE_INDEX = -100
+SPECIAL_KEYS = ("pad", "unk", "cls", "sep", "mask")  # manifest special_ids, all required
 
 
 class DataError(ValueError):
@@ -74,8 +75,16 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"{self.path}: no split {split!r} in the manifest (splits: {sorted(m['splits'])})"
             )
         info = m["splits"][split]
-        self.shards: List[Dict[str, Any]] = list(info["shards"])
-        rows = [int(s["rows"]) for s in self.shards]
+        try:
+            self.shards: List[Dict[str, Any]] = list(info["shards"])
+            rows = [int(s["rows"]) for s in self.shards]
+            [str(s["file"]) for s in self.shards]
+            int(info["rows"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(
+                f"{self.path / 'manifest.json'}: corrupt manifest: split {split!r} entry is "
+                f"malformed ({type(e).__name__}: {e})"
+            ) from None
         if not self.shards or sum(rows) == 0:
             raise DataError(
                 f"{self.path}: split {split!r} is empty (0 rows); make a larger corpus or "
@@ -107,6 +116,8 @@ class ShardDataset(torch.utils.data.Dataset):
             m = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{mpath}: corrupt manifest ({e})") from e
+        if not isinstance(m, dict):
+            raise DataError(f"{mpath}: corrupt manifest (not a JSON object)")
         if m.get("format_version") != MANIFEST_FORMAT_VERSION:
             raise DataError(
                 f"{mpath}: format_version {m.get('format_version')!r}, this reader understands "
@@ -119,10 +130,32 @@ class ShardDataset(torch.utils.data.Dataset):
             raise DataError(f"{mpath}: manifest lacks {missing}")
         if m["dtype"] not in DTYPES:
             raise DataError(f"{mpath}: dtype {m['dtype']!r} is not one of {DTYPES}")
+        for key in ("seq_len", "vocab_size"):
+            if not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < 1:
+                raise DataError(f"{mpath}: {key} must be a positive integer, got {m[key]!r}")
         if int(m["vocab_size"]) > np.iinfo(np.dtype(m["dtype"])).max + 1:
             raise DataError(
                 f"{mpath}: vocab_size {m['vocab_size']} does not fit dtype {m['dtype']}"
             )
+        ids = m["special_ids"]
+        if not isinstance(ids, dict):
+            raise DataError(f"{mpath}: special_ids must be an object, got {ids!r}")
+        lacking = [k for k in SPECIAL_KEYS if k not in ids]
+        if lacking:
+            raise DataError(
+                f"{mpath}: special_ids lacks {lacking} (has {sorted(ids)}); rebuild the data "
+                "with data_prep, whose tokenizers define all of " + ", ".join(SPECIAL_KEYS)
+            )
+        for k in SPECIAL_KEYS:
+            v = ids[k]
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < m["vocab_size"]:
+                raise DataError(
+                    f"{mpath}: special_ids.{k} = {v!r} is not a token id in [0, {m['vocab_size']})"
+                )
+        if len({ids[k] for k in SPECIAL_KEYS}) != len(SPECIAL_KEYS):
+            raise DataError(f"{mpath}: special_ids are not distinct: {ids}")
+        if not isinstance(m["splits"], dict):
+            raise DataError(f"{mpath}: splits must be an object")
         return m
 
     def _shard_path(self, shard: Dict[str, Any]) -> str:
@@ -390,6 +423,10 @@ class TrainBatches:
     to the next epoch when the current one is exhausted. ``state_dict`` / ``load_state_dict``
     carry the position (any world size). ``on_batch(step_epoch, indices)`` is an optional
     observer (the trainer's sample-log debug hook).
+
+    Sequence parallel: ``rank`` / ``world_size`` are the replica's (data-parallel) rank and
+    count, so the ``sp_size`` ranks of a group read the same rows and masks; each keeps its
+    ``[B, N / sp_size]`` slice (``sp_rank``).
     """
 
     def __init__(
@@ -401,8 +438,11 @@ class TrainBatches:
         micro_batch_size: int,
         seed: int,
         device: Union[str, torch.device] = "cpu",
+        sp_rank: int = 0,
+        sp_size: int = 1,
     ) -> None:
         self.dataset, self.masker = dataset, masker
+        self.sp_rank, self.sp_size = int(sp_rank), int(sp_size)
         self.micro_batch_size = int(micro_batch_size)
         self.device = torch.device(device)
         self.sampler = ResumableDistributedSampler(len(dataset), rank, world_size, seed=seed)
@@ -442,4 +482,8 @@ class TrainBatches:
             self.on_batch(self.epoch, idx)
         tokens = torch.stack([self.dataset[i] for i in idx])
         batch = self.masker(tokens, torch.tensor(idx), self.epoch)
+        if self.sp_size > 1:
+            from linformer_ds.sequence_parallel import shard_batch
+
+            batch, _ = shard_batch(batch, self.sp_rank, self.sp_size)
         return {k: v.to(self.device) for k, v in batch.items()}
