@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--text-column", default="text", help="column of jsonl/csv/parquet/HF inputs")
     p.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="encoding of text/jsonl/csv inputs (default utf-8; e.g. latin-1, cp1252, utf-16); "
+        "files that are not text (NUL or control bytes) are skipped and counted",
+    )
+    p.add_argument(
         "--packing",
         default="full",
         choices=["full", "pad"],
@@ -90,6 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_sentences_for_tokenizer=args.max_sentences_for_tokenizer,
         tokenizer_threads=args.tokenizer_threads,
         text_column=args.text_column,
+        encoding=args.encoding,
         packing=args.packing,
         valid_fraction=args.valid_fraction,
         seed=args.seed,
@@ -105,9 +112,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         kwargs["workers"] = args.workers
     try:
         prepare(PrepConfig(**kwargs))
-    except DataPrepError as e:
+    except DataPrepError as e:  # bad input, options or output directory: one line, exit 2
         print(f"data_prep: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("data_prep: interrupted; rerun with --resume to continue", file=sys.stderr)
         return 130

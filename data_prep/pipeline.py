@@ -35,7 +35,7 @@ import numpy as np
 from data_prep import packing as pk
 from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter, fsync_dir
-from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source
+from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding
 from data_prep.tokenizer import (
     MAX_SENTENCE_BYTES,
     MODEL_TYPES,
@@ -70,6 +70,7 @@ class PrepConfig:
     max_sentences_for_tokenizer: int = 300_000
     tokenizer_threads: int = 2  # fixed, not the CPU count: the model depends on it
     text_column: str = "text"
+    encoding: str = "utf-8"  # of plain-text and JSON-lines/CSV inputs
     packing: str = "full"
     valid_fraction: float = 0.01
     seed: int = 0
@@ -120,6 +121,17 @@ class PrepConfig:
             raise DataPrepError("--max-sentences-for-tokenizer must be >= 1")
         if self.max_doc_bytes < 1 or self.task_bytes < 1:
             raise DataPrepError("--max-doc-bytes and task_bytes must be >= 1")
+        if not 0.0 < self.character_coverage <= 1.0:  # SentencePiece's own range
+            raise DataPrepError(
+                f"--character-coverage must be in (0, 1], got {self.character_coverage}"
+            )
+        if not 0 <= self.seed < 2**32:
+            raise DataPrepError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.checkpoint_seconds <= 0:
+            raise DataPrepError(f"checkpoint_seconds must be > 0, got {self.checkpoint_seconds}")
+        if not self.out or not str(self.out).strip():
+            raise DataPrepError("--out must not be empty")
+        check_encoding(self.encoding)
 
     def fingerprint(self) -> Dict[str, Any]:
         """The options that determine the output (a resumed run must match them)."""
@@ -141,6 +153,8 @@ class PrepConfig:
             "max_doc_bytes",
         )
         fp = {k: getattr(self, k) for k in keys}
+        if check_encoding(self.encoding) != "utf-8":  # (runs before --encoding keep their print)
+            fp["encoding"] = self.encoding
         tok = self.tokenizer
         fp["tokenizer_sha256"] = file_sha256(tok) if tok and os.path.isfile(tok) else None
         return fp
@@ -264,7 +278,7 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
         os.replace(dest + ".tmp", dest)
     else:
         t0 = time.time()
-        source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes)
+        source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
         sampled: Dict[str, int] = {}
         sentences = sample_sentences(
             _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed, sampled
@@ -273,6 +287,12 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
             raise DataPrepError(
                 f"the corpus is empty: {source.stats.documents} documents from {cfg.sources} "
                 "hold no non-blank text"
+                + (
+                    f" ({source.stats.binary_files} file(s) skipped as not text, e.g. "
+                    f"{source.stats.binary_examples[0]})"
+                    if source.stats.binary_files
+                    else ""
+                )
             )
         _log(
             cfg,
@@ -403,10 +423,29 @@ def prepare(cfg: PrepConfig) -> PrepResult:
     """Run data_prep end to end; returns the manifest (also written to ``OUT/manifest.json``)."""
     t_start = time.time()
     cfg.validate()
-    source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes)  # missing paths fail here
-    state, created = _prepare_out_dir(cfg)
+    # missing paths fail here
+    source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
     try:
-        return _run(cfg, source, state, t_start)
+        state, created = _prepare_out_dir(cfg)
+    except OSError as e:  # read-only or full file system, no permission: before any work
+        raise DataPrepError(
+            f"--out {cfg.out}: cannot write there: {e.strerror or e}"
+            f"{' (' + e.filename + ')' if e.filename else ''}; choose a writable --out"
+        ) from None
+    try:
+        try:
+            return _run(cfg, source, state, t_start)
+        except OSError as e:  # writing the output failed (disk full, file system gone read-only)
+            kept = _documents_done(cfg.out)
+            raise DataPrepError(
+                f"could not write to --out {cfg.out}: {e.strerror or e}"
+                f"{' (' + e.filename + ')' if e.filename else ''}; "
+                + (
+                    f"the {kept} documents packed so far are kept: fix it and rerun with --resume"
+                    if kept
+                    else "nothing was kept"
+                )
+            ) from None
     except DataPrepError:
         if _documents_done(cfg.out) == 0:  # nothing of value was written: leave no trace
             if created:
@@ -542,8 +581,22 @@ def _run(
         f"padding {train['padding_fraction']:.4f}; {tps:,.0f} tokens/s; "
         f"{elapsed:.1f} s total",
     )
+    st = source.stats
+    if st.binary_files:  # always shown: input was left out
+        print(
+            f"data_prep: warning: skipped {st.binary_files} input file(s) that are not text "
+            f"(NUL or control bytes), e.g. {', '.join(st.binary_examples)}",
+            file=sys.stderr,
+            flush=True,
+        )
     if counters["undecodable_bytes"]:
-        _log(cfg, f"replaced {counters['undecodable_bytes']} undecodable bytes with U+FFFD")
+        print(
+            f"data_prep: warning: replaced {counters['undecodable_bytes']} bytes that are not "
+            f"{cfg.encoding} with U+FFFD (e.g. in {', '.join(st.undecodable_files) or 'records'}); "
+            "if the input uses another encoding, pass --encoding (e.g. latin-1, cp1252)",
+            file=sys.stderr,
+            flush=True,
+        )
     return PrepResult(manifest, elapsed, encode_elapsed, tps)
 
 
@@ -599,6 +652,8 @@ def _manifest(
             "empty_documents": counters["empty_documents"],
             "bytes": counters["bytes"],
             "undecodable_bytes": counters["undecodable_bytes"],
+            "encoding": cfg.encoding,
+            "binary_files_skipped": source.stats.binary_files,
             "max_docs": cfg.max_docs,
             "max_bytes": cfg.max_bytes,
             "max_doc_bytes": cfg.max_doc_bytes,

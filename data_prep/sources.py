@@ -14,11 +14,14 @@ kept apart in ``pad`` packing:
   NAME is a Hub dataset, a local directory of data files (``load_dataset``), or a directory
   written by ``save_to_disk`` (``load_from_disk``; SPLIT picks from a saved DatasetDict).
 
-Files are read as UTF-8; each undecodable byte becomes one U+FFFD and is counted
-(``SourceStats.undecodable_bytes``). Directories are walked recursively in sorted order, hidden
+Files are read as UTF-8 (or ``encoding``); each undecodable byte becomes one U+FFFD and is
+counted (``SourceStats.undecodable_bytes``, with the files that had any). A plain-text input
+that is not text (a NUL byte, or over 5 % control bytes in its first 64 KiB, for byte-oriented
+encodings) is skipped and counted (``SourceStats.binary_files``). Directories are walked recursively in sorted order, hidden
 entries skipped; globs are expanded and sorted. Every order is deterministic.
 """
 
+import codecs
 import csv
 import glob
 import json
@@ -37,6 +40,10 @@ CSV_SUFFIXES = (".csv", ".tsv")
 PARQUET_SUFFIXES = (".parquet",)
 EXCLUDED_STDLIB_DIRS = ("site-packages", "dist-packages")
 DEFAULT_MAX_DOC_BYTES = 8 << 20
+SNIFF_BYTES = 64 << 10
+BINARY_CONTROL_FRACTION = 0.05
+# Control bytes that plain text does not hold (tab, LF, VT, FF, CR and ESC are allowed).
+_CONTROL = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
 
 
 @dataclass
@@ -47,6 +54,9 @@ class SourceStats:
     bytes: int = 0
     undecodable_bytes: int = 0
     files: int = 0
+    binary_files: int = 0  # plain-text inputs skipped because they are not text
+    binary_examples: List[str] = field(default_factory=list)  # the first few of them
+    undecodable_files: List[str] = field(default_factory=list)  # the first few with U+FFFD
 
 
 _ESCAPED = re.compile("[\udc80-\udcff]")  # undecodable bytes under "surrogateescape"
@@ -60,13 +70,39 @@ def _replace_escaped(text: str, stats: SourceStats) -> str:
     return _ESCAPED.sub("\ufffd", text)
 
 
-def _decode(raw: bytes, stats: SourceStats) -> str:
-    """UTF-8 text of ``raw``; each undecodable byte becomes one U+FFFD and is counted."""
+def _decode(raw: bytes, stats: SourceStats, encoding: str = "utf-8") -> str:
+    """The text of ``raw`` in ``encoding``; each undecodable byte becomes one U+FFFD and is
+    counted."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode(encoding)
     except UnicodeDecodeError:
-        text = _replace_escaped(raw.decode("utf-8", "surrogateescape"), stats)
+        text = _replace_escaped(raw.decode(encoding, "surrogateescape"), stats)
     return text[1:] if text.startswith("\ufeff") else text
+
+
+def check_encoding(name: str) -> str:
+    """The canonical name of a text encoding; :class:`DataPrepError` if Python lacks it."""
+    try:
+        info = codecs.lookup(name)
+    except LookupError:
+        raise DataPrepError(
+            f"--encoding {name!r} is not a text encoding Python knows (e.g. utf-8, latin-1, "
+            "cp1252, utf-16)"
+        ) from None
+    if not getattr(info, "_is_text_encoding", True):
+        raise DataPrepError(f"--encoding {name!r} is not a text encoding")
+    return info.name
+
+
+def looks_binary(sample: bytes, encoding: str = "utf-8") -> bool:
+    """True if ``sample`` (a file's first bytes) is not text: for byte-oriented encodings a NUL
+    byte or more than 5 % control bytes (UTF-16/32 text holds NULs: not judged)."""
+    if not sample or codecs.lookup(encoding).name.startswith(("utf-16", "utf-32")):
+        return False
+    if b"\x00" in sample:
+        return True
+    control = len(sample) - len(sample.translate(None, _CONTROL))
+    return control > BINARY_CONTROL_FRACTION * len(sample)
 
 
 def stdlib_files() -> List[str]:
@@ -130,6 +166,7 @@ class Source:
     specs: List[str]
     text_column: str = "text"
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    encoding: str = "utf-8"
     stats: SourceStats = field(default_factory=SourceStats)
     _files: Dict[str, List[str]] = field(default_factory=dict, repr=False)
 
@@ -210,24 +247,38 @@ class Source:
 
     def _iter_text(self, path: str) -> Iterator[str]:
         size = os.path.getsize(path)
+        before = self.stats.undecodable_bytes
         with open(path, "rb") as f:
-            if size <= self.max_doc_bytes:
-                raw = f.read()
-                self.stats.bytes += len(raw)
-                yield _decode(raw, self.stats)
+            if looks_binary(f.read(SNIFF_BYTES), self.encoding):
+                self.stats.binary_files += 1
+                if len(self.stats.binary_examples) < 3:
+                    self.stats.binary_examples.append(path)
                 return
-            buf: List[bytes] = []
-            n = 0
-            for line in f:
-                buf.append(line)
-                n += len(line)
-                if n >= self.max_doc_bytes:
-                    self.stats.bytes += n
-                    yield _decode(b"".join(buf), self.stats)
-                    buf, n = [], 0
-            if buf:
+            f.seek(0)
+            yield from self._read_text(f, size)
+        if self.stats.undecodable_bytes > before and len(self.stats.undecodable_files) < 3:
+            self.stats.undecodable_files.append(path)
+
+    def _read_text(self, f: Any, size: int) -> Iterator[str]:
+        """Documents of an open binary file of ``size`` bytes (cut at ``max_doc_bytes``)."""
+        enc = self.encoding
+        if size <= self.max_doc_bytes:
+            raw = f.read()
+            self.stats.bytes += len(raw)
+            yield _decode(raw, self.stats, enc)
+            return
+        buf: List[bytes] = []
+        n = 0
+        for line in f:
+            buf.append(line)
+            n += len(line)
+            if n >= self.max_doc_bytes:
                 self.stats.bytes += n
-                yield _decode(b"".join(buf), self.stats)
+                yield _decode(b"".join(buf), self.stats, enc)
+                buf, n = [], 0
+        if buf:
+            self.stats.bytes += n
+            yield _decode(b"".join(buf), self.stats, enc)
 
     def _column_error(self, where: str, columns: Any) -> DataPrepError:
         return DataPrepError(
@@ -248,7 +299,7 @@ class Source:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 self.stats.bytes += len(raw)
-                line = _decode(raw, self.stats).strip()
+                line = _decode(raw, self.stats, self.encoding).strip()
                 if not line:
                     continue
                 where = f"{path}:{lineno}"
@@ -267,7 +318,8 @@ class Source:
     def _iter_csv(self, path: str, delimiter: str) -> Iterator[str]:
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
         self.stats.bytes += os.path.getsize(path)
-        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        enc = "utf-8-sig" if codecs.lookup(self.encoding).name == "utf-8" else self.encoding
+        with open(path, encoding=enc, errors="surrogateescape", newline="") as f:
             reader = csv.DictReader(f, delimiter=delimiter)
             if reader.fieldnames is None or self.text_column not in reader.fieldnames:
                 raise self._column_error(path, reader.fieldnames or [])

@@ -317,7 +317,7 @@ def test_cli_stdlib_with_two_workers(tmp_path):
     content = sum(len(encode_doc(sp, t)) for t in texts)
     assert sum(m["splits"][s]["tokens"]["content"] for s in ("train", "valid")) == content
     r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r2.returncode == 1 and "already holds a finished data_prep output" in r2.stderr
+    assert r2.returncode == 2 and "already holds a finished data_prep output" in r2.stderr
     r3 = subprocess.run(cmd + ["--resume", "--overwrite"], cwd=REPO, capture_output=True, text=True)
     assert r3.returncode == 2 and "exclude each other" in r3.stderr
 
@@ -527,7 +527,7 @@ def test_hf_dataset_offline_is_a_clear_error(tmp_path):
         "100",
     ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "could not load Hugging Face dataset 'no-such-org/no-such-corpus'" in r.stderr
     assert "pass local files" in r.stderr
     assert not (tmp_path / "hf").exists()
