@@ -440,8 +440,11 @@ def export_checkpoint(
 
     # Write next to the target, then swap in: a failed export leaves no half-written model.
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)  # mode 0700: write_model_dir fixes it
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)  # 0700: write_model_dir fixes it
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write there: {e.strerror or e}") from None
     record = {
         "checkpoint": ckpt,
         "tag": tag,
@@ -462,6 +465,9 @@ def export_checkpoint(
         if os.path.exists(out):
             shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
         os.replace(tmp, out)
+    except OSError as e:  # e.g. the disk filled up: the partial copy goes, --out is untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"could not write --out {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
