@@ -119,6 +119,16 @@ class CheckpointConfig:
     keep_last: int = 3  # older checkpoints are deleted (0 = keep all)
     resume: str = "auto"  # auto: latest in dir if any | never | a tag name in dir
     save_final: bool = True
+    # Resume although train.seed differs from the checkpoint's (the rest of the epoch is then
+    # drawn from the new seed's order: rows may repeat or be skipped; masks change).
+    allow_seed_change: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    # P: ranks that share one sequence (each holds N/P consecutive positions); world = DP x P.
+    # Groups are consecutive ranks, so with P <= GPUs per node a group stays inside a node.
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -132,6 +142,7 @@ class JobConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # ====================================================================================== loading
@@ -257,8 +268,16 @@ def _numbers(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
     return out
 
 
-def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
-    """Impossible combinations, with the key path in the message. ``world_size`` if known."""
+def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    """Model replicas: the world over the sequence-parallel size."""
+    return max(1, world_size // max(1, cfg.parallel.sequence_parallel_size))
+
+
+def validate(
+    cfg: JobConfig, world_size: Optional[int] = None, seq_len: Optional[int] = None
+) -> None:
+    """Impossible combinations, with the key path in the message. ``world_size`` and the data's
+    sequence length ``seq_len`` when known (the trainer validates again once it knows them)."""
 
     def bad(key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
@@ -330,8 +349,18 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
         bad("deepspeed.zero.offload_param", f"needs zero.stage=3, got stage {z.stage}")
     if z.offload_optimizer and z.stage == 0:
         bad("deepspeed.zero.offload_optimizer", "needs zero.stage >= 1")
+    if z.stage == 0 and ds.precision != "fp32" and ds.fp32_grad_accum:
+        bad(
+            "deepspeed.fp32_grad_accum",
+            f"zero.stage=0 with {ds.precision} cannot accumulate gradients in fp32 (DeepSpeed "
+            "0.19 raises 'unsupported mix'); set deepspeed.fp32_grad_accum=false or "
+            "deepspeed.zero.stage >= 1",
+        )
     if ds.gradient_clipping < 0:
-        bad("deepspeed.gradient_clipping", f"must be >= 0 (0: no clipping), got {ds.gradient_clipping}")
+        bad(
+            "deepspeed.gradient_clipping",
+            f"must be >= 0 (0: no clipping), got {ds.gradient_clipping}",
+        )
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if getattr(z, key) < 1:
             bad(f"deepspeed.zero.{key}", f"must be >= 1 (elements), got {getattr(z, key)}")
@@ -370,13 +399,33 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> None:
     for key, what in (("save_interval", "0: only the final checkpoint"), ("keep_last", "0: all")):
         if getattr(cfg.checkpoint, key) < 0:
             bad(f"checkpoint.{key}", f"must be >= 0 ({what}), got {getattr(cfg.checkpoint, key)}")
+    sp_size = cfg.parallel.sequence_parallel_size
+    if sp_size < 1:
+        bad("parallel.sequence_parallel_size", f"must be >= 1, got {sp_size}")
+    if sp_size > 1:
+        from linformer_ds.sequence_parallel import config_errors
+
+        errors = config_errors(
+            sp_size,
+            world_size=world_size,
+            seq_len=seq_len or cfg.model.max_seq_len,
+            model=cfg.model,
+            zero_stage=z.stage,
+            zero_reduce_scatter=bool(
+                ds.extra.get("zero_optimization", {}).get("reduce_scatter", True)
+            ),
+        )
+        if errors:
+            raise ConfigError(errors[0])
     if world_size is not None:
-        per_step = t.micro_batch_size * t.gradient_accumulation_steps * world_size
+        replicas = data_parallel_size(cfg, world_size)
+        per_step = t.micro_batch_size * t.gradient_accumulation_steps * replicas
         if t.global_batch_size is not None and t.global_batch_size != per_step:
+            what = "ranks" if sp_size == 1 else "replicas = ranks / sequence_parallel_size"
             bad(
                 "train.global_batch_size",
-                f"{t.global_batch_size} is not micro_batch_size ({t.micro_batch_size}) x ranks "
-                f"({world_size}) x gradient_accumulation_steps ({t.gradient_accumulation_steps})"
+                f"{t.global_batch_size} is not micro_batch_size ({t.micro_batch_size}) x {what} "
+                f"({replicas}) x gradient_accumulation_steps ({t.gradient_accumulation_steps})"
                 f" = {per_step}",
             )
         check_deepspeed_extra(cfg, world_size)
@@ -413,7 +462,9 @@ def deepspeed_config(cfg: JobConfig, world_size: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world_size,
+        "train_batch_size": t.micro_batch_size
+        * t.gradient_accumulation_steps
+        * data_parallel_size(cfg, world_size),
         "gradient_clipping": ds.gradient_clipping,
         "zero_optimization": zero,
         "optimizer": {
@@ -521,7 +572,9 @@ def check_deepspeed_extra(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError(f"{where}: {err['msg']} (got {err.get('input')!r})") from None
     except (AssertionError, ValueError, TypeError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"deepspeed.extra: DeepSpeed refuses the derived config: {first}") from None
+        raise ConfigError(
+            f"deepspeed.extra: DeepSpeed refuses the derived config: {first}"
+        ) from None
     known = set(probe.seen) | {
         v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)
     }
