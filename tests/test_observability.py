@@ -1,0 +1,268 @@
+"""Prometheus ``/metrics`` of a real 2-rank CPU training, scraped over HTTP while it runs and
+parsed with prometheus_client's parser; elapsed time and ETA in metrics.jsonl; a port in use;
+the endpoint is gone when training ends."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from linformer_ds.config import load_config
+from linformer_ds.debug import TEST_NAN_ENV
+from linformer_ds.metrics import TARGETS_FILE, Metrics, format_duration
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    free_port,
+    read_metrics,
+    run_pretrain,
+)
+
+TOKENS_PER_RANK_STEP = 4 * 128  # TEST_OVERRIDES: micro_batch_size 4, seq_len 128, no accumulation
+COMMON = ["train.max_steps=40", "checkpoint.save_interval=10"]
+
+
+def scrape(endpoint: str, timeout: float = 5.0) -> Dict[str, float]:
+    """``{sample: value}`` of one rank's ``/metrics``; a sample's labels other than job_name
+    and rank are part of its key (``linformer_memory_bytes{kind=peak}``), and ``rank`` and
+    ``job_name`` are returned as values of their own."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: Dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            extra = sorted((k, v) for k, v in s.labels.items() if k not in ("job_name", "rank"))
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in extra) + "}" if extra else "")
+            out[key] = s.value
+            if s.name == "linformer_step":
+                out["rank"] = float(s.labels["rank"])
+                out["job_name"] = s.labels["job_name"]  # type: ignore[assignment]
+    return out
+
+
+def refused(endpoint: str) -> bool:
+    try:
+        scrape(endpoint, timeout=2)
+    except (urllib.error.URLError, ConnectionError):
+        return True
+    return False
+
+
+def popen_pretrain(data: Path, run_dir: Path, overrides: List[str], env_extra: Dict[str, str]):
+    """launch/pretrain.py under the deepspeed launcher with 2 CPU ranks, not waited for."""
+    ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + overrides
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(env_extra)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN]
+    cmd += ["--config", TINY_CONFIG] + ov
+    log = open(run_dir / "launcher.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+@pytest.fixture(scope="module")
+def scraped_run(tiny_corpus, tmp_path_factory):
+    """Steps 1-10 without Prometheus (checkpoint at 10), then a resumed process to step 40
+    with ``logging.prometheus_port=0``, a NaN loss at step 15 (skipped), evals every 10
+    steps; both ranks' /metrics scraped every 100 ms while it runs."""
+    run = tmp_path_factory.mktemp("prom")
+    run_pretrain(tiny_corpus, run, COMMON + ["train.stop_at_step=10"])
+    overrides = COMMON + [
+        "logging.prometheus_port=0",
+        "train.nonfinite=skip",
+        "train.eval_interval=10",
+        "train.eval_batches=1",
+    ]
+    proc, log = popen_pretrain(tiny_corpus, run, overrides, {TEST_NAN_ENV: "15"})
+    targets_file = run / TARGETS_FILE
+    endpoints: Optional[List[str]] = None
+    targets: Optional[list] = None
+    snaps: Dict[int, List[Dict[str, float]]] = {0: [], 1: []}
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if endpoints is None and targets_file.is_file():
+                targets = json.loads(targets_file.read_text())
+                endpoints = targets[0]["targets"]
+            for ep in endpoints or []:
+                try:
+                    s = scrape(ep)
+                except (urllib.error.URLError, ConnectionError):
+                    continue  # not up yet, or closing at the end of training
+                snaps[int(s["rank"])].append(s)
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+    output = (run / "launcher.log").read_text()
+    assert proc.returncode == 0, output[-6000:]
+    return run, output, endpoints, targets, snaps
+
+
+def test_scraped_metrics_increase_and_match_metrics_jsonl(scraped_run):
+    run, output, endpoints, targets, snaps = scraped_run
+    assert endpoints is not None and len(endpoints) == 2, "no targets file seen during the run"
+    host = socket.gethostname()
+    assert all(ep.startswith(f"{host}:") for ep in endpoints)
+    assert targets[0]["labels"] == {"linformer_run": "tiny_cpu"}
+    assert f"[prometheus] /metrics on {endpoints[0]} (rank 0), {endpoints[1]} (rank 1)" in output
+    train, evals = read_metrics(run), read_metrics(run, "eval")
+    assert sorted(train) == list(range(1, 41)) and sorted(evals) == [20, 30, 40]
+
+    for rank in (0, 1):
+        # Snapshots once the resume is known (before it: step 0, nothing trained yet).
+        got = [s for s in snaps[rank] if s["linformer_resumes"] == 1]
+        steps = [int(s["linformer_step"]) for s in got]
+        print(f"rank {rank}: {len(snaps[rank])} scrapes, steps {sorted(set(steps))}")
+        assert len(set(steps)) >= 3, f"rank {rank}: scraped steps {steps}"
+        tokens = [s["linformer_tokens_total"] for s in got]
+        assert steps == sorted(steps) and tokens == sorted(tokens)
+        assert steps[-1] > steps[0] and tokens[-1] > tokens[0]  # the counters moved
+        for s, step in zip(got, steps):
+            where = f"rank {rank} step {step}"
+            assert s["job_name"] == "tiny_cpu"
+            assert s["linformer_start_step"] == 10 and s["linformer_max_steps"] == 40
+            # Counters of this process: tokens and step times of steps 11..step.
+            assert s["linformer_tokens_total"] == (step - 10) * TOKENS_PER_RANK_STEP, where
+            assert s["linformer_step_seconds_count"] == step - 10, where
+            assert s["linformer_step_seconds_bucket{le=+Inf}"] == step - 10, where
+            assert s["linformer_nonfinite_steps_skipped_total"] == (1 if step >= 15 else 0), where
+            # (a scrape may fall after a batch was read and before its step is done)
+            assert 0 <= s["linformer_data_wait_seconds_total"] < s["linformer_elapsed_seconds"]
+            if step > 10:
+                assert s["linformer_data_wait_seconds_total"] > 0, where
+            assert s["linformer_checkpoint_seconds_count{op=load}"] == 1
+            assert s["linformer_checkpoint_last_seconds{op=load}"] > 0
+            saves = s.get("linformer_checkpoint_seconds_count{op=save}", 0)
+            assert saves in ((step - 10) // 10, (step - 10) // 10 - 1), where  # at 20, 30, 40
+            mem, peak = s["linformer_memory_bytes{kind=current}"], s["linformer_memory_bytes{kind=peak}"]  # fmt: skip
+            assert 50 * 2**20 < mem <= peak, where
+            assert s["linformer_elapsed_seconds"] > 0
+            eta = s["linformer_eta_seconds"]
+            assert eta >= 0 if step > 10 else math.isnan(eta), where  # NaN before a step
+            assert s["linformer_run_info{device=cpu,memory=rss,precision=bf16,world_size=2,zero_stage=2}"] == 1  # fmt: skip
+            # Window gauges hold the [train] record of last_log_step: the same numbers as the
+            # jsonl line (loss, accuracy, LR, grad norm are all-reduced: equal on every rank).
+            logged = int(s["linformer_last_log_step"])
+            if logged == 0:  # this process has not written a record yet
+                assert step in (10, 11) and math.isnan(s["linformer_loss"]), where
+                continue
+            assert logged in (step, step - 1), where
+            rec = train[logged]
+            assert s["linformer_loss"] == rec["loss"], where
+            assert s["linformer_mlm_accuracy"] == rec["mlm_accuracy"], where
+            assert s["linformer_learning_rate"] == rec["lr"], where
+            assert s["linformer_grad_norm"] == pytest.approx(rec["grad_norm"], rel=1e-6), where
+            if rank == 0:  # jsonl's throughput is rank 0's, for all ranks together
+                assert s["linformer_tokens_per_second"] * 2 == pytest.approx(rec["tokens_per_s"])
+                assert s["linformer_mfu"] == rec["mfu"]
+            else:
+                assert s["linformer_tokens_per_second"] * 2 == pytest.approx(
+                    rec["tokens_per_s"], rel=0.5
+                )
+            evaluated = int(s["linformer_eval_step"])
+            assert evaluated in (0, 20, 30, 40) and evaluated <= step
+            if evaluated:
+                assert s["linformer_eval_loss"] == evals[evaluated]["loss"]
+
+
+def test_endpoints_gone_after_the_run(scraped_run):
+    run, _, endpoints, _, _ = scraped_run
+    assert endpoints and all(refused(ep) for ep in endpoints)
+    assert not (run / TARGETS_FILE).exists()
+
+
+def test_elapsed_and_eta_in_jsonl_and_train_line(scraped_run):
+    run, output, _, _, _ = scraped_run
+    m = read_metrics(run)
+    elapsed = [m[s]["elapsed_s"] for s in range(1, 41)]
+    # Training time grows, and the resumed process continues from the checkpoint's figure.
+    assert all(b > a for a, b in zip(elapsed, elapsed[1:]))
+    assert m[40]["eta_s"] == 0
+    # ETA = steps left x mean wall time per step since the process's first step (11).
+    for s in range(13, 40):
+        per_step = (m[s]["elapsed_s"] - m[11]["elapsed_s"]) / (s - 11)
+        assert m[s]["eta_s"] == pytest.approx((40 - s) * per_step, rel=0.05, abs=0.05), s
+    assert all(m[s]["eta_s"] > 0 for s in range(1, 40))
+    line = next(ln for ln in output.splitlines() if "[train] step 40 " in ln)
+    assert f"elapsed={format_duration(m[40]['elapsed_s'])} eta=0:00:00" in line
+    assert "elapsed_s=" not in line and "eta_s=" not in line
+
+
+def test_port_in_use_is_a_one_line_error(tiny_corpus, tmp_path):
+    """Rank 0's port (base + local rank 0) is taken: both ranks exit 2 naming the key."""
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        proc = run_pretrain(
+            tiny_corpus,
+            tmp_path,
+            ["train.max_steps=2", f"logging.prometheus_port={port}"],
+            check=False,
+            timeout=300,
+        )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "logging.prometheus_port" in ln]
+    assert len(lines) == 2, proc.stderr[-3000:]  # one line from each rank
+    host = socket.gethostname()
+    for ln in lines:
+        assert f"config error: logging.prometheus_port: port {port} on {host} (rank 0, " in ln
+        assert "Address already in use" in ln and "or 0 for free ports" in ln
+    assert "Traceback" not in proc.stderr and "[train]" not in proc.stdout
+
+
+def test_close_stops_serving_and_removes_targets(tmp_path):
+    """In one process: the endpoint serves what the component was told, and close() frees the
+    port and removes the targets file."""
+    cfg = load_config(
+        TINY_CONFIG,
+        [
+            f"logging.dir={tmp_path}",
+            "logging.prometheus_port=0",
+            "logging.tensorboard=false",
+            "train.peak_tflops=1.0",
+            "train.max_steps=10",
+        ],
+    )
+    m = Metrics(cfg, 0, 1, torch.device("cpu"), flops_per_token=1e6, tokens_per_step=1024)
+    endpoint = json.loads((tmp_path / TARGETS_FILE).read_text())[0]["targets"][0]
+    s = scrape(endpoint)
+    assert s["linformer_step"] == 0 and math.isnan(s["linformer_loss"])
+    m.step_done(1, torch.tensor([20.0, 3, 10, 0], dtype=torch.float64), 0.5)
+    m.step_done(2, torch.tensor([20.0, 3, 10, 0], dtype=torch.float64), 0.25, skipped=True)
+    m.checkpoint_done("save", 1.5)
+    s = scrape(endpoint)
+    assert s["linformer_step"] == 2 and s["linformer_tokens_total"] == 2048
+    assert s["linformer_step_seconds_sum"] == 0.75
+    assert s["linformer_step_seconds_bucket{le=0.25}"] == 1
+    assert s["linformer_step_seconds_bucket{le=0.5}"] == 2
+    assert s["linformer_nonfinite_steps_skipped_total"] == 1
+    assert s["linformer_checkpoint_last_seconds{op=save}"] == 1.5
+    assert 0 < s["linformer_eta_seconds"] == m.eta
+    m.close()
+    assert refused(endpoint)
+    assert not (tmp_path / TARGETS_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_format_duration():
+    assert format_duration(0) == "0:00:00"
+    assert format_duration(3725.4) == "1:02:05"
+    assert format_duration(90061) == "25:01:01"
+    assert format_duration(float("nan")) == "?"
