@@ -67,6 +67,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_linformer.LinformerModel",
     "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
     "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+    "AutoModelForCausalLM": "modeling_linformer.LinformerForCausalLM",  # refuses, with the reason
 }
 
 

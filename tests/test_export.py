@@ -433,6 +433,7 @@ def test_export_directory_layout(exported):
         "AutoModel": "modeling_linformer.LinformerModel",
         "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
         "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+        "AutoModelForCausalLM": "modeling_linformer.LinformerForCausalLM",
     }
     assert (config["hidden_size"], config["k"], config["sharing"]) == (32, 8, "layerwise")
     ids = {k: config[k + "_token_id"] for k in ("pad", "bos", "eos", "cls", "sep", "mask")}

@@ -6,6 +6,7 @@ remote code (``from ..model`` becomes ``from .linformer_model``).
 
 from .configuration_linformer import LinformerConfig
 from .modeling_linformer import (
+    LinformerForCausalLM,
     LinformerForMaskedLM,
     LinformerForSequenceClassification,
     LinformerModel,
@@ -18,4 +19,5 @@ __all__ = [
     "LinformerPreTrainedModel",
     "LinformerForMaskedLM",
     "LinformerForSequenceClassification",
+    "LinformerForCausalLM",
 ]

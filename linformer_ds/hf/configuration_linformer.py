@@ -25,6 +25,15 @@ TOKEN_IDS = {
 }
 
 
+# Why a Linformer is an encoder only (also raised by LinformerForCausalLM and is_decoder=True).
+CAUSAL_REASON = (
+    "Linformer cannot be causal: its sequence projections (E/F, or the strided convolution) mix "
+    "every position into k summaries, so each output depends on later tokens and no attention "
+    "mask can prevent it; use it as an encoder (AutoModel, AutoModelForMaskedLM, "
+    "AutoModelForSequenceClassification)"
+)
+
+
 class LinformerConfig(PretrainedConfig):
     """``PretrainedConfig`` carrying every ``ModelConfig`` option (``model_type='linformer'``)."""
 
@@ -46,6 +55,9 @@ class LinformerConfig(PretrainedConfig):
         for name, value in TOKEN_IDS.items():
             setattr(self, name, kwargs.pop(name, value))
         super().__init__(**kwargs)
+        for flag in ("is_decoder", "add_cross_attention"):  # (not attributes in every version)
+            if getattr(self, flag, False):
+                raise ValueError(f"{flag}=True: {CAUSAL_REASON}")
         self.to_model_config()  # validate early: a bad option fails here, naming the field
 
     def to_model_config(self) -> ModelConfig:
@@ -62,4 +74,4 @@ class LinformerConfig(PretrainedConfig):
         return cls(**d, **kwargs)
 
 
-__all__ = ["LinformerConfig"]
+__all__ = ["LinformerConfig", "CAUSAL_REASON"]

@@ -33,7 +33,7 @@ from ..model import (
     mlm_loss,
     sequence_classification_loss,
 )
-from .configuration_linformer import LinformerConfig
+from .configuration_linformer import CAUSAL_REASON, LinformerConfig
 
 # Arguments other HF encoders take that a Linformer cannot honour: name -> why.
 UNSUPPORTED = {
@@ -44,6 +44,7 @@ UNSUPPORTED = {
     "encoder_attention_mask": "the model is an encoder without cross-attention",
     "past_key_values": "the model is an encoder without a cache",
     "use_cache": "the model is an encoder without a cache",
+    "is_causal": CAUSAL_REASON,
 }
 
 
@@ -150,6 +151,12 @@ class LinformerPreTrainedModel(PreTrainedModel):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is not None:
             self._check_embeds(inputs_embeds, attention_mask)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be [batch, seq_len] (1 = token, 0 = padding), got shape "
+                f"{tuple(attention_mask.shape)}; a per-query mask (e.g. causal) cannot be "
+                f"applied: {CAUSAL_REASON}"
+            )
         if output_hidden_states is None:
             output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         order = _compaction_order(attention_mask)
@@ -295,7 +302,21 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=states)
 
 
+class LinformerForCausalLM(LinformerPreTrainedModel):
+    """Not a model: the ``AutoModelForCausalLM`` entry of an export, so that asking for a causal
+    LM gets the reason (:data:`CAUSAL_REASON`) instead of transformers' generic list of model
+    types."""
+
+    def __init__(self, config: LinformerConfig, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(CAUSAL_REASON)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "LinformerForCausalLM":
+        raise ValueError(CAUSAL_REASON)
+
+
 __all__ = [
+    "LinformerForCausalLM",
     "LinformerPreTrainedModel",
     "LinformerModel",
     "LinformerForMaskedLM",
