@@ -116,10 +116,31 @@ def build_model(cfg: JobConfig) -> LinformerForMaskedLMPretraining:
     return LinformerForMaskedLMPretraining(cfg.model)
 
 
-def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any]):
-    """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine."""
+def init_sequence_parallel(cfg: JobConfig):
+    """The data x sequence parallel process groups (None when ``sequence_parallel_size`` is 1).
+    Collective: every rank calls it after :func:`init_world`."""
+    if cfg.parallel.sequence_parallel_size == 1:
+        return None
+    from linformer_ds.sequence_parallel import build_groups
+
+    return build_groups(cfg.parallel.sequence_parallel_size)
+
+
+def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any], groups=None):
+    """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine.
+
+    With sequence-parallel ``groups`` the model's layers exchange their key/value summaries
+    over the group, ZeRO-3 partitions over all DP x P ranks, and DeepSpeed reduces gradients
+    through the groups' ``mpu`` (see linformer_ds.sequence_parallel)."""
     import deepspeed
 
+    kwargs: Dict[str, Any] = {}
+    if groups is not None:
+        from linformer_ds import sequence_parallel as sp
+
+        sp.parallelize(model, groups.sp_group)
+        sp.partition_for_zero3(model, groups, ds_config)
+        kwargs["mpu"] = sp.SequenceParallelMPU(groups)
     apply_activation_checkpointing(model, cfg, ds_config)
     s = cfg.scheduler
     engine, _, _, _ = deepspeed.initialize(
@@ -130,5 +151,14 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
         ),
         config=ds_config,
         dist_init_required=False,
+        **kwargs,
     )
     return engine
+
+
+def backward_scale(cfg: JobConfig) -> float:
+    """The factor on the loss before ``engine.backward`` (1 except ZeRO-3 with P > 1, where
+    DeepSpeed divides the summed gradients by DP x P instead of DP)."""
+    from linformer_ds.sequence_parallel import backward_loss_scale
+
+    return backward_loss_scale(cfg.deepspeed.zero.stage, cfg.parallel.sequence_parallel_size)

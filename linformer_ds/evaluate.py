@@ -10,11 +10,17 @@ from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
 
 
 @torch.no_grad()
-def evaluate(engine, valid_ds, cfg: JobConfig, rank: int, world: int, device) -> Dict[str, float]:
-    """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``)."""
+def evaluate(
+    engine, valid_ds, cfg: JobConfig, rank: int, world: int, device, sp_group=None
+) -> Dict[str, float]:
+    """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``).
+
+    ``rank`` / ``world`` are the replica's (data-parallel) rank and count; with a
+    sequence-parallel ``sp_group`` every rank of the group evaluates its slice of the rows."""
     import deepspeed.comm as dist
 
     from linformer_ds.data import MLMMasking
+    from linformer_ds.sequence_parallel import global_label_count, shard_batch
 
     masker = MLMMasking(
         valid_ds.vocab_size,
@@ -34,9 +40,17 @@ def evaluate(engine, valid_ds, cfg: JobConfig, rank: int, world: int, device) ->
         if not idx:
             break
         tokens = torch.stack([valid_ds[i] for i in idx])
-        batch = {k: v.to(device) for k, v in masker(tokens, torch.tensor(idx), 0).items()}
-        out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
-        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
+        batch = masker(tokens, torch.tensor(idx), 0)
+        denom = None
+        if sp_group is not None:
+            batch, _ = shard_batch(batch, dist.get_rank(sp_group), dist.get_world_size(sp_group))
+            denom = global_label_count(batch["labels"], sp_group)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        out = engine(
+            batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+            loss_denominator=denom,
+        )  # fmt: skip
+        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets, denom)
     engine.train()
     dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))

@@ -293,8 +293,22 @@ def partition_for_zero3(model: nn.Module, groups: SequenceParallelGroups, ds_con
         return model
     import deepspeed
 
+    dtype = torch.float32  # what DeepSpeed's own ZeRO-3 conversion would use
+    if ds_config.get("bf16", {}).get("enabled"):
+        dtype = torch.bfloat16
+    elif ds_config.get("fp16", {}).get("enabled"):
+        dtype = torch.float16
+    for p in model.parameters():  # the engine casts only models it partitions itself
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    # With the mpu, zero.Init's config check counts replicas (DP) as deepspeed.initialize does,
+    # so the batch keys (train_batch_size = micro x GAS x DP) pass unchanged.
     deepspeed.zero.Init(
-        module=model, data_parallel_group=groups.seq_dp_group, config_dict_or_path=ds_config
+        module=model,
+        data_parallel_group=groups.seq_dp_group,
+        config_dict_or_path=ds_config,
+        mpu=SequenceParallelMPU(groups),
+        dtype=dtype,
     )
     return model
 
@@ -425,6 +439,11 @@ def parallelize(model: nn.Module, group: Any) -> SequenceParallel:
         LinformerSelfAttention,
     )
 
+    if hasattr(model, "classifier"):
+        raise ValueError(
+            "sequence parallelism supports the MLM model only: a sequence classifier pools "
+            "token 0, which only the first rank of each group holds"
+        )
     sp = SequenceParallel(group) if group is not None else None
     for module in model.modules():
         if isinstance(

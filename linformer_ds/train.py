@@ -137,6 +137,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     from linformer_ds.dist_env import setup_distributed_env
     from linformer_ds.evaluate import evaluate
     from linformer_ds.metrics import Metrics, step_stats
+    from linformer_ds.sequence_parallel import global_label_count
 
     # ---- job config and world (the signal handler first: a preemption notice is never lost)
     args = parse_args(argv)
@@ -160,6 +161,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0:
         valid_ds = ShardDataset(cfg.data.path, cfg.data.valid_split, cfg.data.verify_checksums)
         check_compatible(valid_ds, cfg.model)
+    if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
+        validate(cfg, world_size=world, seq_len=train_ds.seq_len)
     checkpoints = ckpt.CheckpointManager(cfg, rank, world)
     if rank == 0:
         ckpt.check_writable(cfg.logging.dir, "logging.dir")
@@ -168,8 +171,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
     # ---- world, model, engine
     w = eng.init_world(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
     ds_config = eng.final_deepspeed_config(cfg, world, checkpoints.ds_config_overrides())
+    groups = eng.init_sequence_parallel(cfg)  # None unless parallel.sequence_parallel_size > 1
+    sp_group = groups.sp_group if groups is not None else None
+    replica, replicas = (groups.dp_rank, groups.dp_size) if groups is not None else (rank, world)
     model = eng.build_model(cfg)
-    engine = eng.build_engine(model, cfg, ds_config)
+    engine = eng.build_engine(model, cfg, ds_config, groups)
+    loss_scale = eng.backward_scale(cfg)
     masker = MLMMasking(
         train_ds.vocab_size,
         train_ds.mask_id,
@@ -180,8 +187,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
         short_seq_prob=cfg.data.short_seq_prob,
     )
     batches = TrainBatches(
-        train_ds, masker, rank, world, cfg.train.micro_batch_size, cfg.train.seed, w.device
-    )
+        train_ds, masker, replica, replicas, cfg.train.micro_batch_size, cfg.train.seed, w.device,
+        sp_rank=groups.sp_rank if groups is not None else 0,
+        sp_size=cfg.parallel.sequence_parallel_size,
+    )  # fmt: skip
     step = 0
 
     # ---- metrics, then resume
@@ -262,10 +271,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
         stats = torch.zeros(4, dtype=torch.float64)
         for micro in range(gas):
             batch = metrics.timed_batch(batches.next_batch)
-            out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+            # P > 1: each rank's loss is its slice's share of the replica's mean
+            denom = global_label_count(batch["labels"], sp_group) if sp_group else None
+            out = engine(
+                batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                loss_denominator=denom,
+            )  # fmt: skip
             loss = debug.poison(out.loss, step + 1)
-            engine.backward(loss)
-            stats += step_stats(loss, out.labelled_logits, out.labelled_targets)
+            engine.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+            stats += step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
             if micro == gas - 1:  # before the boundary step applies the update: all ranks agree
                 why = nonfinite_verdict(cfg, step + 1, int(all_reduce(stats)[3]), applied=None)
                 if why:
@@ -281,7 +295,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if metrics.should_log(step):
             metrics.log_train(step, batches.epoch, engine)
         if valid_ds is not None and step % cfg.train.eval_interval == 0:
-            metrics.log_eval(step, evaluate(engine, valid_ds, cfg, rank, world, w.device))
+            metrics.log_eval(
+                step, evaluate(engine, valid_ds, cfg, replica, replicas, w.device, sp_group)
+            )
         if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
             save("interval")
         if (

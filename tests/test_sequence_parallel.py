@@ -3,6 +3,7 @@
 hands to collectives. Multi-rank parts run this file as a script, one process per rank, on gloo.
 """
 
+import functools
 import json
 import os
 import socket
@@ -121,6 +122,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     import copy
 
     import torch.distributed as dist
+    import torch.utils.checkpoint
 
     from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
@@ -129,25 +131,32 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     results: dict = {"cases": {}, "bytes": {}}
     batch = make_batch(B)
     local, offset = shard_batch(batch, groups.sp_rank, groups.sp_size)
-    for sched, opts in SCHEDULES.items():
-        for sharing in SHARING:
-            torch.manual_seed(0)
-            ref = LinformerForMaskedLM(ModelConfig(**{**BASE, **opts, "sharing": sharing}))
-            model = copy.deepcopy(ref)
-            sp.parallelize(model, groups.sp_group)
-            loss_ref = reference_loss(ref, batch)
-            loss_ref.backward()
-            loss = sp_loss(model, local, groups.sp_group)
-            loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=groups.sp_group)
-            errs = {"loss": abs(total.item() - loss_ref.item()) / abs(loss_ref.item())}
-            floor = 1e-7 * max(p.grad.abs().max().item() for p in ref.parameters())
-            for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-                g = p.grad.clone()
-                dist.all_reduce(g, group=groups.sp_group)
-                errs[name] = rel_err(g, p_ref.grad, floor)
-            results["cases"][f"{sched}/{sharing}"] = errs
+    # every schedule x sharing mode, plus the mixed schedule under activation checkpointing
+    # (torch's non-reentrant: the recomputed forward issues its collectives again in backward)
+    cases = [(sched, sharing, False) for sched in SCHEDULES for sharing in SHARING]
+    cases.append(("mixed", "headwise", True))
+    for sched, sharing, checkpointing in cases:
+        torch.manual_seed(0)
+        cfg = ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing})
+        ref = LinformerForMaskedLM(cfg)
+        model = copy.deepcopy(ref)
+        sp.parallelize(model, groups.sp_group)
+        if checkpointing:
+            fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            model.encoder.set_activation_checkpointing(fn)
+        loss_ref = reference_loss(ref, batch)
+        loss_ref.backward()
+        loss = sp_loss(model, local, groups.sp_group)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=groups.sp_group)
+        errs = {"loss": abs(total.item() - loss_ref.item()) / abs(loss_ref.item())}
+        floor = 1e-7 * max(p.grad.abs().max().item() for p in ref.parameters())
+        for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=groups.sp_group)
+            errs[name] = rel_err(g, p_ref.grad, floor)
+        results["cases"][f"{sched}/{sharing}" + ("/checkpointed" if checkpointing else "")] = errs
 
     # Bytes handed to collectives by one layer of each kind, forward and backward.
     for kind in ("linear", "conv", "dense"):
@@ -174,6 +183,7 @@ def _ds_config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
+        "train_batch_size": 4,  # counts replicas: 2 rows x 2 data-parallel replicas
         "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
@@ -243,11 +253,51 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
     return results
 
 
+# (precision, fp32 gradient accumulation, ZeRO stage): DeepSpeed's reduce paths differ by each
+EXACT_CASES = [("fp32", False, z) for z in range(4)] + [("bf16", False, z) for z in range(4)]
+EXACT_CASES += [("bf16", True, z) for z in (1, 2, 3)]  # ZeRO-0 bf16 refuses fp32 accumulation
+
+
+def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
+    """SP = 2, DP = 1: a bias-free Linear(4, 1) with weight 1, each rank feeds its slice's token
+    ``x_r`` and its share of the loss; one SGD step with lr 1 must leave ``1 - (x_0 + x_1)``,
+    exactly (small integers are exact in bf16), whatever the precision and stage."""
+    from linformer_ds import sequence_parallel as sp
+
+    groups = sp.build_groups(world)
+    x = torch.arange(8, dtype=torch.float32).view(2, 4)[rank : rank + 1]
+    results = {}
+    for precision, fp32_accum, stage in EXACT_CASES:
+        model = torch.nn.Linear(4, 1, bias=False)
+        torch.nn.init.ones_(model.weight)
+        cfg = {**_ds_config(stage), "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        if fp32_accum:
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        sp.partition_for_zero3(model, groups, cfg)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=cfg,
+            mpu=sp.SequenceParallelMPU(groups),
+        )
+        loss = engine(x.to(next(model.parameters()).dtype)).float().sum()
+        engine.backward(loss * sp.backward_loss_scale(stage, world))
+        engine.step()
+        with deepspeed.zero.GatheredParameters(model.weight, enabled=stage == 3):
+            results[f"{precision}/{fp32_accum}/z{stage}"] = model.weight.float().tolist()
+        engine.destroy()
+    return results
+
+
 def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
     deepspeed = _init_rank(rank, world, port)
     torch.set_num_threads(1)
     if mode == "equivalence":
         res = _equivalence_worker(rank, world, Path(out))
+    elif mode == "exact":
+        res = _exact_scale_worker(rank, world, deepspeed)
     else:
         res = _deepspeed_worker(rank, world, Path(out), deepspeed, sp_size=int(mode[-1]))
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
@@ -352,7 +402,7 @@ def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
     results = _run_ranks("equivalence", 2, tmp_path)
     assert [r["offset"] for r in results] == [0, N // 2]
     for res in results:
-        assert len(res["cases"]) == len(SCHEDULES) * len(SHARING)
+        assert len(res["cases"]) == len(SCHEDULES) * len(SHARING) + 1
         for case, errs in res["cases"].items():
             bad = {k: v for k, v in errs.items() if not v <= TOL}
             assert not bad, (case, bad)
@@ -403,6 +453,16 @@ def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(tmp_path):
     # The two ways ZeRO-3 goes wrong without the fix (see docs/sequence_parallel.md):
     assert worst(sp_runs[0], "z3_dp_partition", "z3", "grad") > 0.1  # partitioned over DP only
     assert worst(sp_runs[0], "z3_no_scale", "z3", "grad") > 0.1  # reduce-scatter divides by DP x P
+
+
+@pytest.mark.slow
+def test_deepspeed_reduction_scale_exact_fp32_bf16(tmp_path):
+    """The gradient DeepSpeed applies is the sum over the SP ranks (our loss convention) under
+    fp32 and bf16 (with and without fp32 accumulation), ZeRO 0-3, exactly."""
+    target = [[1.0 - (0 + 4), 1.0 - (1 + 5), 1.0 - (2 + 6), 1.0 - (3 + 7)]]
+    for res in _run_ranks("exact", 2, tmp_path):
+        assert len(res) == len(EXACT_CASES)
+        assert all(w == target for w in res.values()), res
 
 
 if __name__ == "__main__":
