@@ -783,7 +783,7 @@ def flops_per_token(
     ``mlm_fraction`` of the tokens. The benchmark and the trainer's MFU both use this formula.
     """
     n = seq_len or config.max_seq_len
-    dm, ff, h = config.hidden_size, config.intermediate_size, config.head_dim
+    dm, ff, dh = config.hidden_size, config.intermediate_size, config.head_dim
     fwd = 0.0
     for i, kind in enumerate(config.projection_schedule()):
         fwd += 2 * (3 * dm * dm + dm * dm + 2 * dm * ff)  # qkv, out, ffn
@@ -796,7 +796,9 @@ def flops_per_token(
         else:
             r = config.conv_stride(i)
             c = math.ceil(n / r)
-            fwd += 2 * 2 * h * dm  # conv: each token feeds one output through a d x d kernel
+            # conv: per head a d_h x d_h kernel per tap; a token is one tap of one block, so it
+            # costs d_h^2 multiply-adds per head, D * d_h over all heads (for K and for V)
+            fwd += 2 * 2 * dh * dm
             fwd += 2 * 2 * c * dm
     fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
     return 3.0 * fwd
