@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -92,13 +92,32 @@ def data_no_manifest(d: Path) -> None:
     (d / "manifest.json").unlink()
 
 
+def data_no_mask_id(d: Path) -> None:
+    _set_manifest(d, lambda m: m["special_ids"].pop("mask"))
+
+
+def data_special_id_outside_vocab(d: Path) -> None:
+    _set_manifest(d, lambda m: m["special_ids"].update(mask=5000))
+
+
+def data_manifest_not_an_object(d: Path) -> None:
+    (d / "manifest.json").write_text("[1, 2]")
+
+
 # ----------------------------------------------------------------------- bad checkpoints
-def _tag(run: Path, tag: str, model: Dict, complete: bool = True, meta: bool = True) -> Path:
+def _tag(
+    run: Path,
+    tag: str,
+    model: Dict,
+    complete: bool = True,
+    meta: bool = True,
+    meta_extra: Optional[Dict] = None,
+) -> Path:
     d = run / "checkpoints" / tag
     d.mkdir(parents=True)
     if meta:
         m = {k: 0 for k in ckpt.META_KEYS} | {"format_version": 1, "world_size": 1}
-        m.update(model=model, sampler={"epoch": 0, "consumed": 0})
+        m.update(model=model, sampler={"epoch": 0, "consumed": 0}, **(meta_extra or {}))
         (d / ckpt.META_FILE).write_text(json.dumps(m))
     (d / ckpt.MODEL_STATES).write_bytes(b"")
     if complete:
@@ -132,6 +151,15 @@ def ckpt_newer_format(run: Path) -> None:
     d = _tag(run, "step_00000002", _model_dict())
     m = json.loads((d / ckpt.META_FILE).read_text())
     (d / ckpt.META_FILE).write_text(json.dumps(m | {"format_version": 99}))
+
+
+def ckpt_zero2_bf16(run: Path) -> None:
+    _tag(run, "step_00000002", _model_dict(), meta_extra={"zero_stage": 2, "precision": "bf16"})
+
+
+def ckpt_seed_42(run: Path) -> None:
+    meta = {"zero_stage": 2, "precision": "bf16", "config": {"train": {"seed": 42}}}
+    _tag(run, "step_00000002", _model_dict(), meta_extra=meta)
 
 
 def ckpt_dir_is_a_file(run: Path) -> None:
@@ -175,6 +203,146 @@ MAIN_CASES = [
         None,
         "Unsupported interpolation type eval",
     ),
+    # -- every numeric key: finite and in range (issue 14)
+    (
+        "config-lr-nan",
+        ["optimizer.lr=nan"],
+        None,
+        None,
+        "optimizer.lr: must be a finite number, got nan",
+    ),
+    (
+        "config-lr-inf",
+        ["optimizer.lr=inf"],
+        None,
+        None,
+        "optimizer.lr: must be a finite number, got inf",
+    ),
+    (
+        "config-eps-negative",
+        ["optimizer.eps=-1"],
+        None,
+        None,
+        "optimizer.eps: must be > 0, got -1.0",
+    ),
+    (
+        "config-weight-decay-negative",
+        ["optimizer.weight_decay=-5"],
+        None,
+        None,
+        "optimizer.weight_decay: must be >= 0, got -5.0",
+    ),
+    (
+        "config-clip-nan",
+        ["deepspeed.gradient_clipping=nan"],
+        None,
+        None,
+        "deepspeed.gradient_clipping: must be a finite number, got nan",
+    ),
+    (
+        "config-stop-at-negative",
+        ["train.stop_at_step=-5"],
+        None,
+        None,
+        "train.stop_at_step: must be >= 1 (or null: run to max_steps), got -5",
+    ),
+    (
+        "config-bucket-zero",
+        ["deepspeed.zero.reduce_bucket_size=0"],
+        None,
+        None,
+        "deepspeed.zero.reduce_bucket_size: must be >= 1 (elements), got 0",
+    ),
+    ("config-seed-negative", ["train.seed=-1"], None, None, "train.seed: must be in [0, 2**32)"),
+    (
+        "config-eval-batches-negative",
+        ["train.eval_batches=-1"],
+        None,
+        None,
+        "train.eval_batches: must be >= 0 (0 turns evaluation off), got -1",
+    ),
+    (
+        "config-keep-last-negative",
+        ["checkpoint.keep_last=-1"],
+        None,
+        None,
+        "checkpoint.keep_last: must be >= 0 (0: all), got -1",
+    ),
+    ("config-model-dropout-nan", ["model.dropout=nan"], None, None, "model.dropout: must be in"),
+    (
+        "config-layer-norm-eps-zero",
+        ["model.layer_norm_eps=0"],
+        None,
+        None,
+        "model.layer_norm_eps: must be > 0, got 0.0",
+    ),
+    (
+        "config-loss-scale-window-zero",
+        ["deepspeed.loss_scale_window=0"],
+        None,
+        None,
+        "deepspeed.loss_scale_window: must be >= 1, got 0",
+    ),
+    (
+        "config-zero0-bf16-fp32-accum",
+        ["deepspeed.zero.stage=0"],
+        None,
+        None,
+        "deepspeed.fp32_grad_accum: zero.stage=0 with bf16 cannot accumulate gradients in fp32",
+    ),
+    (
+        "config-unknown-backend",
+        ["deepspeed.dist_backend=nccx"],
+        None,
+        None,
+        "deepspeed.dist_backend: must be one of gloo, nccl, mpi, ccl, hccl",
+    ),
+    (
+        "config-nccl-on-cpu",
+        ["deepspeed.dist_backend=nccl"],
+        None,
+        None,
+        "deepspeed.dist_backend: nccl is not available with this machine's cpu accelerator",
+    ),
+    # -- deepspeed.extra, checked by DeepSpeed's own config classes before any process group
+    (
+        "config-extra-nested-typo",
+        ["deepspeed.extra.zero_optimization.reduce_bucket_sise=5"],
+        None,
+        None,
+        "deepspeed.extra.zero_optimization.reduce_bucket_sise: Extra inputs are not "
+        "permitted (got 5)",
+    ),
+    (
+        "config-extra-top-level-typo",
+        ["deepspeed.extra.gradient_clippin=1.0"],
+        None,
+        None,
+        "deepspeed.extra.gradient_clippin: DeepSpeed does not read this key; did you mean "
+        "'gradient_clipping'?",
+    ),
+    (
+        "config-extra-bad-value",
+        ["deepspeed.extra.zero_optimization.offload_optimizer.device=gpu"],
+        None,
+        None,
+        "deepspeed.extra.zero_optimization.offload_optimizer.device: Input should be "
+        "'none', 'cpu' or 'nvme' (got 'gpu')",
+    ),
+    (
+        "config-extra-owned-key",
+        ["deepspeed.extra.train_batch_size=7"],
+        None,
+        None,
+        "deepspeed.extra.train_batch_size: the job config sets it; use train.global_batch_size",
+    ),
+    (
+        "config-extra-bf16-typo",
+        ["deepspeed.extra.bf16.enabld=true"],
+        None,
+        None,
+        "deepspeed.extra.bf16.enabld: Extra inputs are not permitted",
+    ),
     ("data-missing", ["data.path=/nonexistent/data"], None, None, "no manifest.json"),
     ("data-no-manifest", [], None, data_no_manifest, "no manifest.json (not a data_prep output)"),
     ("data-corrupt-manifest", [], None, data_corrupt_manifest, "corrupt manifest"),
@@ -183,6 +351,21 @@ MAIN_CASES = [
     ("data-manifest-rows", [], None, data_manifest_rows, "manifest mismatch: split 'train' lists"),
     ("data-empty-split", [], None, data_empty_split, "split 'train' is empty (0 rows)"),
     ("data-no-such-split", ["data.train_split=nope"], None, None, "no split 'nope'"),
+    ("data-no-mask-id", [], None, data_no_mask_id, "special_ids lacks ['mask']"),
+    (
+        "data-special-id-outside-vocab",
+        [],
+        None,
+        data_special_id_outside_vocab,
+        "special_ids.mask = 5000 is not a token id in [0, 2000)",
+    ),
+    (
+        "data-manifest-not-an-object",
+        [],
+        None,
+        data_manifest_not_an_object,
+        "corrupt manifest (not a JSON object)",
+    ),
     (
         "data-vocab-larger-than-model",
         ["model.vocab_size=1000"],
@@ -240,6 +423,28 @@ MAIN_CASES = [
         "has format_version 99; this linformer_ds reads <= 1",
     ),
     (
+        "ckpt-zero-stage-2-to-3",
+        ["deepspeed.zero.stage=3"],
+        ckpt_zero2_bf16,
+        None,
+        "was saved with zero.stage=2 precision=bf16; this config has deepspeed.zero.stage "
+        "2 -> 3, which DeepSpeed cannot load. Resume with deepspeed.zero.stage=2",
+    ),
+    (
+        "ckpt-precision-to-fp16",
+        ["deepspeed.precision=fp16", "deepspeed.zero.stage=2"],
+        ckpt_zero2_bf16,
+        None,
+        "this config has deepspeed.precision bf16 -> fp16, which DeepSpeed cannot load",
+    ),
+    (
+        "ckpt-seed-change",
+        ["train.seed=7"],
+        ckpt_seed_42,
+        None,
+        "train.seed: {run}/checkpoints/step_00000002 was trained with seed 42, this config has 7",
+    ),
+    (
         "ckpt-dir-is-a-file",
         [],
         ckpt_dir_is_a_file,
@@ -268,6 +473,39 @@ def test_trainer_entry_point(
     assert message.format(run=run) in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert not Path("/tmp/linformer_pwned").exists()
+
+
+# A config must say what to train on and what to train: the schema's defaults (data/stdlib, the
+# 102M-parameter BERT-base model) describe no run the user asked for (issue 14, point 3).
+YAML_CASES = [
+    ("empty-file", "", [], "the config file sets nothing"),
+    ("only-comments", "# nothing here\n", [], "the config file sets nothing"),
+    ("no-data-path", "model:\n  k: 32\n", [], "data.path: not set"),
+    ("no-model", "data:\n  path: data/x\n", [], "model: not set; the config would train the "
+     "schema's default 102M-parameter model"),
+    ("no-config-at-all", None, [], "no job config: pass --config FILE"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text,overrides,message", [c[1:] for c in YAML_CASES], ids=[c[0] for c in YAML_CASES]
+)
+def test_config_must_set_data_and_model(text, overrides, message, tmp_path, capsys):
+    argv = list(overrides)
+    if text is not None:
+        (tmp_path / "job.yaml").write_text(text)
+        argv = ["--config", str(tmp_path / "job.yaml"), *argv]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_config_set_by_overrides_alone_is_enough():
+    """The tests' style (and a user's): a model section and data.path given as overrides."""
+    cfg = load_config(None, ["data.path=d", "model.hidden_size=64", "model.num_heads=4"])
+    assert cfg.data.path == "d" and cfg.model.hidden_size == 64
+    cfg = load_config(TINY_CONFIG, ["train.max_steps=3"])  # the README's command
+    assert cfg.model.hidden_size == 128 and cfg.data.path == "data/stdlib"
 
 
 def test_config_file_cannot_run_code(tmp_path, capsys):
@@ -354,7 +592,8 @@ def _export_cases(root: Path) -> List:
     c = "checkpoints"
     return [
         ("no-dir", ["--checkpoint", str(root / "nope")], "no such directory"),
-        ("no-latest", ["--checkpoint", str(nolatest / c)], "has no 'latest' file"),
+        # without 'latest' the newest valid tag is used (as a resume would): its tokenizer
+        ("no-latest", ["--checkpoint", str(nolatest / c)], "step_00000002/tokenizer.model not found"),
         ("missing-tag", ["--checkpoint", str(good / c), "--tag", "step_9"], "tag 'step_9' not found"),
         ("incomplete", ["--checkpoint", str(incomplete / c), "--tag", "step_00000002"],
          "is incomplete (no COMPLETE marker"),
@@ -427,3 +666,127 @@ def test_validation_falls_back_from_damaged_tags(tmp_path):
     assert "step_00000006 (1 optimizer shards for 2 saved ranks)" in msg
     assert f"step_00000004 ({ckpt.MODEL_STATES} has 5 bytes, 10 when saved (truncated))" in msg
     assert ckpt.remove_stale(str(d)) == ["step_00000008"]
+
+
+# ----------------------------------------------------------------------- data_prep CLI
+def _data_prep(argv: List[str], capsys) -> tuple:
+    from data_prep.__main__ import main as data_prep_main
+
+    rc = data_prep_main(["--seq-len", "32", "--vocab-size", "200", "--workers", "0", *argv])
+    return rc, capsys.readouterr().err.strip()
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory) -> Path:
+    """A binary file, the same French-ish text as UTF-8 and as Latin-1 (3000 lines)."""
+    import random
+
+    d = tmp_path_factory.mktemp("mixed")
+    rng = random.Random(0)
+    words = "café été crêpe garçon naïve façade élève déjà où très père mère rôle forêt".split()
+    words += ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 8)))
+              for _ in range(300)]  # fmt: skip
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(3000)) + "\n"
+    (d / "text").mkdir()
+    (d / "text" / "utf8.txt").write_text(text, encoding="utf-8")
+    (d / "latin1.txt").write_bytes(text.encode("latin-1"))
+    (d / "text" / "image.bin").write_bytes(np.random.default_rng(0).bytes(20000))
+    return d
+
+
+def test_data_prep_skips_binary_files_and_counts_them(mixed_inputs, tmp_path, capsys):
+    rc, err = _data_prep(["--source", str(mixed_inputs / "text"), "--out", str(tmp_path / "o"),
+                          "--quiet"], capsys)  # fmt: skip
+    assert rc == 0, err
+    assert err == (
+        "data_prep: warning: skipped 1 input file(s) that are not text (NUL or control bytes), "
+        f"e.g. {mixed_inputs / 'text' / 'image.bin'}"
+    )
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert m["source"]["binary_files_skipped"] == 1 and m["source"]["undecodable_bytes"] == 0
+    assert m["source"]["documents"] == 1  # only utf8.txt
+
+
+def test_data_prep_only_binary_input_is_one_line_exit_2(mixed_inputs, tmp_path, capsys):
+    rc, err = _data_prep(["--source", str(mixed_inputs / "text" / "image.bin"),
+                          "--out", str(tmp_path / "o")], capsys)  # fmt: skip
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "the corpus is empty" in err and "1 file(s) skipped as not text" in err
+    assert not (tmp_path / "o").exists()  # nothing of value: no trace left
+
+
+def test_data_prep_latin1_with_and_without_encoding(mixed_inputs, tmp_path, capsys):
+    """Read as UTF-8, every byte >= 0x80 of the Latin-1 file is lost (counted, warned about);
+    with ``--encoding latin-1`` none is, and the tokenizer round-trips the accented words."""
+    import sentencepiece as spm
+
+    raw = (mixed_inputs / "latin1.txt").read_bytes()
+    high = sum(b >= 0x80 for b in raw)
+    src = ["--source", str(mixed_inputs / "latin1.txt"), "--quiet"]
+    rc, err = _data_prep(src + ["--out", str(tmp_path / "utf8")], capsys)
+    assert rc == 0, err
+    assert f"replaced {high} bytes that are not utf-8 with U+FFFD" in err and "--encoding" in err
+    m = json.loads((tmp_path / "utf8" / "manifest.json").read_text())
+    assert m["source"]["undecodable_bytes"] == high > 0
+    rc, err = _data_prep(src + ["--out", str(tmp_path / "l1"), "--encoding", "latin-1"], capsys)
+    assert rc == 0 and err == "", err
+    m = json.loads((tmp_path / "l1" / "manifest.json").read_text())
+    assert m["source"]["undecodable_bytes"] == 0 and m["source"]["encoding"] == "latin-1"
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "l1" / "tokenizer.model"))
+    for word in ("café", "garçon", "forêt"):
+        assert sp.decode(sp.encode(word)) == word
+
+
+DATA_PREP_CASES = [
+    ("unknown-encoding", ["--encoding", "klingon"], "--encoding 'klingon' is not a text encoding"),
+    ("coverage-zero", ["--character-coverage", "0"], "--character-coverage must be in (0, 1]"),
+    ("coverage-nan", ["--character-coverage", "nan"], "--character-coverage must be in (0, 1]"),
+    ("valid-fraction-one", ["--valid-fraction", "1"], "--valid-fraction must be in [0, 1)"),
+    ("seq-len-tiny", ["--seq-len", "4"], "--seq-len 4 is too small"),
+    ("seed-negative", ["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    ("missing-input", ["--source", "/nonexistent/x.txt"], "input path does not exist"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv,message", [c[1:] for c in DATA_PREP_CASES], ids=[c[0] for c in DATA_PREP_CASES]
+)
+def test_data_prep_bad_flags(argv, message, mixed_inputs, tmp_path, capsys):
+    base = ["--source", str(mixed_inputs / "latin1.txt"), "--out", str(tmp_path / "o")]
+    rc, err = _data_prep(base + argv, capsys)
+    assert rc == 2 and message in err and err.startswith("data_prep: error: "), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------- causal use of the export
+def test_causal_use_is_refused_with_the_reason(tiny_corpus, tmp_path):
+    """Linformer cannot be causal: AutoModelForCausalLM on an export, is_decoder=True,
+    is_causal=True and a [B, n, n] mask each get one line with the reason."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from linformer_ds.export import TIED_KEY, write_model_dir
+    from linformer_ds.hf import LinformerConfig
+
+    mc = ModelConfig(
+        vocab_size=2000, max_seq_len=32, hidden_size=16, num_layers=1, num_heads=2,
+        intermediate_size=32, k=4,
+    )  # fmt: skip
+    state = {k: v for k, v in LinformerForMaskedLM(mc).state_dict().items() if k != TIED_KEY}
+    out = tmp_path / "export"
+    write_model_dir(str(out), mc, state, str(tiny_corpus / "tokenizer.model"))
+    reason = "Linformer cannot be causal: its sequence projections"
+    with pytest.raises(ValueError, match=reason):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    with pytest.raises(ValueError, match=reason):
+        AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    with pytest.raises(ValueError, match="is_decoder=True: " + reason):
+        LinformerConfig(**mc.to_dict() | {"is_decoder": True})
+    model = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.ones(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="is_causal is not supported: " + reason):
+        model(ids, is_causal=True)
+    causal = torch.tril(torch.ones(1, 8, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq_len\]"):
+        model(ids, attention_mask=causal)
+    assert model(ids).last_hidden_state.shape == (1, 8, 16)  # the encoder itself works
