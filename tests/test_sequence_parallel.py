@@ -407,6 +407,8 @@ def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
             bad = {k: v for k, v in errs.items() if not v <= TOL}
             assert not bad, (case, bad)
             assert len(errs) > 10  # the loss and every parameter were compared
+        worst = max((v, case, k) for case, errs in res["cases"].items() for k, v in errs.items())
+        print(f"P=2 vs P=1 worst relative difference: {worst[0]:.1e} ({worst[1]}, {worst[2]})")
 
     # Bytes per layer: the formula against the tensors handed to the collectives (rank 0).
     counted = results[0]["bytes"]
