@@ -5,6 +5,7 @@ the endpoint is gone when training ends."""
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import time
@@ -255,6 +256,15 @@ def test_close_stops_serving_and_removes_targets(tmp_path):
     assert s["linformer_nonfinite_steps_skipped_total"] == 1
     assert s["linformer_checkpoint_last_seconds{op=save}"] == 1.5
     assert 0 < s["linformer_eta_seconds"] == m.eta
+    # Every metric the dashboard and docs/observability.md query is one the endpoint serves.
+    served = {key.split("{")[0] for key in s}
+    served |= {re.sub(r"_(bucket|count|sum)$", "", name) for name in served}  # family names
+    dashboard = json.loads((REPO / "docs" / "grafana_linformer.json").read_text())
+    exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    doc = (REPO / "docs" / "observability.md").read_text()
+    for where, text in (("dashboard", exprs), ("observability.md", doc)):
+        used = set(re.findall(r"\blinformer_[a-z_]+", text)) - {"linformer_ds", "linformer_run"}
+        assert len(used) > 5 and used <= served, (where, sorted(used - served))
     m.close()
     assert refused(endpoint)
     assert not (tmp_path / TARGETS_FILE).exists()
