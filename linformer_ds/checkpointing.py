@@ -695,7 +695,10 @@ class CheckpointManager:
         client_extra: Optional[Dict[str, Any]] = None,
     ) -> str:
         """Collective: write ``step``'s checkpoint (see :func:`save`); returns the tag."""
-        tag = save(engine, self.cfg, self.dir, step, epoch, sampler_state, train_ds, client_extra)
+        layout = {"sequence_parallel_size": self.cfg.parallel.sequence_parallel_size}
+        tag = save(
+            engine, self.cfg, self.dir, step, epoch, sampler_state, train_ds, client_extra, layout
+        )
         self.last_saved_step = step
         return tag
 
