@@ -90,3 +90,22 @@ def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:
             if rec["split"] == split:
                 out[rec["step"]] = rec
     return out
+
+
+def init_gloo_rank(rank: int, world: int, port: int):
+    """Join a single-node gloo group as ``rank`` of ``world`` (a worker process of a test);
+    returns the ``deepspeed`` module."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import deepspeed
+
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+
+    disable_deepspeed_shm_allreduce()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return deepspeed

@@ -20,6 +20,8 @@ from typing import Optional
 import pytest
 import torch
 
+from tests.pretrain_utils import init_gloo_rank
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 384, 32
 BASE_MODEL = dict(
@@ -49,21 +51,9 @@ pytestmark = pytest.mark.slow  # 2-rank DeepSpeed jobs (CI runs them)
 # ============================================================================== rank worker
 def _init_rank(rank: int, world: int, port: int):
     """Join a single-node gloo group as ``rank`` of ``world``; returns (deepspeed, deepspeed.comm)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    import deepspeed
     import deepspeed.comm as dist
 
-    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
-
-    disable_deepspeed_shm_allreduce()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    return deepspeed, dist
+    return init_gloo_rank(rank, world, port), dist
 
 
 def _worker(rank: int, world: int, port: int, spec_path: str) -> None:

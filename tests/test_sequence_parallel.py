@@ -25,6 +25,7 @@ from linformer_ds.sequence_parallel import (
     group_layout,
     shard_batch,
 )
+from tests.pretrain_utils import init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, N, N_MAX, B = 50, 24, 32, 3
@@ -100,23 +101,6 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
 
 
 # ==================================================================================== rank workers
-def _init_rank(rank: int, world: int, port: int):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    import deepspeed
-
-    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
-
-    disable_deepspeed_shm_allreduce()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    return deepspeed
-
-
 def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     """P = 2 vs P = 1 for every schedule and sharing mode, and collective bytes per layer."""
     import copy
@@ -292,7 +276,7 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
 
 
 def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
-    deepspeed = _init_rank(rank, world, port)
+    deepspeed = init_gloo_rank(rank, world, port)
     torch.set_num_threads(1)
     if mode == "equivalence":
         res = _equivalence_worker(rank, world, Path(out))
