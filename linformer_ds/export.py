@@ -437,6 +437,11 @@ def export_checkpoint(
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         if not overwrite:
             raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
+    try:  # --out writable? (before the slow consolidation)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        tempfile.TemporaryDirectory(prefix=".export-probe-", dir=os.path.dirname(out)).cleanup()
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write there: {e.strerror or e}") from None
     state_dict = check_state_dict(consolidate(ckpt, tag), model_config, tag_dir)
 
     # Write next to the target, then swap in: a failed export leaves no half-written model.

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -224,6 +225,83 @@ def test_sigkill_mid_save_and_mid_step_resume_equals_uninterrupted(reference, cr
     assert samples(run) == samples(reference)
 
 
+# ============================================================================ signal at start-up
+def _catches(p: psutil.Process, signum: int) -> bool:
+    """The process has a handler installed for ``signum`` (SigCgt in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (signum - 1) & 1)
+
+
+def test_signal_during_startup_checkpoints_and_exits_75(reference, tiny_corpus, tmp_path):
+    """SIGUSR1 to both ranks of a 2-rank job while they start up (handler installed, DeepSpeed not
+    yet initialised: no "[setup]" line): the job runs to the first step boundary, saves step 1,
+    exits 75 (EX_TEMPFAIL: requeue), and the resumed job equals the uninterrupted one."""
+    log = tmp_path / "launch.log"
+    proc = _launch(tiny_corpus, tmp_path, COMMON, log)
+    ranks = _ranks(proc)
+    _wait_for(lambda: all(_catches(p, signal.SIGUSR1) for p in ranks.values()), 120,
+              "the SIGUSR1 handler", poll=0.005)  # fmt: skip
+    for p in ranks.values():
+        p.send_signal(signal.SIGUSR1)
+    early = "[setup]" not in log.read_text()
+    rc = proc.wait(timeout=300)
+    out = log.read_text()
+    assert early, "the signal came after DeepSpeed init; the test did not probe start-up"
+    assert rc == 75, out[-3000:]
+    assert "Traceback" not in out
+    assert f"[checkpoint] signal 10: {tmp_path / 'checkpoints' / 'step_00000001'}" in out
+    assert "[preempted] stopped at step 1; resume continues here" in out
+    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "step_00000001"
+    assert ckpt.tag_problem(str(tmp_path / "checkpoints"), "step_00000001") is None
+    resumed = run_pretrain(tiny_corpus, tmp_path, COMMON)
+    assert "step_00000001: step 1," in resumed.stdout
+    assert losses(tmp_path, STEPS) == losses(reference, STEPS)
+
+
+# ===================================================================== metrics window on resume
+def test_logged_metrics_after_resume_equal_uninterrupted(tiny_corpus, tmp_path):
+    """log_interval=4: a run stopped at step 6 (not a multiple) and resumed logs at step 8 the
+    average of steps 5-8, as the uninterrupted run does (the window travels in the checkpoint)."""
+    common = ["train.max_steps=12", "train.log_interval=4", "checkpoint.save_interval=0"]
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    _single(tiny_corpus, full, common, {})
+    first = _single(tiny_corpus, parts, common + ["train.stop_at_step=6"], {})
+    assert first.returncode == 0 and sorted(read_metrics(parts)) == [4], first.stderr[-2000:]
+    second = _single(tiny_corpus, parts, common + ["train.stop_at_step=10"], {})
+    assert "step_00000006: step 6," in second.stdout, second.stderr[-2000:]
+    _single(tiny_corpus, parts, common, {})
+    ref, got = read_metrics(full), read_metrics(parts)
+    assert sorted(ref) == sorted(got) == [4, 8, 12]
+    for s in (4, 8, 12):
+        for key in ("loss", "mlm_accuracy", "lr"):
+            assert got[s][key] == ref[s][key], (s, key)
+
+
+# ======================================================== ZeRO stage change on resume (universal)
+def test_resume_under_another_zero_stage_via_universal_checkpoint(reference, tiny_corpus, tmp_path):
+    """The reference's ZeRO-2 step 4, resumed on the same 2 ranks under ZeRO-1: converted to a
+    universal checkpoint (said on the console), Adam's step counter continues, LR equal, losses
+    within bf16 noise of the uninterrupted ZeRO-2 run."""
+    copy_tag(reference, tmp_path, "step_00000004")
+    proc = run_pretrain(tiny_corpus, tmp_path, COMMON + ["deepspeed.zero.stage=1"])
+    assert (
+        "was saved with another engine config (deepspeed.zero.stage 2 -> 1): loading it "
+        "through a universal checkpoint" in proc.stdout
+    )
+    assert "step 4, epoch 0, sampler consumed 32" in proc.stdout
+    assert not (tmp_path / "checkpoints" / "universal").exists()
+    ref, got = read_metrics(reference), read_metrics(tmp_path)
+    assert sorted(got) == [5, 6, 7, 8]
+    for s in (5, 6, 7, 8):
+        assert got[s]["lr"] == ref[s]["lr"]
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
+    assert adam_steps(tmp_path / "checkpoints" / "step_00000008") == [8.0] * 4
+
+
 # ============================================================================ world-size change
 @pytest.fixture(scope="module")
 def resized(reference, tiny_corpus, tmp_path_factory):
@@ -379,6 +457,33 @@ def test_read_only_checkpoint_dir_fails_before_training(tiny_corpus, tmp_path, t
         f"error: checkpoint.dir {tmpfs}/ckpt is not writable: Read-only file system" in proc.stderr
     )
     assert "Traceback" not in proc.stderr and "[train]" not in proc.stdout
+
+
+def test_data_prep_and_export_to_read_only_out(reference, tiny_corpus, tmp_path, tmpfs, capsys):
+    """``--out`` on a read-only file system: one line, exit 2, for data_prep and export; the
+    checkpoint read by export is untouched."""
+    from linformer_ds import export
+
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    text = tmp_path / "doc.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "--source", str(text), "--tokenizer",
+         str(tiny_corpus / "tokenizer.model"), "--seq-len", "32", "--out", str(tmpfs / "data")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"data_prep: error: --out {tmpfs}/data: cannot write there: Read-only file system "
+        f"({tmpfs}/data); choose a writable --out"
+    )
+    before = sorted(os.listdir(reference / "checkpoints" / "step_00000008"))
+    rc = export.main(["--checkpoint", str(reference / "checkpoints"), "--out", str(tmpfs / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (
+        f"export failed: --out {tmpfs}/hf: cannot write there: Read-only file system"
+    ), err
+    assert sorted(os.listdir(reference / "checkpoints" / "step_00000008")) == before
 
 
 # =================================================================================== security
