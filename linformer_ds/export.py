@@ -437,6 +437,8 @@ def export_checkpoint(
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         if not overwrite:
             raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
+    if os.path.exists(os.path.dirname(out)) and not os.path.isdir(os.path.dirname(out)):
+        raise ExportError(f"--out {out}: {os.path.dirname(out)} is not a directory")
     try:  # --out writable? (before the slow consolidation)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         tempfile.TemporaryDirectory(prefix=".export-probe-", dir=os.path.dirname(out)).cleanup()

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -234,9 +235,27 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         )
     if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
         raise FinetuneError(f"--out {args.out} exists and is not empty (use --overwrite)")
-    for name in ("epochs", "batch_size", "eval_batch_size", "lr"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise FinetuneError(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("epochs", "batch_size", "eval_batch_size", "lr", "max_grad_norm"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise FinetuneError(f"--{name.replace('_', '-')} must be > 0 (and finite), got {value}")
+    ranges = {"weight_decay": (0.0, math.inf, "[0, inf)"), "warmup_ratio": (0.0, 1.0, "[0, 1)"),
+              "validation_fraction": (0.0, 1.0, "(0, 1)")}  # fmt: skip
+    for name, (lo, hi, text) in ranges.items():
+        value = getattr(args, name)
+        ok = lo <= value < hi and (name != "validation_fraction" or value > 0)
+        if not ok:
+            raise FinetuneError(f"--{name.replace('_', '-')} must be in {text}, got {value}")
+    if not 0 <= args.seed < 2**32:
+        raise FinetuneError(f"--seed must be in [0, 2**32), got {args.seed}")
+    try:  # --out writable? (before training, not after)
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise FinetuneError(f"--out {args.out}: {parent} is not a directory")
+        os.makedirs(parent, exist_ok=True)
+        tempfile.TemporaryDirectory(prefix=".finetune-probe-", dir=parent).cleanup()
+    except OSError as e:
+        raise FinetuneError(f"--out {args.out}: cannot write there: {e.strerror or e}") from None
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -357,6 +376,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         results = finetune(args)
     except (FinetuneError, ExportError) as e:
         print(f"finetune failed: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read or written (disk full, permissions)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"finetune failed: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     print(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
     return 0

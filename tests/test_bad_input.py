@@ -790,3 +790,40 @@ def test_causal_use_is_refused_with_the_reason(tiny_corpus, tmp_path):
     with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq_len\]"):
         model(ids, attention_mask=causal)
     assert model(ids).last_hidden_state.shape == (1, 8, 16)  # the encoder itself works
+
+
+# ----------------------------------------------------------------------- finetune CLI flags
+FINETUNE_CASES = [
+    ("epochs-nan", ["--epochs", "nan"], "--epochs must be > 0 (and finite), got nan"),
+    ("lr-negative", ["--lr", "-1"], "--lr must be > 0 (and finite), got -1.0"),
+    ("batch-size-zero", ["--batch-size", "0"], "--batch-size must be > 0 (and finite), got 0"),
+    ("max-grad-norm-zero", ["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    ("weight-decay-negative", ["--weight-decay", "-1"], "--weight-decay must be in [0, inf)"),
+    ("warmup-ratio-above-1", ["--warmup-ratio", "1.5"], "--warmup-ratio must be in [0, 1)"),
+    ("validation-fraction-0", ["--validation-fraction", "0"],
+     "--validation-fraction must be in (0, 1), got 0.0"),
+    ("seed-negative", ["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    ("out-under-a-file", ["--out", "{root}/afile/sub"],
+     "--out {root}/afile/sub: {root}/afile is not a directory"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv,message", [c[1:] for c in FINETUNE_CASES], ids=[c[0] for c in FINETUNE_CASES]
+)
+def test_finetune_bad_flags(argv, message, tmp_path, capsys):
+    """Every numeric flag in range, --out writable: checked before data or model are loaded."""
+    from linformer_ds.finetune import main as finetune_main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "afile").write_text("x")
+    argv = [a.format(root=tmp_path) for a in argv]
+    base = ["--model", str(model), "--train", str(tmp_path / "train.csv")]
+    if "--out" not in argv:
+        base += ["--out", str(tmp_path / "out")]
+    rc = finetune_main(base + argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("finetune failed: ") and len(err.splitlines()) == 1, err
+    assert message.format(root=tmp_path) in err, err
