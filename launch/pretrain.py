@@ -7,7 +7,24 @@ mpirun -np 2 python launch/pretrain.py --config ...
 """
 
 import os
+import signal
 import sys
+
+
+class _EarlySignals:
+    """Records SIGUSR1/SIGTERM from the first line on (importing torch takes seconds, and the
+    default action would kill the rank); the trainer's SignalFlag adopts ``pending``."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002
+        self.pending.append(signum)
+
+
+_early = _EarlySignals()
+for _s in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(_s, _early)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

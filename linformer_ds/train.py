@@ -51,9 +51,13 @@ class SignalFlag:
 
     def __init__(self, enabled: bool):
         self.signum: Optional[int] = None
-        if enabled:
-            for s in (signal.SIGUSR1, signal.SIGTERM):
-                signal.signal(s, self._handle)
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            # launch/pretrain.py records signals from its first line: adopt what came early
+            early = list(getattr(signal.getsignal(s), "pending", None) or [])
+            self.signum = self.signum or (early[-1] if early else None)
+            signal.signal(s, self._handle if enabled else signal.SIG_DFL)
+        if not enabled and self.signum is not None:  # the default action, delayed
+            os.kill(os.getpid(), self.signum)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.signum = signum

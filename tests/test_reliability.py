@@ -236,18 +236,29 @@ def _catches(p: psutil.Process, signum: int) -> bool:
     return bool(caught >> (signum - 1) & 1)
 
 
+def _maps_hold(p: psutil.Process, name: str) -> bool:
+    try:
+        with open(f"/proc/{p.pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return False
+
+
 def test_signal_during_startup_checkpoints_and_exits_75(reference, tiny_corpus, tmp_path):
-    """SIGUSR1 to both ranks of a 2-rank job while they start up (handler installed, DeepSpeed not
-    yet initialised: no "[setup]" line): the job runs to the first step boundary, saves step 1,
-    exits 75 (EX_TEMPFAIL: requeue), and the resumed job equals the uninterrupted one."""
+    """SIGUSR1 to both ranks of a 2-rank job while they start up (launch/pretrain.py records it
+    from its first line, typically before torch is even imported; DeepSpeed not yet initialised:
+    no "[setup]" line): the job runs to the first step boundary, saves step 1, exits 75
+    (EX_TEMPFAIL: requeue), and the resumed job equals the uninterrupted one."""
     log = tmp_path / "launch.log"
     proc = _launch(tiny_corpus, tmp_path, COMMON, log)
     ranks = _ranks(proc)
     _wait_for(lambda: all(_catches(p, signal.SIGUSR1) for p in ranks.values()), 120,
               "the SIGUSR1 handler", poll=0.005)  # fmt: skip
+    torch_loaded = [_maps_hold(p, "libtorch") for p in ranks.values()]
     for p in ranks.values():
         p.send_signal(signal.SIGUSR1)
     early = "[setup]" not in log.read_text()
+    print(f"torch loaded in the ranks when signalled: {torch_loaded}")
     rc = proc.wait(timeout=300)
     out = log.read_text()
     assert early, "the signal came after DeepSpeed init; the test did not probe start-up"
