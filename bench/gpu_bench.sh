@@ -6,21 +6,28 @@
 # is optional (without it, make the PNGs later: python -m bench.model_bench --replot DIR).
 #   usage: bash bench/gpu_bench.sh [OUT_DIR [extra bench.model_bench options]]
 #   (OUT_DIR defaults to bench/results/gpu; e.g. bash bench/gpu_bench.sh "$OUT" --compile)
+#   Later options win: scripts/gpu_check.py trims the grid with --seq-lens/--iters, and its dry
+#   run passes --device cpu and tiny sizes with GPU_BENCH_ALLOW_CPU=1. PYTHON: the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results/gpu}"
 shift || true  # the rest goes to bench.model_bench
+py="${PYTHON:-python3}"
 mkdir -p "$out"
-python - <<'PY'
+GPU_BENCH_ALLOW_CPU="${GPU_BENCH_ALLOW_CPU:-0}" "$py" - <<'PY'
+import os
 import torch
-assert torch.cuda.is_available(), "no CUDA device visible: this script is for a GPU machine"
-print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))
+if os.environ["GPU_BENCH_ALLOW_CPU"] != "1":
+    assert torch.cuda.is_available(), "no CUDA device visible: this script is for a GPU machine"
+    print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))
+else:
+    print(torch.__version__, "cuda" if torch.cuda.is_available() else "cpu (GPU_BENCH_ALLOW_CPU=1)")
 PY
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/nvidia-smi.txt" || true
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee "$out/nvidia-smi.txt" || true
 plots=()
-python -c "import matplotlib" 2>/dev/null || plots=(--no-plots)
+"$py" -c "import matplotlib" 2>/dev/null || plots=(--no-plots)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -m bench.model_bench --device cuda --layers 12 --tokens 65536 \
+"$py" -m bench.model_bench --device cuda --layers 12 --tokens 65536 \
     --seq-lens 512 1024 2048 4096 8192 16384 32768 65536 \
     --warmup 3 --iters 10 --gemm-n 8192 --gemm-reps 20 --step-budget-s 20 \
     --out "$out" "${plots[@]}" "$@" 2>&1 | tee "$out/log.txt"

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Wheels for the GPU machine (docs/gpu.md): the packages this project imports that the device's
+# CUDA image lacks (deepspeed, omegaconf, datasets, pydantic, hjson and their missing
+# dependencies), for its Python (3.12, x86-64 manylinux), at the versions this checkout's venv
+# runs, into gpu_carry/wheels/ (ignored; it travels with the working tree). DeepSpeed ships only
+# an sdist: it is built here into a pure-Python wheel (DS_BUILD_OPS=0: its CUDA ops are JIT-built
+# on first use there, with the image's nvcc). Checks that every wheel's requirements are carried
+# or on the image, and prints the sizes against the 64 MiB the device accepts.
+#   usage: bash scripts/make_wheelhouse.sh [OUT_DIR]      (PYTHON: the venv's python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu_carry/wheels}
+py=${PYTHON:-python}
+target_py=3.12   # the device image's python3 (KINDS.md: Python 3.12.3)
+
+# Missing on the image (KINDS.md's package list), with what they need that it also lacks.
+pure=(omegaconf hjson pydantic annotated-types typing-inspection typing-extensions
+      datasets dill multiprocess)
+binary=(pydantic-core)
+sdist=deepspeed
+ver() { "$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pins=()
+for name in "${pure[@]}" "${binary[@]}"; do pins+=("$name==$(ver "$name")"); done
+echo "[wheelhouse] downloading for cp${target_py/./} manylinux x86_64: ${pins[*]}"
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+         manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$target_py" \
+    --implementation cp --abi "cp${target_py/./}" --abi abi3 --abi none "${platforms[@]}" \
+    -d "$tmp/whl" "${pins[@]}"
+ds="$sdist==$(ver "$sdist")"
+echo "[wheelhouse] building $ds (pure Python, ops JIT-built on first use)"
+"$py" -m pip download -q --no-deps --no-binary=:all: -d "$tmp/sdist" "$ds"
+DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/whl" "$tmp"/sdist/*
+
+rm -rf "$out" && mkdir -p "$out" && mv "$tmp"/whl/*.whl "$out"/
+
+# Every requirement of a carried wheel (markers for python 3.12 on Linux) must be carried or be
+# on the image; the binary wheel must match cp312; one version of each package.
+"$py" - "$out" "$target_py" <<'PY'
+import email.parser
+import pathlib
+import sys
+import zipfile
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+# KINDS.md "Python packages already there" (nvidia-h200, read 2026-11-17): the ones that matter.
+IMAGE = {
+    "numpy", "torch", "triton", "ninja", "psutil", "py-cpuinfo", "msgpack", "einops", "tqdm",
+    "packaging", "pyyaml", "filelock", "pandas", "pyarrow", "xxhash", "fsspec", "requests",
+    "huggingface-hub", "aiohttp", "httpx", "sentencepiece", "tensorboard", "nvidia-ml-py",
+    "typing-extensions", "regex", "safetensors", "tokenizers", "pillow", "matplotlib",
+}
+out, target = pathlib.Path(sys.argv[1]), sys.argv[2]
+env = default_environment()
+env.update(python_version=target, python_full_version=target + ".3", extra="")
+carried, problems, total = {}, [], 0
+for whl in sorted(out.glob("*.whl")):
+    name, version, _, tags = parse_wheel_filename(whl.name)
+    if name in carried:
+        problems.append(f"two versions of {name}")
+    carried[name] = version
+    interp = {t.interpreter for t in tags}
+    if not interp & {"py3", "py" + target.replace(".", ""), "cp" + target.replace(".", "")}:
+        problems.append(f"{whl.name}: no tag for Python {target} ({sorted(interp)})")
+    total += whl.stat().st_size
+for whl in sorted(out.glob("*.whl")):
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    for line in msg.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        dep = canonicalize_name(req.name)
+        if dep in carried:
+            if carried[dep] not in req.specifier:
+                problems.append(f"{whl.name} needs {req}, carried {dep} {carried[dep]}")
+        elif dep not in IMAGE:
+            problems.append(f"{whl.name} needs {req}: neither carried nor on the image")
+for name, version in sorted(carried.items()):
+    print(f"  {name} {version}")
+print(f"[wheelhouse] {len(carried)} wheels, {total / 2**20:.1f} MiB in {out}")
+if problems:
+    print("[wheelhouse] PROBLEMS:\n  " + "\n  ".join(problems), file=sys.stderr)
+    sys.exit(1)
+PY
+# The same check pip makes on the device: every wheel installs for cp312 manylinux x86_64.
+"$py" -m pip install -q --dry-run --no-index --no-deps --ignore-installed \
+    --target "$tmp/site" --python-version "$target_py" --implementation cp \
+    --only-binary=:all: "${platforms[@]}" "$out"/*.whl
+echo "[wheelhouse] cp${target_py/./} install check passed"
+carry_mib=$(du -sm --apparent-size gpu_carry 2>/dev/null | cut -f1)
+tree_mib=$(git ls-files -z | du -cm --apparent-size --files0-from=- | tail -1 | cut -f1)
+echo "[wheelhouse] gpu_carry/ in all: ${carry_mib} MiB (+ ${tree_mib} MiB of tracked files;" \
+  "the device accepts 64 MiB)"
+if [ $((carry_mib + tree_mib)) -ge 64 ]; then
+  echo "error: gpu_carry/ + tracked files exceed 64 MiB" >&2
+  exit 1
+fi
