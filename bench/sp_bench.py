@@ -1,0 +1,734 @@
+"""Sequence-parallel benchmark: bytes per layer, step time and memory per rank, linear vs Ulysses.
+
+``python -m bench.sp_bench`` launches P CPU ranks (torch.multiprocessing spawn, gloo) per
+configuration, in fresh processes, and times full training steps (forward, backward, AdamW step)
+of a small real model through DeepSpeed, as the trainer runs it (``build_groups``,
+``parallelize``, ``partition_for_zero3``, ``SequenceParallelMPU``, ``global_label_count``,
+``backward_loss_scale``).
+
+Phases (``--phases``):
+
+* ``comm``: linear-SP vs Ulysses-dense at the same N and P, N from 16k up. Bytes handed to the
+  collectives are counted with ``count_collectives`` (split by process group: the SP group's
+  calls are the layers' exchange, the rest is DeepSpeed's gradient reduction), checked against
+  ``collective_bytes_per_layer``, and the time spent inside the collectives is measured.
+* ``memory``: linear at a fixed N for P = 1, 2, 4 (peak RSS per rank), and at P = 2 under
+  ZeRO 0-3 (what each rank holds: parameters, optimizer state, E and position table).
+* ``trainer``: the real trainer (``launch/pretrain.py`` under the ``deepspeed`` launcher) on
+  data made by ``data_prep`` (e.g. 1,048,576-token rows), one step; peak RSS of each rank
+  sampled from /proc.
+
+Memory per rank is the process's peak RSS (``getrusage`` ``ru_maxrss``; the trainer phase
+samples it every 0.2 s); RSS after imports is given so that the growth can be read off. A
+watchdog stops a configuration when the machine's available memory falls under
+``--min-available-gb`` (the machine is shared): such rows say so instead of giving numbers.
+
+Writes ``results.json`` and ``results.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import psutil
+import torch
+
+from linformer_ds.sequence_parallel import collective_bytes_per_layer, count_collectives
+
+PHASES = ("comm", "memory", "trainer")
+VARIANTS = ("linear", "dense")
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+class BenchError(ValueError):
+    """A benchmark option is invalid; the message names the option."""
+
+
+@dataclass
+class SPBenchConfig:
+    """Everything one run depends on (stored in results.json)."""
+
+    phases: List[str] = field(default_factory=lambda: ["comm", "memory"])
+    # comm: linear vs dense at each N, P ranks
+    seq_lens: List[int] = field(default_factory=lambda: [16384, 32768, 65536, 262144, 1048576])
+    sp: int = 2
+    variants: List[str] = field(default_factory=lambda: list(VARIANTS))
+    max_n: Dict[str, int] = field(default_factory=lambda: {"dense": 32768})
+    # memory: fixed N, P sweep (at --zero) and ZeRO sweep (at --zero-sweep-sp)
+    memory_seq_len: int = 131072
+    memory_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
+    zero_sweep: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    zero_sweep_sp: int = 2
+    # trainer: launch/pretrain.py on a data_prep corpus
+    trainer_data: Optional[str] = None
+    trainer_sp: int = 2
+    trainer_zero: int = 2
+    trainer_overrides: List[str] = field(default_factory=list)
+    # the model and the step
+    zero: int = 2
+    precision: str = "fp32"
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    k: int = 64
+    intermediate: int = 128
+    vocab: int = 512
+    mlm_fraction: float = 0.15
+    warmup: int = 1
+    iters: int = 2
+    threads: int = 2  # CPU threads shared by the ranks of one configuration
+    seed: int = 0
+    min_available_gb: float = 1.5
+    case_timeout_s: float = 900.0
+    out: str = "bench/results/sp"
+
+    def validate(self) -> None:
+        """Raise BenchError naming the first bad option."""
+        for ph in self.phases:
+            if ph not in PHASES:
+                raise BenchError(f"--phases: unknown phase {ph!r}, choose from {PHASES}")
+        for v in list(self.variants) + list(self.max_n):
+            if v not in VARIANTS:
+                raise BenchError(f"--variants/--max-n: unknown variant {v!r}, choose {VARIANTS}")
+        for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "iters"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise BenchError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.precision not in ("fp32", "bf16"):
+            raise BenchError(f"--precision: fp32 or bf16, got {self.precision!r}")
+        if not 0.0 < self.mlm_fraction <= 1.0:
+            raise BenchError(f"--mlm-fraction: must be in (0, 1], got {self.mlm_fraction}")
+        sps = [self.sp, self.zero_sweep_sp, self.trainer_sp] + list(self.memory_sp)
+        if any(p < 1 for p in sps):
+            raise BenchError(f"--sp/--memory-sp/--zero-sweep-sp/--trainer-sp: >= 1, got {sps}")
+        if "dense" in self.variants and self.heads % self.sp:
+            raise BenchError(f"--heads {self.heads}: dense (Ulysses) needs heads % --sp == 0")
+        for z in [self.zero, self.trainer_zero] + list(self.zero_sweep):
+            if z not in (0, 1, 2, 3):
+                raise BenchError(f"--zero/--zero-sweep/--trainer-zero: 0-3, got {z}")
+        lens = list(self.seq_lens) + [self.memory_seq_len]
+        for n in lens:
+            for p in sps:
+                if n < self.k or n % p:
+                    raise BenchError(
+                        f"--seq-lens: N={n} must be >= k={self.k} and divisible by P={p}"
+                    )
+        if "trainer" in self.phases and not self.trainer_data:
+            raise BenchError("--trainer-data: the trainer phase needs a data_prep output directory")
+
+
+@dataclass
+class Case:
+    """One configuration: a variant at length N on P ranks under one ZeRO stage."""
+
+    phase: str
+    variant: str
+    n: int
+    p: int
+    zero: int
+
+
+# ============================================================================ the ranks' work
+class TimedCollectives(count_collectives):
+    """``count_collectives`` that also splits bytes and wall time by process group.
+
+    ``sp_bytes``/``sp_seconds``: calls on ``sp_group`` (the layers' exchange, the loss count);
+    ``other_bytes``/``other_seconds``: every other group (DeepSpeed's gradient reduction and,
+    under ZeRO-3, its parameter gathers). Async calls count their launch time only.
+    """
+
+    def __init__(self, sp_group: Any) -> None:
+        super().__init__()
+        self.sp_group = sp_group
+        self.sp_bytes = self.other_bytes = 0
+        self.sp_seconds = self.other_seconds = 0.0
+
+    def _wrap(self, fn: Any, name: str, kind: str) -> Any:
+        counted = super()._wrap(fn, name, kind)
+        sig = inspect.signature(fn)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+            before = self.total
+            t0 = time.perf_counter()
+            out = counted(*args, **kwargs)
+            dt = time.perf_counter() - t0
+            if self.sp_group is not None and group is self.sp_group:
+                self.sp_bytes += self.total - before
+                self.sp_seconds += dt
+            else:
+                self.other_bytes += self.total - before
+                self.other_seconds += dt
+            return out
+
+        return wrapped
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _model_config(bc: SPBenchConfig, variant: str, n: int) -> Any:
+    from linformer_ds.model import ModelConfig
+
+    return ModelConfig(
+        vocab_size=bc.vocab,
+        max_seq_len=n,
+        hidden_size=bc.hidden,
+        num_layers=bc.layers,
+        num_heads=bc.heads,
+        intermediate_size=bc.intermediate,
+        projection=variant,
+        k=bc.k,
+        sharing="layerwise",
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def ds_config(bc: SPBenchConfig, zero: int, dp: int) -> Dict[str, Any]:
+    """The DeepSpeed JSON of one configuration (as linformer_ds.config builds it)."""
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": dp,
+        "zero_optimization": {"stage": zero},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if bc.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def make_batch(bc: SPBenchConfig, n: int) -> Dict[str, torch.Tensor]:
+    """One ``[1, N]`` MLM row: random tokens, ``mlm_fraction`` of the positions labelled."""
+    g = torch.Generator().manual_seed(bc.seed)
+    ids = torch.randint(5, bc.vocab, (1, n), generator=g)
+    labels = torch.full((1, n), -100)
+    pos = torch.randperm(n, generator=g)[: max(1, round(bc.mlm_fraction * n))]
+    labels[0, pos] = ids[0, pos]
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(1, n, dtype=torch.long),
+        "labels": labels,
+    }
+
+
+def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
+    """Bytes this rank holds: model parameters (its ZeRO-3 partition), the optimizer's own
+    tensors (fp32 master partitions and AdamW moments), and how much of E and the positions."""
+
+    def local(p: torch.Tensor) -> torch.Tensor:
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p
+
+    seen, model_bytes, model_ptrs = set(), 0, set()
+    for p in model.parameters():
+        t = local(p)
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        model_bytes += t.numel() * t.element_size()
+        model_ptrs.add(t.data_ptr())
+    opt = engine.optimizer
+    while hasattr(opt, "optimizer") and opt.optimizer is not opt:
+        opt = opt.optimizer
+    opt_bytes, ptrs = 0, set()
+    tensors = [t for grp in opt.param_groups for t in grp["params"]]
+    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    for t in tensors:
+        t = local(t)
+        if t.data_ptr() in ptrs or t.data_ptr() in model_ptrs or t.numel() < 2:
+            continue
+        ptrs.add(t.data_ptr())
+        opt_bytes += t.numel() * t.element_size()
+    enc = model.encoder
+    pos = enc.position_embeddings.weight
+    e = enc.shared_linear.weight if enc.shared_linear is not None else None
+    return {
+        "model_param_bytes": model_bytes,
+        "optimizer_bytes": opt_bytes,
+        "positions_local": local(pos).numel(),
+        "positions_full": int(getattr(pos, "ds_numel", pos.numel())),
+        "E_local": local(e).numel() if e is not None else 0,
+        "E_full": int(getattr(e, "ds_numel", e.numel())) if e is not None else 0,
+    }
+
+
+def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], port: int,
+                out_dir: str) -> None:  # fmt: skip
+    """One rank of one configuration: build, train ``warmup + iters`` steps, write its JSON."""
+    bc, case = SPBenchConfig(**bc_dict), Case(**case_dict)
+    p = case.p
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(p), LOCAL_RANK=str(rank),
+                      LOCAL_SIZE=str(p))  # fmt: skip
+    torch.set_num_threads(max(1, bc.threads // p))
+    import deepspeed
+
+    from linformer_ds import sequence_parallel as sp
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+    from linformer_ds.model import LinformerForMaskedLMPretraining
+
+    rss_imports = _rss()
+    disable_deepspeed_shm_allreduce()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    groups = sp.build_groups(p) if p > 1 else None
+    sp_group = groups.sp_group if groups is not None else None
+    torch.manual_seed(bc.seed)
+    model = LinformerForMaskedLMPretraining(_model_config(bc, case.variant, case.n))
+    cfg = ds_config(bc, case.zero, 1)
+    kwargs: Dict[str, Any] = {}
+    if groups is not None:
+        sp.parallelize(model, sp_group)
+        sp.partition_for_zero3(model, groups, cfg)
+        kwargs["mpu"] = sp.SequenceParallelMPU(groups)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg, **kwargs
+    )
+    scale = sp.backward_loss_scale(case.zero, p)
+    batch = make_batch(bc, case.n)
+    if groups is not None:
+        batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
+    rss_init = _rss()
+    steps: List[Dict[str, Any]] = []
+    for i in range(bc.warmup + bc.iters):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        denom = sp.global_label_count(batch["labels"], sp_group) if groups is not None else None
+        with TimedCollectives(sp_group) as fwd:
+            out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                         loss_denominator=denom)  # fmt: skip
+        with TimedCollectives(sp_group) as bwd:
+            engine.backward(out.loss * scale if scale != 1.0 else out.loss)
+        with TimedCollectives(sp_group) as opt:
+            engine.step()
+        dt = time.perf_counter() - t0
+        steps.append({
+            "step_s": dt, "warmup": i < bc.warmup, "loss": float(out.loss.detach()),
+            "sp_fwd_bytes": fwd.sp_bytes, "sp_bwd_bytes": bwd.sp_bytes,
+            "sp_comm_s": fwd.sp_seconds + bwd.sp_seconds + opt.sp_seconds,
+            "other_bytes": fwd.other_bytes + bwd.other_bytes + opt.other_bytes,
+            "other_comm_s": fwd.other_seconds + bwd.other_seconds + opt.other_seconds,
+            "fwd_by_kind": dict(fwd.bytes), "bwd_by_kind": dict(bwd.bytes),
+        })  # fmt: skip
+    res = {
+        "rank": rank,
+        "steps": steps,
+        "rss_after_imports": rss_imports,
+        "rss_after_init": rss_init,
+        "rss_end": _rss(),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "threads": torch.get_num_threads(),
+        **_holdings(engine, model),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+# ============================================================================== the parent side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _available() -> int:
+    return psutil.virtual_memory().available
+
+
+def _tree_rss(procs: List[psutil.Process]) -> Dict[int, int]:
+    out = {}
+    for pr in procs:
+        try:
+            out[pr.pid] = pr.memory_info().rss
+        except psutil.Error:
+            pass
+    return out
+
+
+def watch(procs: List[psutil.Process], alive: Any, bc: SPBenchConfig, deadline: float) -> str:
+    """Poll until ``alive()`` is False; kill ``procs`` (and return why) if the machine's
+    available memory falls under the floor or the deadline passes. Returns '' when done."""
+    floor = bc.min_available_gb * 2**30
+    while alive():
+        if _available() < floor:
+            rss = sum(_tree_rss(procs).values())
+            why = (f"stopped: machine's available memory under {bc.min_available_gb} GiB "
+                   f"(ranks' RSS {rss / MIB:.0f} MiB)")  # fmt: skip
+        elif time.monotonic() > deadline:
+            why = f"stopped: over --case-timeout-s {bc.case_timeout_s:.0f}"
+        else:
+            time.sleep(0.2)
+            continue
+        for pr in procs:
+            try:
+                pr.kill()
+            except psutil.Error:
+                pass
+        return why
+    return ""
+
+
+def run_case(bc: SPBenchConfig, case: Case) -> Dict[str, Any]:
+    """Launch the P ranks of ``case`` in fresh processes; their results merged into one row."""
+    import torch.multiprocessing as mp
+
+    row: Dict[str, Any] = asdict(case)
+    with tempfile.TemporaryDirectory(prefix="sp_bench_") as tmp:
+        ctx = mp.start_processes(
+            rank_worker, args=(asdict(bc), asdict(case), _free_port(), tmp), nprocs=case.p,
+            join=False, start_method="spawn",
+        )  # fmt: skip
+        procs = [psutil.Process(pr.pid) for pr in ctx.processes]
+        error: List[str] = []
+
+        def alive() -> bool:
+            try:
+                return not ctx.join(timeout=0.2)
+            except Exception as e:  # a rank failed: its exception or its exit signal
+                error.append(str(e).strip().splitlines()[-1][:300])
+                return False
+
+        why = watch(procs, alive, bc, time.monotonic() + bc.case_timeout_s)
+        if why or error:
+            for pr in ctx.processes:
+                if pr.is_alive():
+                    pr.kill()
+            row["failed"] = why or f"failed: {error[0]}"
+            return row
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(case.p)]
+    return summarize(bc, case, ranks, row)
+
+
+def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Dict[str, Any]:
+    """Per-step max over ranks, best of the timed steps, bytes checked against the formula."""
+    timed = [i for i, s in enumerate(ranks[0]["steps"]) if not s["warmup"]]
+    step_all = [max(r["steps"][i]["step_s"] for r in ranks) for i in timed]
+    best = min(range(len(timed)), key=lambda j: step_all[j])
+    i = timed[best]
+    s0 = ranks[0]["steps"][i]
+    e = 2 if bc.precision == "bf16" else 4
+    want = collective_bytes_per_layer(
+        "linear" if case.variant == "linear" else "dense", seq_len=case.n, sp_size=case.p,
+        batch_size=1, hidden_size=bc.hidden, k=bc.k, bytes_per_element=e,
+    )  # fmt: skip
+    # global_label_count (one float32 all-reduce) runs before the counted forward
+    fwd_layer = s0["sp_fwd_bytes"] / bc.layers
+    bwd_layer = s0["sp_bwd_bytes"] / bc.layers
+    row.update(
+        step_s=step_all[best],
+        step_s_all=step_all,
+        tokens_per_s=case.n / step_all[best],
+        sp_fwd_bytes_per_layer=fwd_layer,
+        sp_bwd_bytes_per_layer=bwd_layer,
+        formula_fwd=want["forward"],
+        formula_bwd=want["backward"],
+        bytes_match=fwd_layer == want["forward"] and bwd_layer == want["backward"],
+        sp_comm_s=max(r["steps"][i]["sp_comm_s"] for r in ranks),
+        grad_reduce_bytes=s0["other_bytes"],
+        grad_reduce_s=max(r["steps"][i]["other_comm_s"] for r in ranks),
+        loss=sum(r["steps"][i]["loss"] for r in ranks),
+        loss_first=sum(r["steps"][0]["loss"] for r in ranks),  # before any update
+        peak_rss_per_rank=[r["peak_rss"] for r in ranks],
+        rss_after_imports=[r["rss_after_imports"] for r in ranks],
+        rss_after_init=[r["rss_after_init"] for r in ranks],
+        threads_per_rank=ranks[0]["threads"],
+    )
+    for key in ("model_param_bytes", "optimizer_bytes", "positions_local", "positions_full",
+                "E_local", "E_full"):  # fmt: skip
+        row[key] = ranks[0][key]
+    return row
+
+
+# ===================================================================================== trainer
+def _is_rank(cmdline: List[str]) -> bool:
+    return any(a.endswith("pretrain.py") for a in cmdline[:3]) and not any(
+        "deepspeed.launcher" in a for a in cmdline
+    )
+
+
+def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
+    """One step of launch/pretrain.py on ``--trainer-data`` with P ranks; per-rank peak RSS."""
+    data = Path(bc.trainer_data)  # type: ignore[arg-type]
+    manifest = json.loads((data / "manifest.json").read_text())
+    n = int(manifest["seq_len"])
+    p = bc.trainer_sp
+    run_dir = Path(tempfile.mkdtemp(prefix="sp_bench_trainer_"))  # metrics.jsonl, logs
+    overrides = [
+        f"data.path={data}", f"logging.dir={run_dir}", f"model.vocab_size={manifest['vocab_size']}",
+        f"model.max_seq_len={n}", f"model.hidden_size={bc.hidden}", f"model.num_layers={bc.layers}",
+        f"model.num_heads={bc.heads}", f"model.intermediate_size={bc.intermediate}",
+        f"model.k={bc.k}", "model.projection=linear", "model.sharing=layerwise",
+        "model.dropout=0.0", "model.attention_dropout=0.0", "train.micro_batch_size=1",
+        "train.gradient_accumulation_steps=1", "train.max_steps=1", "train.log_interval=1",
+        "train.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.save_final=false",
+        f"deepspeed.precision={bc.precision}", f"deepspeed.zero.stage={bc.trainer_zero}",
+        f"parallel.sequence_parallel_size={p}", "logging.tensorboard=false",
+        "scheduler.warmup_steps=1",
+    ] + list(bc.trainer_overrides)  # fmt: skip
+    cmd = ["deepspeed", "--num_gpus", str(p), "--master_port", str(_free_port()),
+           str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+           ] + overrides  # fmt: skip
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, bc.threads // p)),
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    row: Dict[str, Any] = {"phase": "trainer", "n": n, "p": p, "zero": bc.trainer_zero,
+                           "command": " ".join(cmd)}  # fmt: skip
+    log = Path(bc.out) / "trainer.log"
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        root = psutil.Process(proc.pid)
+        peaks: Dict[int, int] = {}
+
+        def alive() -> bool:
+            try:  # the rank processes, not the launcher's (whose arguments name the script too)
+                kids = [c for c in root.children(recursive=True) if _is_rank(c.cmdline())]
+            except psutil.Error:
+                kids = []
+            for pid, rss in _tree_rss(kids).items():
+                peaks[pid] = max(peaks.get(pid, 0), rss)
+            return proc.poll() is None
+
+        procs = [root]
+        why = watch(procs + root.children(recursive=True), alive, bc,
+                    t0 + bc.case_timeout_s)  # fmt: skip
+        if why:
+            for c in root.children(recursive=True):
+                c.kill()
+        proc.wait()
+    text = log.read_text()
+    row["wall_s"] = time.monotonic() - t0
+    row["returncode"] = proc.returncode
+    row["peak_rss_per_rank_sampled"] = sorted(peaks.values(), reverse=True)
+    if why or proc.returncode != 0:
+        row["failed"] = why or f"failed: exit {proc.returncode}: " + text.strip()[-400:]
+    recs = []
+    if (run_dir / "metrics.jsonl").exists():
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    train = [r for r in recs if r.get("split") == "train"]
+    if train:
+        row["metrics"] = train[-1]
+    m = re.search(r"params=([\d.]+)M", text)
+    row["params_m"] = float(m.group(1)) if m else None
+    return row
+
+
+# ====================================================================================== outputs
+def _mib(x: Optional[float]) -> str:
+    return "" if x is None else f"{x / MIB:,.0f}"
+
+
+def _bytes(x: float) -> str:
+    if x >= MIB:
+        return f"{x / MIB:,.2f} MiB"
+    return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:.0f} B"
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The rows as markdown tables (one per phase)."""
+    bc = results["config"]
+    rows = results["rows"]
+    out = [f"Model: {bc['layers']} layers, hidden {bc['hidden']}, {bc['heads']} heads, k "
+           f"{bc['k']} (layerwise E), FFN {bc['intermediate']}, vocab {bc['vocab']}, "
+           f"{bc['precision']}, batch 1, {bc['mlm_fraction']:.0%} labelled; ZeRO-{bc['zero']} "
+           f"unless stated; {bc['threads']} threads shared by the ranks.", ""]  # fmt: skip
+    comm = [r for r in rows if r["phase"] == "comm"]
+    if comm:
+        out += [
+            "| variant | N | P | step (s) | tokens/s | SP bytes/layer fwd+bwd | formula | "
+            "SP comm (s) | grad-reduce bytes/step | grad-reduce (s) | peak RSS/rank (MiB) |",
+            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in comm:
+            head = f"| {r['variant']} | {r['n']:,} | {r['p']} |"
+            if "failed" in r or "skipped" in r:
+                out.append(f"{head} {r.get('failed') or r.get('skipped')} ||||||||")
+                continue
+            out.append(
+                f"{head} {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                f"{_bytes(r['sp_fwd_bytes_per_layer'] + r['sp_bwd_bytes_per_layer'])} | "
+                f"{'equal' if r['bytes_match'] else 'DIFFERS'} | {r['sp_comm_s']:.3f} | "
+                f"{_bytes(r['grad_reduce_bytes'])} | {r['grad_reduce_s']:.3f} | "
+                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} |"
+            )
+        out.append("")
+    mem = [r for r in rows if r["phase"] == "memory"]
+    if mem:
+        out += [
+            "| N | P | ZeRO | step (s) | peak RSS per rank (MiB) | RSS after imports | "
+            "params held (MiB) | optimizer held (MiB) | positions held | E held |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in mem:
+            head = f"| {r['n']:,} | {r['p']} | {r['zero']} |"
+            if "failed" in r:
+                out.append(f"{head} {r['failed']} |||||||")
+                continue
+            out.append(
+                f"{head} {r['step_s']:.2f} | "
+                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} | "
+                f"{_mib(r['rss_after_imports'][0])} | {_mib(r['model_param_bytes'])} | "
+                f"{_mib(r['optimizer_bytes'])} | "
+                f"{r['positions_local'] / r['positions_full']:.2f} | "
+                f"{r['E_local'] / max(r['E_full'], 1):.2f} |"
+            )
+        out.append("")
+    for r in rows:
+        if r["phase"] == "trainer":
+            m = r.get("metrics", {})
+            out += [
+                f"Trainer: N={r['n']:,}, P={r['p']}, ZeRO-{r['zero']}, params "
+                f"{r.get('params_m')}M: {r.get('failed') or 'one step done'}; loss "
+                f"{m.get('loss')}, {m.get('tokens_per_s', 0):,.0f} tokens/s, trainer's peak_mem_gb "
+                f"(rank 0) {m.get('peak_mem_gb')}; peak "
+                f"RSS per rank (sampled) {[_mib(x) for x in r['peak_rss_per_rank_sampled']]} "
+                f"MiB; wall {r['wall_s']:.0f} s", ""]  # fmt: skip
+    return "\n".join(out)
+
+
+def environment() -> Dict[str, Any]:
+    import deepspeed
+
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_avg_start": os.getloadavg(),
+        "command": " ".join(["python", "-m", "bench.sp_bench"] + sys.argv[1:]),
+    }
+
+
+def plan(bc: SPBenchConfig) -> List[Case]:
+    """The configurations of the comm and memory phases, in run order."""
+    cases = []
+    if "comm" in bc.phases:
+        for n in bc.seq_lens:
+            for v in bc.variants:
+                cases.append(Case("comm", v, n, bc.sp, bc.zero))
+    if "memory" in bc.phases:
+        for p in bc.memory_sp:
+            cases.append(Case("memory", "linear", bc.memory_seq_len, p, bc.zero))
+        for z in bc.zero_sweep:
+            if z != bc.zero or bc.zero_sweep_sp not in bc.memory_sp:
+                cases.append(Case("memory", "linear", bc.memory_seq_len, bc.zero_sweep_sp, z))
+    return cases
+
+
+def run(bc: SPBenchConfig) -> Dict[str, Any]:
+    """Every configuration in turn; results.json and results.md written after each."""
+    bc.validate()
+    out = Path(bc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"config": asdict(bc), "environment": environment(), "rows": []}
+
+    def save() -> None:
+        results["environment"]["load_avg_end"] = os.getloadavg()
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(markdown(results) + "\n")
+
+    for case in plan(bc):
+        limit = bc.max_n.get(case.variant)
+        if limit is not None and case.n > limit:
+            row = {**asdict(case), "skipped": f"N > --max-n {case.variant}={limit}"}
+        else:
+            t0 = time.monotonic()
+            try:
+                row = run_case(bc, case)
+            except Exception:  # noqa: BLE001 - one configuration's failure is a row, not a crash
+                row = {**asdict(case), "failed": "failed: " + traceback.format_exc()[-300:]}
+            row["wall_s"] = time.monotonic() - t0
+        results["rows"].append(row)
+        print(f"[sp_bench] {json.dumps({k: v for k, v in row.items() if 'all' not in k})}",
+              flush=True)  # fmt: skip
+        save()
+    if "trainer" in bc.phases:
+        results["rows"].append(run_trainer(bc))
+        save()
+    save()
+    return results
+
+
+def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
+    d = SPBenchConfig()
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.sp_bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--phases", nargs="+", default=d.phases, choices=PHASES)
+    ap.add_argument("--seq-lens", nargs="+", type=int, default=d.seq_lens)
+    ap.add_argument("--sp", type=int, default=d.sp, help="P of the comm phase")
+    ap.add_argument("--variants", nargs="+", default=d.variants)
+    ap.add_argument(
+        "--max-n",
+        nargs="*",
+        default=[f"{k}={v}" for k, v in d.max_n.items()],
+        help="VARIANT=N: largest N run for that variant (e.g. dense=32768)",
+    )
+    ap.add_argument("--memory-seq-len", type=int, default=d.memory_seq_len)
+    ap.add_argument("--memory-sp", nargs="+", type=int, default=d.memory_sp)
+    ap.add_argument("--zero-sweep", nargs="*", type=int, default=d.zero_sweep)
+    ap.add_argument("--zero-sweep-sp", type=int, default=d.zero_sweep_sp)
+    ap.add_argument("--trainer-data", default=d.trainer_data)
+    ap.add_argument("--trainer-sp", type=int, default=d.trainer_sp)
+    ap.add_argument("--trainer-zero", type=int, default=d.trainer_zero)
+    ap.add_argument("--trainer-overrides", nargs="*", default=[])
+    for name in ("zero", "layers", "hidden", "heads", "k", "intermediate", "vocab", "warmup",
+                 "iters", "threads", "seed"):  # fmt: skip
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    ap.add_argument("--precision", default=d.precision, choices=("fp32", "bf16"))
+    ap.add_argument("--mlm-fraction", type=float, default=d.mlm_fraction)
+    ap.add_argument("--min-available-gb", type=float, default=d.min_available_gb)
+    ap.add_argument("--case-timeout-s", type=float, default=d.case_timeout_s)
+    ap.add_argument("--out", default=d.out)
+    a = ap.parse_args(argv)
+    max_n = {}
+    for item in a.max_n:
+        name, _, val = item.partition("=")
+        if not val.isdigit():
+            raise BenchError(f"--max-n: expected VARIANT=N, got {item!r}")
+        max_n[name] = int(val)
+    kw = {k: v for k, v in vars(a).items() if k != "max_n"}
+    return SPBenchConfig(max_n=max_n, **kw)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        bc = parse_args(argv)
+        bc.validate()
+    except BenchError as e:
+        print(f"sp_bench: {e}", file=sys.stderr)
+        return 2
+    res = run(bc)
+    print(markdown(res))
+    return 1 if any("failed" in r for r in res["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
