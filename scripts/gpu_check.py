@@ -47,6 +47,7 @@ from studies import sweep  # noqa: E402
 
 STEPS = ("data", "env", "tests", "main", "bench", "sweep", "optimizers")
 SWEEP_FILE = REPO / "configs" / "sweeps" / "gpu_quality.yaml"
+SHIM = "scripts/gpu_pretrain_shim.py"  # NCCL groups that take CPU tensors (see its docstring)
 MAIN_CONFIG = REPO / "configs" / "base_4096.yaml"
 # Seconds per step. GPU: 9 minutes in all with the wheel install (bash wrapper, ~15 s).
 # The sweep gets what is left (at least its figure here, when every step before it uses all of
@@ -180,6 +181,8 @@ class Kit:
         self.sweep_cfg: Optional[sweep.SweepConfig] = None
         self.main_data: Optional[Path] = None
         self.jit: Optional[subprocess.Popen] = None
+        self.mixed_backend = args.mixed_backend
+        self.use_shim = args.mixed_backend == "on"
         self.results: Dict[str, Any] = {
             "kit_version": 1,
             "dry_run": self.dry,
@@ -291,6 +294,18 @@ class Kit:
         self.results["environment"] = info
         bad = {k: v for k, v in info["imports"].items() if not v.startswith("ok")}
         rec: Dict[str, Any] = {"returncode": res["returncode"]}
+        refused = str(info.get("nccl_cpu_all_reduce", "ok")) != "ok"
+        if self.mixed_backend == "auto" and refused:
+            self.use_shim = True
+        if self.use_shim:
+            why = (
+                f"a plain NCCL group {info['nccl_cpu_all_reduce']}"
+                if refused
+                else f"--mixed-backend {self.mixed_backend}"
+            )
+            note = f"training runs through {SHIM} (NCCL groups with gloo for CPU tensors): {why}"
+            self.results.setdefault("workarounds", []).append(note)
+            rec["workaround"] = note
         if bad:
             rec.update(status="failed", reason=f"imports failed: {bad}")
         elif not self.dry and not info.get("cuda_available"):
@@ -356,7 +371,8 @@ class Kit:
         """``deepspeed launch/pretrain.py --config configs/base_4096.yaml ...`` on one device."""
         logdir = self.work / name
         cmd = [self.py, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]
-        cmd += ["--master_port", str(free_port()), "launch/pretrain.py"]
+        cmd += ["--master_port", str(free_port())]
+        cmd += [SHIM, "launch/pretrain.py"] if self.use_shim else ["launch/pretrain.py"]
         cmd += ["--config", str(MAIN_CONFIG.relative_to(REPO))]
         cmd += self.main_overrides(steps, logdir) + extra
         # TORCH_EXTENSIONS_DIR: where the env step's background build put FusedAdam
@@ -414,6 +430,12 @@ class Kit:
         cfg = self.sweep_cfg
         if cfg is None:
             raise KitError("the data step did not run or failed: no sweep config")
+        if self.use_shim:  # the same sweep, its trainer started through the shim
+            raw = yaml.safe_load(cfg.path.read_text())
+            raw["launcher"] = ["python", str(REPO / SHIM)]
+            path = self.work / f"{cfg.path.stem}_shim.yaml"
+            path.write_text(yaml.safe_dump(raw, sort_keys=False))
+            cfg = sweep.load_sweep(str(path), out=str(cfg.out))
         deadline = time.perf_counter() + budget - 20  # 20 s for the report
         opt = OptimizerChecks(self) if "optimizers" in self.steps else None
         runs = run_points(self, cfg, deadline, opt)
@@ -846,6 +868,27 @@ if torch.cuda.is_available():
         info["nvcc"] = q.stdout.strip().splitlines()[-1] if q.returncode == 0 else "absent"
     except Exception:  # noqa: BLE001
         info["nvcc"] = "absent"
+if torch.cuda.is_available():  # does a plain NCCL group take the trainer's CPU tensors?
+    try:
+        import socket
+        import torch.distributed as dist
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        try:
+            dist.all_reduce(torch.ones(1))
+            info["nccl_cpu_all_reduce"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            info["nccl_cpu_all_reduce"] = f"refused: {type(e).__name__}: {e}"[:300]
+        g = torch.ones(1, device="cuda")
+        dist.all_reduce(g)
+        torch.cuda.synchronize()
+        info["nccl_cuda_all_reduce"] = "ok" if g.item() == 1.0 else f"wrong: {g.item()}"
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001
+        info["nccl_probe"] = f"FAILED {type(e).__name__}: {e}"[:300]
 try:
     from deepspeed.accelerator import get_accelerator
     info["ds_accelerator"] = get_accelerator().device_name()
@@ -877,7 +920,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", nargs="+", default=[], choices=STEPS, help="leave these steps out")
     p.add_argument("--work", help="scratch folder (default: a new temporary one)")
     p.add_argument("--workers", type=int, help="sweep points at a time (GPU 8, dry run 2)")
-    p.add_argument("--total-budget-s", type=float, help="all steps (GPU 520, dry run 900)")
+    p.add_argument("--total-budget-s", type=float, help="all steps (GPU 525, dry run 900)")
+    p.add_argument(
+        "--mixed-backend",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help=f"train through {SHIM} (auto: when the env step sees NCCL refuse a CPU tensor)",
+    )
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
         p.error(f"--workers must be >= 1, got {a.workers}")

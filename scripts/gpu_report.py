@@ -62,6 +62,9 @@ def header(r: Dict[str, Any]) -> List[str]:
         )
         + (f"; nvcc: {env['nvcc']}" if env.get("nvcc") else "")
         + ".",
+    ]
+    lines += [f"- Workaround: {w}" for w in r.get("workarounds", [])]
+    lines += [
         "",
         "| step | status | seconds | budget (s) | note |",
         "|---|---|---:|---:|---|",

@@ -52,12 +52,39 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-# KINDS.md "Python packages already there" (nvidia-h200, read 2026-11-17): the ones that matter.
+# KINDS.md "Python packages already there" (device kind nvidia-h200, read there 2026-11-17).
 IMAGE = {
-    "numpy", "torch", "triton", "ninja", "psutil", "py-cpuinfo", "msgpack", "einops", "tqdm",
-    "packaging", "pyyaml", "filelock", "pandas", "pyarrow", "xxhash", "fsspec", "requests",
-    "huggingface-hub", "aiohttp", "httpx", "sentencepiece", "tensorboard", "nvidia-ml-py",
-    "typing-extensions", "regex", "safetensors", "tokenizers", "pillow", "matplotlib",
+    "absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal",
+    "annotated-doc", "anyio", "attrs", "botorch", "build", "certifi", "charset-normalizer",
+    "chex", "click", "cloudpickle", "cmake", "colorama", "contourpy", "coverage", "cuda-bindings",
+    "cuda-core", "cuda-pathfinder", "cuda-toolkit", "cupy-cuda13x", "cycler", "cython", "diffrax",
+    "e3nn", "einops", "equinox", "etils", "execnet", "filelock", "flatbuffers", "flax",
+    "fonttools", "formulaic", "frozenlist", "fsspec", "gpytorch", "grpcio", "h11", "h5py",
+    "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize", "hypothesis", "idna", "imageio",
+    "iniconfig", "interface-meta", "jax", "jax-cuda13-pjrt", "jax-cuda13-plugin", "jaxlib",
+    "jaxtyping", "jinja2", "joblib", "kiwisolver", "lazy-loader", "lightning",
+    "lightning-utilities", "linear-operator", "lineax", "llvmlite", "lxml", "markdown",
+    "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py",
+    "mpmath", "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind",
+    "narwhals", "networkx", "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas",
+    "nvidia-cuda-cupti", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "nvidia-cudnn-cu13",
+    "nvidia-cufft", "nvidia-cufile", "nvidia-curand", "nvidia-cusolver", "nvidia-cusparse",
+    "nvidia-cusparselt-cu13", "nvidia-ml-py", "nvidia-nccl-cu13", "nvidia-nvjitlink",
+    "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir", "onnxruntime", "onnxscript",
+    "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx", "optimistix",
+    "orbax-checkpoint", "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip",
+    "pluggy", "portalocker", "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow",
+    "pybind11", "py-cpuinfo", "pygments", "pyparsing", "pyproject-hooks", "pyre-extensions",
+    "pytest", "pytest-benchmark", "pytest-cov", "pytest-mock", "pytest-timeout", "pytest-xdist",
+    "python-dateutil", "pytorch-lightning", "pyyaml", "regex", "requests", "rich", "sacrebleu",
+    "safetensors", "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn",
+    "sentencepiece", "sentence-transformers", "setuptools", "shellingham", "simplejson", "six",
+    "sortedcontainers", "statsmodels", "sympy", "tabulate", "tensorboard",
+    "tensorboard-data-server", "tensorstore", "threadpoolctl", "tifffile", "tiktoken", "timm",
+    "tokenizers", "toolz", "torch", "torchaudio", "torchdiffeq", "torch-geometric",
+    "torchmetrics", "torchvision", "tqdm", "transformers", "treescope", "triton", "typer",
+    "typing-extensions", "typing-inspect", "urllib3", "uvloop", "wadler-lindig", "werkzeug",
+    "wheel", "wrapt", "xarray", "xxhash", "yarl", "zipp",
 }
 out, target = pathlib.Path(sys.argv[1]), sys.argv[2]
 env = default_environment()
@@ -86,6 +113,14 @@ for whl in sorted(out.glob("*.whl")):
                 problems.append(f"{whl.name} needs {req}, carried {dep} {carried[dep]}")
         elif dep not in IMAGE:
             problems.append(f"{whl.name} needs {req}: neither carried nor on the image")
+# The project's own requirements (pyproject.toml dependencies) must be there too.
+import tomllib
+
+deps = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["dependencies"]
+for line in deps:
+    dep = canonicalize_name(Requirement(line).name)
+    if dep not in carried and dep not in IMAGE:
+        problems.append(f"pyproject.toml needs {line}: neither carried nor on the image")
 for name, version in sorted(carried.items()):
     print(f"  {name} {version}")
 print(f"[wheelhouse] {len(carried)} wheels, {total / 2**20:.1f} MiB in {out}")
