@@ -58,7 +58,7 @@ BUDGETS = {
 }
 TOTAL_BUDGET_S = {"gpu": 525, "dry": 900}
 RESERVE_S = 25  # kept back from the sweep for its report, the tarball and report.md
-SWEEP_WORKERS = {"gpu": 8, "dry": 2}
+SWEEP_WORKERS = {"gpu": 12, "dry": 2}  # GPU: 16 CPU cores; 2 waves of the 24 points
 MAIN_STEPS = {"gpu": 300, "dry": 6}
 LOG_INTERVAL = {"gpu": 25, "dry": 2}
 OPT_STEPS = {"gpu": 25, "dry": 4}  # inside the warm-up (30 steps): the main job's LR at each step
@@ -651,7 +651,7 @@ def run_points(
     running: Dict[int, tuple] = {}
     durations: List[float] = []
     started, killed = 0, []
-    env = kit.env(OMP_NUM_THREADS="2")
+    env = kit.env(OMP_NUM_THREADS="1")
     while queue or running:
         now = time.perf_counter()
         for i, (proc, t0) in list(running.items()):
@@ -919,7 +919,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", default=[], choices=STEPS, help="run only these steps")
     p.add_argument("--skip", nargs="+", default=[], choices=STEPS, help="leave these steps out")
     p.add_argument("--work", help="scratch folder (default: a new temporary one)")
-    p.add_argument("--workers", type=int, help="sweep points at a time (GPU 8, dry run 2)")
+    p.add_argument("--workers", type=int, help="sweep points at a time (GPU 12, dry run 2)")
     p.add_argument("--total-budget-s", type=float, help="all steps (GPU 525, dry run 900)")
     p.add_argument(
         "--mixed-backend",
