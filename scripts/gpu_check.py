@@ -215,6 +215,7 @@ class Kit:
         )
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo over loopback
         if self.dry:
             env["DS_ACCELERATOR"] = "cpu"
         elif env.get("DS_ACCELERATOR") == "cpu":
@@ -294,12 +295,14 @@ class Kit:
         self.results["environment"] = info
         bad = {k: v for k, v in info["imports"].items() if not v.startswith("ok")}
         rec: Dict[str, Any] = {"returncode": res["returncode"]}
-        refused = str(info.get("nccl_cpu_all_reduce", "ok")) != "ok"
+        # GPU: the shim unless a plain NCCL group was seen to take a CPU tensor (no answer, e.g.
+        # a probe cut by the budget, counts as a refusal: the shim is harmless where not needed)
+        refused = not self.dry and info.get("nccl_cpu_all_reduce") != "ok"
         if self.mixed_backend == "auto" and refused:
             self.use_shim = True
         if self.use_shim:
             why = (
-                f"a plain NCCL group {info['nccl_cpu_all_reduce']}"
+                f"a plain NCCL group: {info.get('nccl_cpu_all_reduce', 'no answer')}"
                 if refused
                 else f"--mixed-backend {self.mixed_backend}"
             )
@@ -868,27 +871,6 @@ if torch.cuda.is_available():
         info["nvcc"] = q.stdout.strip().splitlines()[-1] if q.returncode == 0 else "absent"
     except Exception:  # noqa: BLE001
         info["nvcc"] = "absent"
-if torch.cuda.is_available():  # does a plain NCCL group take the trainer's CPU tensors?
-    try:
-        import socket
-        import torch.distributed as dist
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        try:
-            dist.all_reduce(torch.ones(1))
-            info["nccl_cpu_all_reduce"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            info["nccl_cpu_all_reduce"] = f"refused: {type(e).__name__}: {e}"[:300]
-        g = torch.ones(1, device="cuda")
-        dist.all_reduce(g)
-        torch.cuda.synchronize()
-        info["nccl_cuda_all_reduce"] = "ok" if g.item() == 1.0 else f"wrong: {g.item()}"
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001
-        info["nccl_probe"] = f"FAILED {type(e).__name__}: {e}"[:300]
 try:
     from deepspeed.accelerator import get_accelerator
     info["ds_accelerator"] = get_accelerator().device_name()
@@ -898,7 +880,37 @@ for name in ("deepspeed", "omegaconf", "datasets", "pydantic"):
     mod = sys.modules.get(name)
     if mod is not None:
         info[name + "_path"] = os.path.dirname(mod.__file__)
-print("ENV " + json.dumps(info), flush=True)
+print("ENV " + json.dumps(info), flush=True)  # again below, with the NCCL probes
+
+
+def probe(backend, key):
+    # one-rank group: does it all-reduce a CPU tensor (the trainer's statistics) and a CUDA one?
+    import socket
+    import torch.distributed as dist
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        try:
+            dist.all_reduce(torch.ones(1))
+            info[key + "_cpu_all_reduce"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            info[key + "_cpu_all_reduce"] = f"refused: {type(e).__name__}: {e}"[:300]
+        g = torch.ones(1, device="cuda")
+        dist.all_reduce(g)
+        torch.cuda.synchronize()
+        info[key + "_cuda_all_reduce"] = "ok" if g.item() == 1.0 else f"wrong: {g.item()}"
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001
+        info[key + "_probe"] = f"FAILED {type(e).__name__}: {e}"[:300]
+    print("ENV " + json.dumps(info), flush=True)
+
+
+if torch.cuda.is_available():
+    probe("nccl", "nccl")
+    probe("cpu:gloo,cuda:nccl", "mixed")
 """
 
 JIT_BUILD = r"""
