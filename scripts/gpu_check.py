@@ -499,9 +499,9 @@ class OptimizerChecks:
     started at the env step) and torch's fused AdamW (``fused=true``). Each must run and match
     the main job's loss at the same step (same seed, data and warm-up LR)."""
 
-    VARIANTS = {
-        "ds_fused_adam": ["deepspeed.extra.optimizer.params.torch_adam=false"],
+    VARIANTS = {  # FusedAdam last: its nvcc build gets the most time
         "torch_fused_adamw": ["deepspeed.extra.optimizer.params.fused=true"],
+        "ds_fused_adam": ["deepspeed.extra.optimizer.params.torch_adam=false"],
     }
 
     def __init__(self, kit: Kit):
@@ -529,7 +529,7 @@ class OptimizerChecks:
                         "reason": "dry run: FusedAdam is a CUDA op (nvcc JIT)",
                     }
                     continue
-                if kit.jit is not None and kit.jit.poll() is None:
+                if kit.jit is not None and kit.jit.poll() is None and kit.elapsed() < JIT_BUDGET_S:
                     return  # still compiling: try again on the next poll
                 self.rec["jit_build"] = jit_result(kit)
                 if self.rec["jit_build"]["status"] != "ok":
