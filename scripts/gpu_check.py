@@ -93,17 +93,33 @@ def free_port() -> int:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group of ``proc``, SIGKILL it 5 s later if still there."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGKILL the whole process group of ``proc`` (its children too: the trainer takes SIGTERM
+    as "checkpoint at the next step boundary", which a budget cannot wait for)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+CHILDREN: List[subprocess.Popen] = []  # every process group started, for the SIGTERM handler
+
+
+def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+    """The wrapper's hard limit: take every child group down too, then leave (results.json
+    already holds the steps that ended)."""
+    for proc in CHILDREN:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print("[gpu_check] SIGTERM: child processes killed; results.json has the finished steps")
+    sys.stdout.flush()
+    os._exit(124)
 
 
 def start(cmd: List[str], log: Path, env: Dict[str, str]) -> subprocess.Popen:
@@ -116,6 +132,7 @@ def start(cmd: List[str], log: Path, env: Dict[str, str]) -> subprocess.Popen:
         cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
     )
     proc.log_file = f  # type: ignore[attr-defined]
+    CHILDREN.append(proc)
     return proc
 
 
@@ -956,6 +973,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, on_sigterm)
     kit = Kit(args)
     kit.log(
         f"{'DRY RUN (CPU, tiny sizes)' if kit.dry else 'GPU'}: steps {kit.steps}; budgets (s) "
