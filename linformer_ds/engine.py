@@ -81,6 +81,20 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
     return World(rank, world_size, local_rank, device, backend)
 
 
+def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum ``t`` (a small CPU statistics tensor) over all ranks, in place; returns it.
+
+    It travels through ``device``: NCCL, the backend on CUDA, refuses CPU tensors."""
+    import deepspeed.comm as dist
+
+    if device.type == "cpu":
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+    buf = t.to(device)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return t.copy_(buf.cpu())
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict) -> None:
     """Wrap encoder layers in activation checkpointing as configured (no-op when disabled).
 

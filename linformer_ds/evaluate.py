@@ -20,6 +20,7 @@ def evaluate(
     import deepspeed.comm as dist
 
     from linformer_ds.data import MLMMasking
+    from linformer_ds.engine import all_reduce_sum
     from linformer_ds.sequence_parallel import global_label_count, shard_batch
 
     masker = MLMMasking(
@@ -52,7 +53,7 @@ def evaluate(
         )  # fmt: skip
         stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets, denom)
     engine.train()
-    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    all_reduce_sum(stats, torch.device(device))
     loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))
     return {
         "loss": loss,

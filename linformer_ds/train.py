@@ -63,13 +63,6 @@ class SignalFlag:
         self.signum = signum
 
 
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    import deepspeed.comm as dist
-
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def nonfinite_verdict(
     cfg: JobConfig, step: int, nonfinite: int, applied: Optional[bool]
 ) -> Optional[str]:
@@ -285,7 +278,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
             engine.backward(loss * loss_scale if loss_scale != 1.0 else loss)
             stats += step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
             if micro == gas - 1:  # before the boundary step applies the update: all ranks agree
-                why = nonfinite_verdict(cfg, step + 1, int(all_reduce(stats)[3]), applied=None)
+                why = nonfinite_verdict(
+                    cfg, step + 1, int(eng.all_reduce_sum(stats, w.device)[3]), applied=None
+                )
                 if why:
                     return finish(EXIT_NONFINITE, why)
             engine.step()
@@ -306,7 +301,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             save("interval")
         if (
             cfg.train.save_on_signal
-            and all_reduce(torch.tensor([1.0 if stop.signum else 0.0])).item()
+            and eng.all_reduce_sum(torch.tensor([1.0 if stop.signum else 0.0]), w.device).item()
         ):
             if checkpoints.last_saved_step != step:
                 save(f"signal {stop.signum}")
