@@ -127,8 +127,8 @@ class PrepConfig:
             )
         if not 0 <= self.seed < 2**32:
             raise DataPrepError(f"--seed must be in [0, 2**32), got {self.seed}")
-        if self.checkpoint_seconds <= 0:
-            raise DataPrepError(f"checkpoint_seconds must be > 0, got {self.checkpoint_seconds}")
+        if not self.checkpoint_seconds >= 0:  # 0: after every task; nan is refused too
+            raise DataPrepError(f"checkpoint_seconds must be >= 0, got {self.checkpoint_seconds}")
         if not self.out or not str(self.out).strip():
             raise DataPrepError("--out must not be empty")
         check_encoding(self.encoding)

@@ -597,10 +597,11 @@ def resolve_checkpoint(checkpoint: str, tag: Optional[str] = None) -> Tuple[str,
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             tag = latest_tag(ckpt)
+        if tag is None:
+            why = "; ".join(f"{t} ({tag_problem(ckpt, t)})" for t in reversed(tag_dirs(ckpt)))
+            raise CheckpointError(f"{checkpoint}: no usable checkpoint: {why}")
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
-        if tag is None:
-            raise CheckpointError(f"{checkpoint}: no usable checkpoint (see the warning above)")
         return ckpt, tag
     if not os.path.isdir(os.path.join(ckpt, tag)):
         raise CheckpointError(

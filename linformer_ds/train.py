@@ -115,12 +115,11 @@ def run_and_exit(argv: Optional[List[str]] = None) -> None:
     """
     code = main(argv)
     dist = torch.distributed
-    if (
-        code in (0, EXIT_PREEMPTED, EXIT_NONFINITE)
-        and dist.is_available()
-        and dist.is_initialized()
-    ):
-        dist.barrier()
+    if dist.is_available() and dist.is_initialized():
+        if code in (0, EXIT_PREEMPTED, EXIT_NONFINITE):
+            dist.barrier()  # every rank got here: leave together
+        # An error after the process group started (exit 2 from one or all ranks) takes the
+        # same exit: no barrier (the other ranks may not come), no gloo teardown abort (250).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -135,7 +135,7 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
     from linformer_ds.config import JobConfig
     from linformer_ds.config import deepspeed_config as make_ds_config
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
-    from linformer_ds.train import param_groups
+    from linformer_ds.optim import param_groups
 
     spec = json.loads(Path(spec_path).read_text())
     for ckpt, out in spec["reload"]:
@@ -614,24 +614,30 @@ def test_refuses_directory_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(ExportError, match="no such directory"):
         export_checkpoint(str(tmp_path / "nope"), str(tmp_path / "out"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ExportError, match="is not a DeepSpeed checkpoint directory.*'latest'"):
+    with pytest.raises(ExportError, match=r"is not a linformer_ds checkpoint directory: no step_"):
         export_checkpoint(str(tmp_path / "empty"), str(tmp_path / "out"))
     (tmp_path / "empty" / "latest").write_text("step_00000001")
     (tmp_path / "empty" / "step_00000001").mkdir()
-    with pytest.raises(ExportError, match="not a linformer_ds checkpoint: linformer_meta.json"):
+    with pytest.raises(
+        ExportError,
+        match=r"no usable checkpoint: step_00000001 \(not a linformer_ds checkpoint \(no "
+        r"linformer_meta.json\)\)",
+    ):
         export_checkpoint(str(tmp_path / "empty"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
-def test_refuses_missing_tag_and_incomplete_tag(checkpoints, tmp_path):
+def test_refuses_missing_tag_and_incomplete_tag(checkpoints, tmp_path, capsys):
     from linformer_ds.export import ExportError, export_checkpoint
 
     ckpt = _copy_ckpt(checkpoints, tmp_path)
     with pytest.raises(ExportError, match=r"tag 'step_00000099' not found .*step_00000002"):
         export_checkpoint(str(ckpt), str(tmp_path / "out"), tag="step_00000099")
+    # a dangling 'latest' falls back to the newest valid tag, with a warning (as resume does)
     (ckpt / "latest").write_text("step_00000042")
-    with pytest.raises(ExportError, match="tag 'step_00000042' not found"):
-        export_checkpoint(str(ckpt), str(tmp_path / "out"))
+    export_checkpoint(str(ckpt), str(tmp_path / "fallback"))
+    assert "'latest' names 'step_00000042'" in capsys.readouterr().err
+    assert json.loads((tmp_path / "fallback" / "linformer_export.json").read_text())["tag"] == TAG
     (ckpt / TAG / "COMPLETE").unlink()
     with pytest.raises(ExportError, match="incomplete"):
         export_checkpoint(str(ckpt), str(tmp_path / "out"), tag=TAG)
