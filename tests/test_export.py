@@ -261,7 +261,17 @@ FRESH_LOADER = textwrap.dedent(
 
 def run_fresh(script: str, args: list, cwd: Path, timeout: int = 300) -> dict:
     """Run ``script`` with ``python -I`` in ``cwd``; returns its ``RESULT`` JSON line."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # No launcher or rendezvous variables: a RANK/WORLD_SIZE/MASTER_* left in this process by an
+    # earlier in-process test would make transformers' Trainer (accelerate) wait for a process
+    # group in the child
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK")  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", *rendezvous)
+        and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))
+    }
     env.update(TOKENIZERS_PARALLELISM="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-I", "-c", script, *args],
