@@ -1,13 +1,11 @@
-"""linformer_ds: pretrain Linformer encoders (Wang et al. 2020) with DeepSpeed."""
+"""linformer_ds: pretrain Linformer encoders (Wang et al. 2020) with DeepSpeed.
 
-from linformer_ds.model import (
-    LinformerEncoder,
-    LinformerForMaskedLM,
-    LinformerForMaskedLMPretraining,
-    LinformerForSequenceClassification,
-    LinformerSelfAttention,
-    ModelConfig,
-)
+The model classes are imported on first use (PEP 562), so that torch-free helpers such as
+``linformer_ds.fsio`` (used by data_prep's worker processes) do not load torch.
+"""
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -20,3 +18,9 @@ __all__ = [
     "LinformerForSequenceClassification",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("linformer_ds.model"), name)
+    raise AttributeError(f"module 'linformer_ds' has no attribute {name!r}")
