@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from linformer_ds.config import JobConfig, to_dict
+from linformer_ds.fsio import atomic_write_text
 
 FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
@@ -246,20 +247,6 @@ def _reason(e: BaseException, path: str) -> str:
     return ("No space left on device: " if full else "") + f"{type(e).__name__}: {first}"
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _fsync_tree(d: str) -> Dict[str, int]:
     """fsync every file below ``d`` and ``d`` itself; returns {relative path: size}."""
     sizes = {}
@@ -350,13 +337,13 @@ def save(
             tok = os.path.join(str(train_ds.path), "tokenizer.model")
             if os.path.isfile(tok):
                 shutil.copyfile(tok, os.path.join(tag_dir, "tokenizer.model"))
-            _atomic_write(os.path.join(tag_dir, META_FILE), json.dumps(meta, indent=2))
+            atomic_write_text(os.path.join(tag_dir, META_FILE), json.dumps(meta, indent=2))
             inventory = _fsync_tree(tag_dir)
-            _atomic_write(
+            atomic_write_text(
                 os.path.join(tag_dir, COMPLETE_FILE),
                 json.dumps({"files": inventory}, indent=1, sort_keys=True),
             )
-            _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
+            atomic_write_text(os.path.join(ckpt_dir, "latest"), tag)
             prune(ckpt_dir, cfg.checkpoint.keep_last)
     except Exception as e:  # any failure here is a failure to write the checkpoint
         if rank == 0 and not os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE)):
