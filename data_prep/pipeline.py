@@ -34,7 +34,7 @@ import numpy as np
 
 from data_prep import packing as pk
 from data_prep.errors import DataPrepError
-from data_prep.shards import ShardWriter, fsync_dir
+from data_prep.shards import ShardWriter
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding
 from data_prep.tokenizer import (
     MAX_SENTENCE_BYTES,
@@ -47,6 +47,7 @@ from data_prep.tokenizer import (
     tokenizer_info,
     train_tokenizer,
 )
+from linformer_ds.fsio import atomic_write_json
 
 FORMAT_VERSION = 1
 MIN_SEQ_LEN = 8
@@ -175,17 +176,6 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
 
 
-def _atomic_write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def _log(cfg: PrepConfig, msg: str) -> None:
     if cfg.progress:
         print(f"data_prep: {msg}", file=sys.stderr, flush=True)
@@ -240,7 +230,7 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     os.makedirs(out, exist_ok=True)
     # Mark the directory as ours at once, so that a run interrupted while training the
     # tokenizer can still be resumed (from the start) or overwritten.
-    _atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
+    atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
     return None, created
 
 
@@ -491,7 +481,7 @@ def _run(
     def checkpoint() -> None:
         for w in writers.values():
             w.flush()
-        _atomic_write_json(
+        atomic_write_json(
             os.path.join(cfg.out, PROGRESS),
             {
                 "fingerprint": fingerprint,
@@ -569,7 +559,7 @@ def _run(
         writers[s].write(packers[s].finish())
     checkpoint()
     manifest = _manifest(cfg, source, tok_info, vocab_size, dtype, shard_rows, counters, writers)
-    _atomic_write_json(os.path.join(cfg.out, MANIFEST), manifest)
+    atomic_write_json(os.path.join(cfg.out, MANIFEST), manifest)
     os.remove(os.path.join(cfg.out, PROGRESS))
     elapsed = time.time() - t_start
     tps = new_tokens / max(encode_elapsed, 1e-9)

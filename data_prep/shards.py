@@ -15,6 +15,7 @@ import numpy as np
 
 from data_prep.errors import DataPrepError
 from data_prep.tokenizer import file_sha256
+from linformer_ds.fsio import fsync_dir
 
 
 def npy_header(rows: int, seq_len: int, dtype: np.dtype) -> bytes:
@@ -34,20 +35,6 @@ def npy_header(rows: int, seq_len: int, dtype: np.dtype) -> bytes:
 def shard_name(index: int) -> str:
     """File name of shard number ``index``."""
     return f"shard_{index:05d}.npy"
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (best effort on filesystems without directory fsync)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
