@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, TypeVar
 import torch
 
 from linformer_ds.config import ConfigError, JobConfig, to_dict
+from linformer_ds.fsio import atomic_write_json
 
 # Per-step statistics the loop accumulates (float64): sum of loss x labelled tokens, correct
 # predictions, labelled tokens, non-finite micro-batches.
@@ -324,11 +325,9 @@ class PrometheusExporter:
         if job:
             labels["slurm_job_id"] = job
         os.makedirs(cfg.logging.dir, exist_ok=True)
-        tmp = f"{self.targets_path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump([{"targets": self.endpoints, "labels": labels}], f, indent=1)
-            f.write("\n")
-        os.replace(tmp, self.targets_path)
+        atomic_write_json(
+            self.targets_path, [{"targets": self.endpoints, "labels": labels}], indent=1
+        )
 
     def close(self, remove_targets: bool = True) -> None:
         """Stop serving (the port is free when this returns); rank 0 removes the targets file."""
