@@ -35,6 +35,50 @@ SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 NORM_STYLES = ("pre", "post")
 
+# The range of every numeric option. Integers: (low, high), inclusive. The upper bounds of sizes
+# are sanity caps far above any model this code trains: a typo such as vocab_size=2**34 is
+# refused here instead of failing inside an allocation.
+_MAX_SIZE = 2**24
+_INT_RANGES = {
+    "vocab_size": (1, _MAX_SIZE),
+    "max_seq_len": (1, _MAX_SIZE),
+    "hidden_size": (1, 2**16),
+    "num_layers": (1, 2**12),
+    "num_heads": (1, 2**12),
+    "intermediate_size": (1, 2**18),
+    "k": (1, _MAX_SIZE),
+    "hybrid_linear_layers": (0, 2**12),
+    "pad_token_id": (0, _MAX_SIZE),
+    "num_labels": (1, _MAX_SIZE),
+    "format_version": (1, MODEL_FORMAT_VERSION),
+}
+# Floats: (test, the range as the message states it); nan fails every test.
+_FLOAT_RANGES = {
+    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "attention_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "classifier_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "layer_norm_eps": (lambda v: 0 < v < math.inf, "> 0"),
+    "initializer_range": (lambda v: 0 < v < math.inf, "> 0"),
+    "projection_init_std": (lambda v: 0 < v < math.inf, "> 0"),
+}
+
+
+def _range_problem(name: str, value: Any) -> Optional[str]:
+    """Why option ``name`` = ``value`` is outside its range (None: inside, or unset)."""
+    if value is None:
+        return None
+    if name in _INT_RANGES:
+        lo, hi = _INT_RANGES[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer, got {value!r}"
+        if not lo <= value <= hi:
+            return f"must be {'>=' if value < lo else '<='} {lo if value < lo else hi}, got {value}"
+        return None
+    test, text = _FLOAT_RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number {text}, got {value!r}"
+    return None if test(value) else f"must be {text}, got {value}"
+
 
 class ModelConfigError(ValueError):
     """A model option is invalid; the message names the field."""
@@ -101,22 +145,21 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def validate(self) -> None:
+        """Every model option checked here (the job config calls this too): the first problem
+        raises a :class:`ModelConfigError` naming ``model.<field>``."""
+
         def bad(name: str, msg: str) -> None:
             raise ModelConfigError(f"model.{name}: {msg}")
 
-        for name in ("vocab_size", "max_seq_len", "hidden_size", "num_layers", "num_heads"):
-            if int(getattr(self, name)) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.intermediate_size < 1:
-            bad("intermediate_size", f"must be >= 1, got {self.intermediate_size}")
+        for name in (*_INT_RANGES, *_FLOAT_RANGES):
+            problem = _range_problem(name, getattr(self, name))
+            if problem:
+                bad(name, problem)
         if self.hidden_size % self.num_heads:
             bad(
                 "hidden_size",
                 f"{self.hidden_size} is not divisible by num_heads={self.num_heads}",
             )
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= float(getattr(self, name)) < 1.0:
-                bad(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.norm not in NORM_STYLES:
             bad("norm", f"must be one of {NORM_STYLES}, got {self.norm!r}")
         if self.sharing not in SHARING_MODES:
@@ -140,15 +183,17 @@ class ModelConfig:
             for i, p in enumerate(self.layer_projections):
                 if p not in PROJECTIONS:
                     bad(f"layer_projections[{i}]", f"must be one of {PROJECTIONS}, got {p!r}")
-        if self.layer_k is not None and len(self.layer_k) != self.num_layers:
-            bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
+        if self.layer_k is not None:
+            if len(self.layer_k) != self.num_layers:
+                bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
+            for i, k in enumerate(self.layer_k):
+                if isinstance(k, bool) or not isinstance(k, int):
+                    bad(f"layer_k[{i}]", f"must be an integer, got {k!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             bad(
                 "pad_token_id",
                 f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
             )
-        if self.num_labels < 1:
-            bad("num_labels", f"must be >= 1, got {self.num_labels}")
 
         schedule = self.projection_schedule()
         kname = "layer_k" if self.layer_k is not None else "k"
