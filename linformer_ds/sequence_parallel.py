@@ -215,6 +215,9 @@ class SequenceParallelMPU:
     def get_data_parallel_group(self) -> Any:
         return self.groups.dp_group
 
+    # No tensor or pipeline model parallelism: groups of one rank. DeepSpeed's universal loading
+    # (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir) asks for the tensor-parallel
+    # size and rank to cut each saved parameter into its TP shard (here: the whole parameter).
     def get_model_parallel_world_size(self) -> int:
         return 1
 
@@ -223,6 +226,19 @@ class SequenceParallelMPU:
 
     def get_model_parallel_group(self) -> Any:
         return self.groups.single_group
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.groups.rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
 
 
 # ========================================================================================= batches

@@ -91,3 +91,26 @@ def test_resume_across_sequence_parallel_sizes_and_ranks(tiny_corpus, tmp_path):
     assert sorted(b) == list(range(1, 7))
     for s in range(1, 7):
         assert math.isclose(a[s]["loss"], b[s]["loss"], rel_tol=1e-4), (s, a[s], b[s])
+
+
+def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(tiny_corpus, tmp_path):
+    """A one-rank checkpoint resumes through the universal checkpoint onto P = 2 (2 ranks) and
+    onto DP 2 x SP 2 (4 ranks, 2 rows per replica: the same global batch of 4 rows); every
+    step's loss equals the uninterrupted one-rank run to fp32 rounding carried by Adam."""
+    over = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=4", "train.eval_interval=0"]
+    ref = tmp_path / "ref"
+    run_pretrain(tiny_corpus, ref, over, nproc=1)
+    want = read_metrics(ref)
+    for name, extra, nproc in (
+        ("sp2", ["parallel.sequence_parallel_size=2"], 2),
+        ("dp2sp2", ["parallel.sequence_parallel_size=2", "train.micro_batch_size=2"], 4),
+    ):
+        run = tmp_path / name
+        run_pretrain(tiny_corpus, run, over + ["train.stop_at_step=2"], nproc=1)
+        proc = run_pretrain(tiny_corpus, run, over + extra, nproc=nproc)
+        assert "universal checkpoint" in proc.stdout and "step 2" in proc.stdout, proc.stdout
+        got = read_metrics(run)
+        assert sorted(got) == [1, 2, 3, 4]
+        for s in (3, 4):
+            for key in ("loss", "grad_norm"):
+                assert math.isclose(got[s][key], want[s][key], rel_tol=1e-4), (name, s, key)
