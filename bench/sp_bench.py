@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 
-from linformer_ds.sequence_parallel import collective_bytes_per_layer, count_collectives
+from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 
 PHASES = ("comm", "memory", "trainer")
 VARIANTS = ("linear", "dense")

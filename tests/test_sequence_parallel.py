@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.model import ModelConfig
 from linformer_ds.sequence_parallel import (
     SequenceParallelConfigError,
     backward_loss_scale,
     check_config,
-    collective_bytes_per_layer,
     config_errors,
     group_layout,
     shard_batch,
@@ -81,11 +81,13 @@ def reference_loss(model, batch: dict) -> torch.Tensor:
 
 def sp_loss(model, batch: dict, group) -> torch.Tensor:
     """P > 1: this rank's share (sum over its labelled positions / the replica's count)."""
-    from linformer_ds import sequence_parallel as sp
+    from linformer_ds.sequence_parallel import global_label_count
 
     hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
     sel = batch["labels"] != -100
-    return sp.mlm_loss(model.lm_head(hidden[sel]), batch["labels"][sel], group)
+    targets = batch["labels"][sel]
+    logits = model.lm_head(hidden[sel]).float()
+    return F.cross_entropy(logits, targets, reduction="sum") / global_label_count(targets, group)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
@@ -148,9 +150,9 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         cfg = ModelConfig(**{**BASE, "projection": kind, "sharing": "headwise"})
         model = LinformerForMaskedLM(cfg)
         sp.parallelize(model, groups.sp_group)
-        with sp.count_collectives() as fwd:
+        with count_collectives() as fwd:
             hidden = model.encoder(local["input_ids"], local["attention_mask"])
-        with sp.count_collectives() as bwd:
+        with count_collectives() as bwd:
             hidden.square().sum().backward()
         results["bytes"][kind] = {
             "forward": fwd.total,

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from bench import sp_bench
+from bench.sp_collectives import collective_bytes_per_layer
 from linformer_ds.model import LinformerForMaskedLMPretraining
-from linformer_ds.sequence_parallel import collective_bytes_per_layer
 
 N, H, K, L, VOCAB = 128, 32, 16, 2, 97
 TINY = [
