@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from linformer_ds.dist_env import free_port  # noqa: E402
+from linformer_ds.fsio import atomic_write_text, read_jsonl  # noqa: E402
 from studies import sweep  # noqa: E402
 
 STEPS = ("data", "env", "tests", "main", "bench", "sweep", "optimizers")
 SWEEP_FILE = REPO / "configs" / "sweeps" / "gpu_quality.yaml"
-SHIM = "scripts/gpu_pretrain_shim.py"  # NCCL groups that take CPU tensors (see its docstring)
 MAIN_CONFIG = REPO / "configs" / "base_4096.yaml"
 # Seconds per step. GPU: 9 minutes in all with the wheel install (bash wrapper, ~15 s).
 # The sweep gets what is left (at least its figure here, when every step before it uses all of
@@ -84,12 +84,6 @@ class KitError(ValueError):
 # ======================================================================================= helpers
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -164,18 +158,6 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    """Records of a JSON-lines file, torn lines skipped."""
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def median(xs: List[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
@@ -198,8 +180,6 @@ class Kit:
         self.sweep_cfg: Optional[sweep.SweepConfig] = None
         self.main_data: Optional[Path] = None
         self.jit: Optional[subprocess.Popen] = None
-        self.mixed_backend = args.mixed_backend
-        self.use_shim = args.mixed_backend == "on"
         self.results: Dict[str, Any] = {
             "kit_version": 1,
             "dry_run": self.dry,
@@ -220,9 +200,8 @@ class Kit:
         """results.json, written atomically (a kill never leaves half a file)."""
         self.out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(self.elapsed(), 1)
-        tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=str) + "\n")
-        os.replace(tmp, self.out / "results.json")
+        text = json.dumps(self.results, indent=1, default=str) + "\n"
+        atomic_write_text(self.out / "results.json", text)
 
     def env(self, **extra: str) -> Dict[str, str]:
         """Environment of child processes: the repo importable; CPU accelerator in the dry run."""
@@ -312,20 +291,6 @@ class Kit:
         self.results["environment"] = info
         bad = {k: v for k, v in info["imports"].items() if not v.startswith("ok")}
         rec: Dict[str, Any] = {"returncode": res["returncode"]}
-        # GPU: the shim unless a plain NCCL group was seen to take a CPU tensor (no answer, e.g.
-        # a probe cut by the budget, counts as a refusal: the shim is harmless where not needed)
-        refused = not self.dry and info.get("nccl_cpu_all_reduce") != "ok"
-        if self.mixed_backend == "auto" and refused:
-            self.use_shim = True
-        if self.use_shim:
-            why = (
-                f"a plain NCCL group: {info.get('nccl_cpu_all_reduce', 'no answer')}"
-                if refused
-                else f"--mixed-backend {self.mixed_backend}"
-            )
-            note = f"training runs through {SHIM} (NCCL groups with gloo for CPU tensors): {why}"
-            self.results.setdefault("workarounds", []).append(note)
-            rec["workaround"] = note
         if bad:
             rec.update(status="failed", reason=f"imports failed: {bad}")
         elif not self.dry and not info.get("cuda_available"):
@@ -392,7 +357,7 @@ class Kit:
         logdir = self.work / name
         cmd = [self.py, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]
         cmd += ["--master_port", str(free_port())]
-        cmd += [SHIM, "launch/pretrain.py"] if self.use_shim else ["launch/pretrain.py"]
+        cmd += ["launch/pretrain.py"]
         cmd += ["--config", str(MAIN_CONFIG.relative_to(REPO))]
         cmd += self.main_overrides(steps, logdir) + extra
         # TORCH_EXTENSIONS_DIR: where the env step's background build put FusedAdam
@@ -450,12 +415,6 @@ class Kit:
         cfg = self.sweep_cfg
         if cfg is None:
             raise KitError("the data step did not run or failed: no sweep config")
-        if self.use_shim:  # the same sweep, its trainer started through the shim
-            raw = yaml.safe_load(cfg.path.read_text())
-            raw["launcher"] = ["python", str(REPO / SHIM)]
-            path = self.work / f"{cfg.path.stem}_shim.yaml"
-            path.write_text(yaml.safe_dump(raw, sort_keys=False))
-            cfg = sweep.load_sweep(str(path), out=str(cfg.out))
         deadline = time.perf_counter() + budget - 20  # 20 s for the report
         opt = OptimizerChecks(self) if "optimizers" in self.steps else None
         runs = run_points(self, cfg, deadline, opt)
@@ -897,37 +856,7 @@ for name in ("deepspeed", "omegaconf", "datasets", "pydantic"):
     mod = sys.modules.get(name)
     if mod is not None:
         info[name + "_path"] = os.path.dirname(mod.__file__)
-print("ENV " + json.dumps(info), flush=True)  # again below, with the NCCL probes
-
-
-def probe(backend, key):
-    # one-rank group: does it all-reduce a CPU tensor (the trainer's statistics) and a CUDA one?
-    import socket
-    import torch.distributed as dist
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        try:
-            dist.all_reduce(torch.ones(1))
-            info[key + "_cpu_all_reduce"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            info[key + "_cpu_all_reduce"] = f"refused: {type(e).__name__}: {e}"[:300]
-        g = torch.ones(1, device="cuda")
-        dist.all_reduce(g)
-        torch.cuda.synchronize()
-        info[key + "_cuda_all_reduce"] = "ok" if g.item() == 1.0 else f"wrong: {g.item()}"
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001
-        info[key + "_probe"] = f"FAILED {type(e).__name__}: {e}"[:300]
-    print("ENV " + json.dumps(info), flush=True)
-
-
-if torch.cuda.is_available():
-    probe("nccl", "nccl")
-    probe("cpu:gloo,cuda:nccl", "mixed")
+print("ENV " + json.dumps(info), flush=True)
 """
 
 JIT_BUILD = r"""
@@ -950,12 +879,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--work", help="scratch folder (default: a new temporary one)")
     p.add_argument("--workers", type=int, help="sweep points at a time (GPU 12, dry run 2)")
     p.add_argument("--total-budget-s", type=float, help="all steps (GPU 525, dry run 900)")
-    p.add_argument(
-        "--mixed-backend",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help=f"train through {SHIM} (auto: when the env step sees NCCL refuse a CPU tensor)",
-    )
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
         p.error(f"--workers must be >= 1, got {a.workers}")

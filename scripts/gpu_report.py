@@ -63,15 +63,6 @@ def header(r: Dict[str, Any]) -> List[str]:
         + (f"; nvcc: {env['nvcc']}" if env.get("nvcc") else "")
         + ".",
     ]
-    probes = [
-        f"{k.replace('_', ' ')}: {env[k]}"
-        for k in ("nccl_cpu_all_reduce", "nccl_cuda_all_reduce", "mixed_cpu_all_reduce",
-                  "mixed_cuda_all_reduce", "nccl_probe", "mixed_probe")
-        if k in env
-    ]  # fmt: skip
-    if probes:
-        lines.append("- Process-group probes (one rank): " + "; ".join(probes) + ".")
-    lines += [f"- Workaround: {w}" for w in r.get("workarounds", [])]
     lines += [
         "",
         "| step | status | seconds | budget (s) | note |",
