@@ -21,6 +21,12 @@ SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "cls": CLS_ID, "sep": SEP_ID, "mask
 SPECIAL_PIECES = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
 MODEL_TYPES = ("unigram", "bpe")
 MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length: longer lines are split
+# Byte fallback (characters outside the vocabulary become their UTF-8 bytes, never <unk>) costs
+# 256 pieces: on by default when they take at most a quarter of the vocabulary.
+BYTE_FALLBACK_MIN_VOCAB = 4 * 256
+# SentencePiece's own recommendation for scripts with many characters (CJK): rare ones are left
+# out of the vocabulary (and go to bytes under byte fallback).
+LARGE_ALPHABET_COVERAGE = 0.9995
 
 
 def document_lines(text: str) -> List[str]:
@@ -103,19 +109,68 @@ def sample_sentences(
     return sample
 
 
+def alphabet_size(sentences: Iterable[str]) -> int:
+    """Distinct non-whitespace characters in ``sentences``."""
+    chars: set = set()
+    for s in sentences:
+        chars.update(s)
+    return sum(not c.isspace() for c in chars)
+
+
+def training_options(
+    sentences: List[str],
+    vocab_size: int,
+    character_coverage: Optional[float] = None,
+    byte_fallback: Optional[bool] = None,
+) -> Dict[str, Any]:
+    """The ``character_coverage`` and ``byte_fallback`` a tokenizer is trained with (given
+    values win). Defaults: byte fallback when the vocabulary has at least
+    ``BYTE_FALLBACK_MIN_VOCAB`` pieces; full coverage (every character of the sample gets a
+    piece) when the sample's alphabet fits in half the pieces left after the special and byte
+    pieces (alphabetic scripts), else ``LARGE_ALPHABET_COVERAGE`` (CJK-sized alphabets)."""
+    if byte_fallback is None:
+        byte_fallback = vocab_size >= BYTE_FALLBACK_MIN_VOCAB
+    if character_coverage is None:
+        room = vocab_size - len(SPECIAL_IDS) - (256 if byte_fallback else 0)
+        full = alphabet_size(sentences) <= room // 2
+        character_coverage = 1.0 if full else LARGE_ALPHABET_COVERAGE
+    return {"character_coverage": float(character_coverage), "byte_fallback": bool(byte_fallback)}
+
+
+def normalized(sp: Any, text: str) -> str:
+    """``text`` as SentencePiece normalizes it before encoding (NFKC, runs of spaces collapsed,
+    ends stripped), in plain characters: what ``decode(encode(text))`` gives back at best."""
+    return sp.normalize(text).replace("\u2581", " ").strip(" ")
+
+
+def round_trip(sp: Any, lines: Iterable[str]) -> Dict[str, Any]:
+    """How faithfully ``sp`` encodes ``lines``: ``exact`` lines with decode(encode(x)) ==
+    normalized(x) out of ``lines``, their ``rate``, and the ``unk_pieces`` encoding produced."""
+    n = exact = unk = 0
+    for line in lines:
+        ids = sp.encode(line)
+        n += 1
+        unk += ids.count(UNK_ID)
+        exact += sp.decode(ids) == normalized(sp, line)
+    return {"lines": n, "exact": exact, "rate": exact / n if n else 1.0, "unk_pieces": unk}
+
+
 def train_tokenizer(
     sentences: List[str],
     model_path: str,
     vocab_size: int,
     model_type: str = "unigram",
-    character_coverage: float = 0.9995,
+    character_coverage: Optional[float] = None,
     num_threads: int = 2,
     seed: int = 0,
+    byte_fallback: Optional[bool] = None,
 ) -> str:
     """Train a SentencePiece model with the fixed special ids and write it to ``model_path``.
 
-    The result depends on the sentences, the options and ``num_threads`` (SentencePiece's EM
-    sums differ by thread count), never on the output path: the model is written from memory.
+    ``character_coverage`` / ``byte_fallback``: ``None`` = decided by :func:`training_options`
+    (the model file records the values used). The result depends on the sentences, the options
+    and ``num_threads`` (SentencePiece's EM sums differ by thread count), never on the output
+    path: the model is written from memory.
     """
     import io
 
@@ -130,6 +185,7 @@ def train_tokenizer(
         )
     if not sentences:
         raise DataPrepError("the corpus is empty: no non-blank lines to train a tokenizer on")
+    options = training_options(sentences, vocab_size, character_coverage, byte_fallback)
     # Shuffle deterministically so SentencePiece sees a representative order.
     sentences = list(sentences)
     random.Random(seed).shuffle(sentences)
@@ -140,7 +196,8 @@ def train_tokenizer(
             model_writer=writer,
             vocab_size=vocab_size,
             model_type=model_type,
-            character_coverage=character_coverage,
+            character_coverage=options["character_coverage"],
+            byte_fallback=options["byte_fallback"],
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=CLS_ID,
@@ -156,6 +213,12 @@ def train_tokenizer(
         )
     except RuntimeError as e:
         msg = str(e).strip()
+        if "smaller than required_chars" in msg:
+            raise DataPrepError(
+                f"--vocab-size {vocab_size} is too small for the corpus's alphabet "
+                f"({alphabet_size(sentences)} characters, options {options}): use a larger "
+                "--vocab-size or a smaller --character-coverage"
+            ) from e
         if "Vocabulary size" in msg:
             detail = msg[msg.index("Vocabulary size") :].rstrip(".")
             raise DataPrepError(
@@ -215,6 +278,8 @@ def tokenizer_info(path: str, sp: Any, trained: Optional[Dict[str, Any]]) -> Dic
         "sha256": file_sha256(path),
         "model_type": model_type,
         "vocab_size": sp.get_piece_size(),
+        "character_coverage": round(float(proto.trainer_spec.character_coverage), 6),
+        "byte_fallback": bool(proto.trainer_spec.byte_fallback),
         "special_pieces": dict(SPECIAL_PIECES),
         "encoding": "each non-blank line encoded separately, ids concatenated per document",
     }
