@@ -33,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     p.add_argument("--tokenizer", help="reuse this SentencePiece .model instead of training one")
-    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument(
+        "--character-coverage",
+        type=float,
+        default=None,
+        help="SentencePiece character coverage (default: 1.0 when the alphabet fits the "
+        "vocabulary, else 0.9995; byte fallback from 1024 pieces up)",
+    )
     p.add_argument(
         "--max-sentences-for-tokenizer",
         type=int,

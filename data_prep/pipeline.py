@@ -43,6 +43,7 @@ from data_prep.tokenizer import (
     SPECIAL_PIECES,
     file_sha256,
     load_tokenizer,
+    round_trip,
     sample_sentences,
     tokenizer_info,
     train_tokenizer,
@@ -67,7 +68,7 @@ class PrepConfig:
     vocab_size: Optional[int] = None
     model_type: str = "unigram"
     tokenizer: Optional[str] = None
-    character_coverage: float = 0.9995
+    character_coverage: Optional[float] = None  # None: by alphabet size (training_options)
     max_sentences_for_tokenizer: int = 300_000
     tokenizer_threads: int = 2  # fixed, not the CPU count: the model depends on it
     text_column: str = "text"
@@ -122,7 +123,8 @@ class PrepConfig:
             raise DataPrepError("--max-sentences-for-tokenizer must be >= 1")
         if self.max_doc_bytes < 1 or self.task_bytes < 1:
             raise DataPrepError("--max-doc-bytes and task_bytes must be >= 1")
-        if not 0.0 < self.character_coverage <= 1.0:  # SentencePiece's own range
+        cov = self.character_coverage
+        if cov is not None and not 0.0 < cov <= 1.0:  # SentencePiece's own range
             raise DataPrepError(
                 f"--character-coverage must be in (0, 1], got {self.character_coverage}"
             )
@@ -301,10 +303,17 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
             seed=cfg.seed,
         )
         sp = load_tokenizer(dest)
+        trip = round_trip(sp, sentences)  # decode(encode(x)) == normalized(x) on the sample
+        _log(
+            cfg,
+            f"tokenizer round trip: {trip['exact']}/{trip['lines']} sampled lines decode to "
+            f"their normalized text ({trip['unk_pieces']} <unk> pieces)",
+        )
         trained = {
             **sampled,  # sampled_lines/bytes, corpus_lines/bytes, long_lines (split)
             "max_sentences": cfg.max_sentences_for_tokenizer,
-            "character_coverage": cfg.character_coverage,
+            "character_coverage": cfg.character_coverage,  # requested (None: automatic)
+            "round_trip": trip,
             "threads": cfg.tokenizer_threads,
             "seconds": round(time.time() - t0, 2),
         }
