@@ -7,6 +7,7 @@ from typing import List, Optional
 from data_prep.errors import DataPrepError
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES
+from linformer_ds import outdir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m data_prep`` and the ``linformer-data-prep`` script."""
     args = build_parser().parse_args(argv)
+    outdir.ignore_file_size_signal()  # a write past `ulimit -f` is an error line, not SIGXFSZ
     if args.overwrite and args.resume:
         print("error: --overwrite and --resume exclude each other", file=sys.stderr)
         return 2

@@ -48,10 +48,12 @@ from data_prep.tokenizer import (
     tokenizer_info,
     train_tokenizer,
 )
+from linformer_ds import outdir
 from linformer_ds.fsio import atomic_write_json
 
 FORMAT_VERSION = 1
 MIN_SEQ_LEN = 8
+MAX_SEQ_LEN = 1 << 24  # 16,777,216 tokens: a 32 MiB row at uint16
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 TOKENIZER = "tokenizer.model"
@@ -92,6 +94,11 @@ class PrepConfig:
         if self.seq_len < MIN_SEQ_LEN:
             raise DataPrepError(
                 f"--seq-len {self.seq_len} is too small: the minimum is {MIN_SEQ_LEN}"
+            )
+        if self.seq_len > MAX_SEQ_LEN:
+            raise DataPrepError(
+                f"--seq-len {self.seq_len} is too large: the maximum is {MAX_SEQ_LEN} tokens "
+                "per row (longer sequences: train with sequence parallelism on rows of this size)"
             )
         if self.packing not in pk.PACKINGS:
             raise DataPrepError(f"--packing must be one of {pk.PACKINGS}, got {self.packing!r}")
@@ -184,20 +191,37 @@ def _log(cfg: PrepConfig, msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- output dir
+def source_roots(sources: List[str]) -> List[str]:
+    """The local paths the sources read below: a file or directory, a glob's fixed leading
+    directory, the stdlib directory, an ``hf:`` source's local directory."""
+    import sysconfig
+
+    roots = []
+    for spec in sources:
+        if spec == "stdlib":
+            roots.append(sysconfig.get_paths()["stdlib"])
+        elif spec.startswith("hf:"):
+            roots.append(spec[3:].split(":")[0])
+        elif any(c in spec for c in "*?["):
+            fixed = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
+            roots.append(os.path.dirname(fixed) or ".")
+        else:
+            roots.append(spec)
+    return roots
+
+
 def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     """Check/clear the output directory; returns (progress state to resume or None, created)."""
     out = cfg.out
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataPrepError(f"output path {out!r} exists and is not a directory")
+    inputs = [("--source", p) for p in source_roots(cfg.sources)] + [("--tokenizer", cfg.tokenizer)]
+    try:  # --out never replaces what data_prep did not create, nor lies in an input
+        outdir.check_out(out, "data_prep", inputs, cfg.overwrite, cfg.resume)
+    except outdir.OutDirError as e:
+        raise DataPrepError(str(e)) from None
     entries = os.listdir(out) if os.path.isdir(out) else []
     has_manifest = MANIFEST in entries
     has_progress = PROGRESS in entries
     if entries and cfg.overwrite:
-        if not (has_manifest or has_progress):
-            raise DataPrepError(
-                f"refusing to --overwrite {out!r}: it is not empty and holds no data_prep output "
-                f"({MANIFEST} or {PROGRESS}); choose another --out"
-            )
         shutil.rmtree(out)
         entries = []
     elif entries and cfg.resume:
@@ -210,9 +234,15 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
             raise DataPrepError(
                 f"cannot --resume: {out!r} holds no {PROGRESS} from an interrupted run"
             )
-        with open(os.path.join(out, PROGRESS)) as f:
-            state = json.load(f)
-        if state.get("fingerprint") != cfg.fingerprint():
+        try:
+            with open(os.path.join(out, PROGRESS)) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise DataPrepError(
+                f"cannot --resume: {os.path.join(out, PROGRESS)} is unreadable ({e}); rerun "
+                "with --overwrite"
+            ) from None
+        if not isinstance(state, dict) or state.get("fingerprint") != cfg.fingerprint():
             raise DataPrepError(
                 f"cannot --resume: the interrupted run in {out!r} used different options "
                 f"({state.get('fingerprint')}); rerun with the same options or --overwrite"
@@ -233,6 +263,7 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     # Mark the directory as ours at once, so that a run interrupted while training the
     # tokenizer can still be resumed (from the start) or overwritten.
     atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
+    outdir.write_marker(out, "data_prep")
     return None, created
 
 

@@ -34,6 +34,7 @@ import torch
 
 from data_prep.tokenizer import SPECIAL_IDS, SPECIAL_PIECES
 from linformer_ds import checkpointing as ckpt
+from linformer_ds import outdir
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
 
 EXPORT_FORMAT_VERSION = 1
@@ -423,6 +424,14 @@ def export_checkpoint(
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if provenance not in PROVENANCE:
         raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
+    try:  # before anything else: --out never replaces what export did not create
+        state = outdir.check_out(
+            out, "export", [("--checkpoint", checkpoint), ("--tokenizer", tokenizer)], overwrite
+        )
+    except outdir.OutDirError as e:
+        raise ExportError(str(e)) from None
+    if state == "exists":
+        raise ExportError(f"--out {out} holds an earlier export; pass --overwrite to replace it")
     ckpt, tag = resolve_tag(checkpoint, tag)
     tag_dir = os.path.join(ckpt, tag)
     meta, model_config = read_meta(tag_dir)
@@ -434,9 +443,6 @@ def export_checkpoint(
         )
     check_tokenizer(sp_path, model_config)
     out = os.path.abspath(out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        if not overwrite:
-            raise ExportError(f"--out {out} exists and is not empty (use --overwrite)")
     if os.path.exists(os.path.dirname(out)) and not os.path.isdir(os.path.dirname(out)):
         raise ExportError(f"--out {out}: {os.path.dirname(out)} is not a directory")
     try:  # --out writable? (before the slow consolidation)
@@ -446,11 +452,10 @@ def export_checkpoint(
         raise ExportError(f"--out {out}: cannot write there: {e.strerror or e}") from None
     state_dict = check_state_dict(consolidate(ckpt, tag), model_config, tag_dir)
 
-    # Write next to the target, then swap in: a failed export leaves no half-written model.
-    parent = os.path.dirname(out)
+    # Write next to the target, then swap in: a failed export leaves no half-written model and
+    # the previous export (if any) whole.
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)  # 0700: write_model_dir fixes it
+        tmp = outdir.staging_dir(out, "export")  # 0700: write_model_dir fixes the modes
     except OSError as e:
         raise ExportError(f"--out {out}: cannot write there: {e.strerror or e}") from None
     record = {
@@ -469,13 +474,16 @@ def export_checkpoint(
             dtype=dtype,
             provenance=record if provenance == "full" else portable_paths(record),
         )
+        outdir.write_marker(tmp, "export", tag=tag, step=meta.get("step"))
+        apply_umask(tmp)
         _verify_weights(tmp, state_dict, dtype)
-        if os.path.exists(out):
-            shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
-        os.replace(tmp, out)
-    except OSError as e:  # e.g. the disk filled up: the partial copy goes, --out is untouched
+        outdir.swap_in(tmp, out)
+    except ExportError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"could not write --out {out}: {e.strerror or e}") from None
+        raise
+    except Exception as e:  # e.g. the disk filled up: the partial copy goes, --out is untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(outdir.write_error(e, f"--out {out}")) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -515,13 +523,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     """CLI entry point; returns the exit status."""
     args = parse_args(argv)
+    outdir.ignore_file_size_signal()
     try:
         out = export_checkpoint(
             args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite,
             args.provenance,
         )  # fmt: skip
     except ExportError as e:
-        print(f"export failed: {e}", file=sys.stderr)
-        return 2
+        return outdir.fail("export failed", str(e))
     print(f"exported {args.checkpoint} -> {out} ({args.dtype})")
     return 0

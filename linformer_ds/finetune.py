@@ -15,14 +15,14 @@ import json
 import math
 import os
 import random
-import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from linformer_ds.export import ExportError, portable_paths, write_model_dir
+from linformer_ds import outdir
+from linformer_ds.export import ExportError, apply_umask, portable_paths, write_model_dir
 from linformer_ds.model import ModelConfig
 from linformer_ds.optim import lr_scheduler, param_groups
 
@@ -59,7 +59,16 @@ def _load(
         if ext == ".txt":
             return datasets.DatasetDict({"train": _load_txt(source, columns)})
         kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
-        return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs)
+        try:
+            return datasets.load_dataset(
+                LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001  (an empty, truncated or malformed file)
+            lines = str(e).strip().splitlines()
+            raise FinetuneError(
+                f"{source}: cannot be read as {ext} data ({type(e).__name__}: "
+                f"{lines[0] if lines else 'no detail'}); expected {FORMATS_HELP}"
+            ) from None
     if os.path.isfile(source):
         raise FinetuneError(
             f"{source}: unsupported file type {ext or '(none)'}; use {FORMATS_HELP}"
@@ -143,6 +152,12 @@ def load_splits(
             raise FinetuneError(f"{name} data: {text_column!r} is not text in row {bad[0]}")
         if any(lab is None for lab in labels):
             raise FinetuneError(f"{name} data: missing {label_column!r} value")
+        bad = [i for i, lab in enumerate(labels) if not isinstance(lab, (str, int, float))]
+        if bad:
+            raise FinetuneError(
+                f"{name} data: {label_column!r} in row {bad[0]} is a "
+                f"{type(labels[bad[0]]).__name__}, not one class label (text or a number)"
+            )
         out += [list(texts), list(labels)]
     return out[0], out[1], out[2], out[3]
 
@@ -225,16 +240,18 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     """Run fine-tuning as configured by ``args``; returns the results written to the output."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    inputs = [("--model", args.model), ("--train", args.train), ("--dataset", args.dataset),
+              ("--validation", args.validation)]  # fmt: skip
+    try:  # before anything else: --out never replaces what finetune did not create
+        state = outdir.check_out(args.out, "finetune", inputs, args.overwrite)
+    except outdir.OutDirError as e:
+        raise FinetuneError(str(e)) from None
+    if state == "exists":
+        raise FinetuneError(
+            f"--out {args.out} holds an earlier fine-tuned model; pass --overwrite to replace it"
+        )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
-    out, base = os.path.realpath(args.out), os.path.realpath(args.model)
-    if out == base or out.startswith(base + os.sep) or base.startswith(out + os.sep):
-        raise FinetuneError(
-            f"--out {args.out} overlaps --model {args.model}: write the fine-tuned model elsewhere "
-            "(the base model is read while the output is written)"
-        )
-    if os.path.exists(args.out) and os.listdir(args.out) and not args.overwrite:
-        raise FinetuneError(f"--out {args.out} exists and is not empty (use --overwrite)")
     for name in ("epochs", "batch_size", "eval_batch_size", "lr", "max_grad_norm"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -342,44 +359,56 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None:
-    """Write the fine-tuned classifier in the export format."""
+    """Write the fine-tuned classifier in the export format: into a directory next to
+    ``--out``, swapped in when complete (a failed write leaves the previous output whole)."""
     import shutil
 
     model_config = ModelConfig.from_dict(model.config.to_model_config().to_dict())
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    if os.path.exists(args.out):
-        shutil.rmtree(args.out)
-    write_model_dir(
-        args.out,
-        model_config,
-        state,
-        os.path.join(args.model, "tokenizer.model"),
-        architecture="LinformerForSequenceClassification",
-        config_extra={
-            "id2label": dict(model.config.id2label),
-            "label2id": dict(model.config.label2id),
-            "problem_type": "single_label_classification",
-        },
-        provenance={
-            "finetuned_from": portable_paths(os.path.abspath(args.model)),
-            "dtype": "float32",
-        },
-    )
-    with open(os.path.join(args.out, "finetune_results.json"), "w") as f:
-        json.dump({**results, "args": portable_paths(vars(args))}, f, indent=2)
+    tmp = outdir.staging_dir(args.out, "finetune")
+    try:
+        write_model_dir(
+            tmp,
+            model_config,
+            state,
+            os.path.join(args.model, "tokenizer.model"),
+            architecture="LinformerForSequenceClassification",
+            config_extra={
+                "id2label": dict(model.config.id2label),
+                "label2id": dict(model.config.label2id),
+                "problem_type": "single_label_classification",
+            },
+            provenance={
+                "finetuned_from": portable_paths(os.path.abspath(args.model)),
+                "dtype": "float32",
+            },
+        )
+        with open(os.path.join(tmp, "finetune_results.json"), "w") as f:
+            json.dump({**results, "args": portable_paths(vars(args))}, f, indent=2)
+        outdir.write_marker(tmp, "finetune")
+        apply_umask(tmp)
+        outdir.swap_in(tmp, args.out)
+    except (FinetuneError, ExportError):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # a full disk, a file-size limit: one line, --out untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FinetuneError(outdir.write_error(e, f"--out {args.out}")) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """CLI entry point; returns the exit status."""
     args = parse_args(argv)
+    outdir.ignore_file_size_signal()
     try:
         results = finetune(args)
     except (FinetuneError, ExportError) as e:
-        print(f"finetune failed: {e}", file=sys.stderr)
-        return 2
+        return outdir.fail("finetune failed", str(e))
     except OSError as e:  # a file that cannot be read or written (disk full, permissions)
         where = f": {e.filename}" if e.filename else ""
-        print(f"finetune failed: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+        return outdir.fail("finetune failed", f"{e.strerror or e}{where}")
     print(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
     return 0

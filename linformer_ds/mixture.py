@@ -12,15 +12,17 @@ each round), exactly as :class:`linformer_ds.data.ResumableDistributedSampler` d
 dataset; every rank follows the whole stream, so the state is the same on all ranks and
 re-shards to any number of ranks (:meth:`MixtureSampler.state_dict`).
 
-One source is today's single-dataset stream, bit for bit: the permutation of epoch ``e`` is
-seeded by ``(seed, e)``, an epoch ends when fewer than ``W`` of its rows are left (the ragged
-tail is dropped), and a batch is masked with the epoch of its last row, as
-:class:`linformer_ds.data.TrainBatches` does. With several sources every source epoch is whole
-(no rank count in the stream), each source has its own seed (``seed`` and a hash of its name)
-for its permutations and masks, and a row is masked with its own source epoch.
+A run on one source is today's single-dataset stream, bit for bit (``legacy``): the
+permutation of epoch ``e`` is seeded by ``(seed, e)``, an epoch ends when fewer than ``W`` of
+its rows are left (the ragged tail is dropped), and a batch is masked with the epoch of its last
+row, as :class:`linformer_ds.data.TrainBatches` does. With several sources (in the run, over
+all its stages) every source epoch is whole (no rank count in the stream), each source has its
+own seed (``seed`` and a hash of its name) for its permutations and masks, and a row is masked
+with its own source epoch.
 """
 
 import math
+import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,10 +34,11 @@ import torch
 from linformer_ds.data import DataError, MLMMasking, ShardDataset, check_compatible
 
 
-def source_seed(seed: int, name: str, single: bool) -> int:
-    """The seed of one source's permutations and masks: ``seed`` itself for a lone source
-    (today's stream), else ``seed`` with a hash of the name in the high bits (< 2**63)."""
-    if single:
+def source_seed(seed: int, name: str, legacy: bool) -> int:
+    """The seed of one source's permutations and masks: ``seed`` itself for the lone source
+    of a run (today's stream), else ``seed`` with a hash of the name in the high bits (< 2**63).
+    """
+    if legacy:
         return int(seed)
     return ((zlib.crc32(name.encode()) & 0x7FFFFFFF) << 32) | (int(seed) & 0xFFFFFFFF)
 
@@ -72,7 +75,8 @@ class MixtureSampler:
     :meth:`next` returns this rank's next ``(source, epoch, row)``; each call advances the
     global stream by one round of ``world_size`` positions (the ranks call it in lockstep).
     ``positions`` starts sources mid-stream (``{name: {"epoch", "consumed"}}``, e.g. carried
-    over from an earlier stage); blending counts always start at zero.
+    over from an earlier stage); blending counts always start at zero. ``legacy`` (default:
+    one source) selects today's one-dataset stream (see the module docstring).
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class MixtureSampler:
         world_size: int,
         seed: int = 0,
         positions: Optional[Dict[str, Dict[str, int]]] = None,
+        legacy: Optional[bool] = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad rank {rank} for world_size {world_size}")
@@ -92,10 +97,12 @@ class MixtureSampler:
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be distinct, got {list(names)}")
         self.weights = normalized_weights(weights)
-        self.single = len(names) == 1
+        self.legacy = len(names) == 1 if legacy is None else bool(legacy)
+        if self.legacy and len(names) != 1:
+            raise ValueError("legacy (one-source) streams have exactly one source")
         self.rank, self.world_size = int(rank), int(world_size)
         self.sources = [
-            _SourceState(str(n), int(s), source_seed(seed, str(n), self.single))
+            _SourceState(str(n), int(s), source_seed(seed, str(n), self.legacy))
             for n, s in zip(names, sizes)
         ]
         for src, w in zip(self.sources, self.weights):
@@ -132,7 +139,7 @@ class MixtureSampler:
     def next(self) -> Tuple[int, int, int]:
         """This rank's next ``(source index, source epoch, row)``; advances one round."""
         w = self.world_size
-        if self.single:  # today's rule: an epoch ends when fewer than W rows are left
+        if self.legacy:  # today's rule: an epoch ends when fewer than W rows are left
             src = self.sources[0]
             if src.size - src.consumed < w:
                 src.epoch, src.consumed = src.epoch + 1, 0
@@ -238,11 +245,12 @@ class MixtureBatches:
         sp_rank: int = 0,
         sp_size: int = 1,
         positions: Optional[Dict[str, Dict[str, int]]] = None,
+        legacy: Optional[bool] = None,
     ) -> None:
         self.names, self.datasets = list(names), list(datasets)
         self.sampler = MixtureSampler(
             self.names, [len(d) for d in self.datasets], weights, rank, world_size, seed,
-            positions=positions,
+            positions=positions, legacy=legacy,
         )  # fmt: skip
         self.maskers = [
             MLMMasking(
@@ -288,7 +296,7 @@ class MixtureBatches:
     def next_batch(self) -> Dict[str, torch.Tensor]:
         """``input_ids, attention_mask, labels`` ``[micro_batch, N]`` on the device."""
         tokens, picks = self.next_rows()
-        if self.sampler.single:
+        if self.sampler.legacy:
             epoch, idx = picks[-1][1], [row for _, _, row in picks]
             if self.on_batch is not None:
                 self.on_batch(epoch, idx)
@@ -371,3 +379,299 @@ def open_sources(
         datasets.append(d)
     check_same_tokenizer(names, datasets)
     return datasets
+
+
+# ==================================================================================== stages
+@dataclass
+class Stage:
+    """One stretch of the run: steps up to ``end_step`` train on a mixture of ``names`` (paths
+    ``paths``, normalized ``weights``) with ``micro_batch_size`` rows per rank."""
+
+    end_step: int
+    names: List[str]
+    paths: List[str]
+    weights: List[float]
+    micro_batch_size: int
+
+
+def _fail(msg: str) -> None:
+    from linformer_ds.config import ConfigError
+
+    raise ConfigError(msg)
+
+
+def _path_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(str(path))) or str(path)
+
+
+def _catalogue(cfg: Any) -> Tuple[Dict[str, Tuple[str, float]], List[str]]:
+    """``data.sources`` (or ``data.path``, the one-source shorthand) as ``name -> (path,
+    weight)`` plus the names in order; a :class:`ConfigError` for a malformed entry."""
+    sources = list(getattr(cfg.data, "sources", None) or [])
+    if not sources:
+        return {_path_name(cfg.data.path): (str(cfg.data.path), 1.0)}, [_path_name(cfg.data.path)]
+    cat: Dict[str, Tuple[str, float]] = {}
+    for i, s in enumerate(sources):
+        key = f"data.sources[{i}]"
+        name, path, weight = str(s.name or "").strip(), str(s.path or "").strip(), s.weight
+        if not name:
+            _fail(f"{key}.name: must not be empty (a short name for logs and metrics)")
+        if any(c in name for c in "/ \t=,"):
+            _fail(f"{key}.name: {name!r} must not contain '/', blanks, '=' or ','")
+        if name in cat:
+            _fail(f"{key}.name: {name!r} is used twice; give every source its own name")
+        if not path:
+            _fail(f"{key}.path: must not be empty (a data_prep output directory)")
+        try:
+            normalized_weights([weight, 1.0])
+        except ValueError as e:
+            _fail(f"{key}.weight: {e} (weights are relative: any numbers >= 0)")
+        cat[name] = (path, float(weight))
+    return cat, [str(s.name).strip() for s in sources]
+
+
+def resolve_stages(cfg: Any) -> List[Stage]:
+    """The run's stages from ``data.sources`` / ``data.path`` and ``train.stages`` (none: one
+    stage over every source to ``train.max_steps``); a :class:`ConfigError` naming the key for
+    unknown source names, bad weights and end steps."""
+    cat, order = _catalogue(cfg)
+    t = cfg.train
+    max_steps, mb0 = int(t.max_steps), int(t.micro_batch_size)
+    raw = list(getattr(t, "stages", None) or [])
+    if not raw:
+        try:
+            weights = normalized_weights([cat[n][1] for n in order])
+        except ValueError as e:
+            _fail(f"data.sources: {e}")
+        return [Stage(max_steps, order, [cat[n][0] for n in order], weights, mb0)]
+    stages: List[Stage] = []
+    prev = 0
+    for k, st in enumerate(raw):
+        key = f"train.stages[{k}]"
+        names = list(st.sources or [])
+        if bool(names) == bool(st.path):
+            _fail(f"{key}: give either sources (names from data.sources) or path (one source)")
+        if st.path:
+            path = str(st.path)
+            same = [n for n in order if os.path.normpath(cat[n][0]) == os.path.normpath(path)]
+            names, paths, weights = [same[0] if same else _path_name(path)], [path], [1.0]
+        else:
+            unknown = [n for n in names if n not in cat]
+            if unknown:
+                _fail(
+                    f"{key}.sources: unknown source {unknown[0]!r}; data.sources names "
+                    f"{', '.join(order)}"
+                )
+            if len(set(names)) != len(names):
+                _fail(f"{key}.sources: a source is listed twice: {names}")
+            paths = [cat[n][0] for n in names]
+            weights = [cat[n][1] for n in names]
+            if st.weights is not None:
+                if len(st.weights) != len(names):
+                    _fail(
+                        f"{key}.weights: {len(st.weights)} weights for {len(names)} sources "
+                        f"({names})"
+                    )
+                weights = list(st.weights)
+        try:
+            weights = normalized_weights(weights)
+        except ValueError as e:
+            _fail(f"{key}.weights: {e}")
+        end = st.end_step
+        last = k == len(raw) - 1
+        if end is None and not last:
+            _fail(f"{key}.end_step: only the last stage may leave it unset (= train.max_steps)")
+        end = max_steps if end is None else int(end)
+        if end <= prev:
+            _fail(
+                f"{key}.end_step: {end} must be greater than the previous stage's end "
+                f"({prev}); stages are in step order"
+            )
+        if last and end != max_steps:
+            _fail(
+                f"{key}.end_step: the last stage must end at train.max_steps={max_steps} (the "
+                f"LR schedule runs over the whole run), got {end}"
+            )
+        mb = mb0 if st.micro_batch_size is None else int(st.micro_batch_size)
+        if mb < 1:
+            _fail(f"{key}.micro_batch_size: must be >= 1 (or null: train.micro_batch_size)")
+        stages.append(Stage(end, names, paths, weights, mb))
+        prev = end
+    return stages
+
+
+def check_stage_lengths(
+    cfg: Any, stages: List[Stage], seq_lens: List[int], world_size: int
+) -> None:
+    """What the data's N per stage must satisfy: N <= model.max_seq_len, every conv layer's
+    stride divides N (a staged run; conv windows never straddle padding), and the
+    sequence-parallel split of each stage's N."""
+    model = cfg.model
+    staged = len(list(getattr(cfg.train, "stages", None) or [])) > 0
+    for k, (stage, n) in enumerate(zip(stages, seq_lens)):
+        where = f"train.stages[{k}] (N={n} from {stage.paths[0]})" if staged else f"data (N={n})"
+        if n > model.max_seq_len:
+            _fail(f"{where}: N exceeds model.max_seq_len={model.max_seq_len}; size the model "
+                  "for the largest stage")  # fmt: skip
+        if staged:
+            for i, kind in enumerate(model.projection_schedule()):
+                r = model.conv_stride(i)
+                if kind == "conv" and n % r:
+                    _fail(
+                        f"{where}: conv layer {i} has stride max_seq_len / k = {r}, which does "
+                        f"not divide N; use an N that is a multiple of {r}"
+                    )
+        sp = int(cfg.parallel.sequence_parallel_size)
+        if sp > 1:
+            from linformer_ds.sequence_parallel import config_errors
+
+            errors = config_errors(sp, world_size=world_size, seq_len=n, model=model)
+            if errors:
+                _fail(f"{where}: {errors[0]}")
+
+
+class TrainData:
+    """The trainer's data component: the run's stages, each a :class:`MixtureBatches` over
+    its sources. :meth:`begin_step` moves to the stage of a step (sources carry their epoch
+    and position into later stages that use them again); the state (one dict) holds the
+    stage, the mixture's position and the carried positions.
+
+    ``state_dict()`` is ``{"epoch", "sampler": {"epoch", "consumed", "stage", "mixture",
+    "positions"}}`` (the keys of :class:`linformer_ds.data.TrainBatches`'s state, which it
+    also loads for one source).
+    """
+
+    def __init__(
+        self,
+        stages: List[Stage],
+        datasets: Dict[str, ShardDataset],
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: Union[str, torch.device] = "cpu",
+        mlm_probability: float = 0.15,
+        short_seq_prob: float = 0.0,
+        sp_rank: int = 0,
+        sp_size: int = 1,
+    ) -> None:
+        self.stages, self.datasets = stages, datasets
+        self._args = dict(
+            rank=rank, world_size=world_size, seed=seed, device=device,
+            mlm_probability=mlm_probability, short_seq_prob=short_seq_prob, sp_rank=sp_rank,
+            sp_size=sp_size,
+        )  # fmt: skip
+        self._on_batch: Optional[Callable[[Any, List[Any]], None]] = None
+        self.positions: Dict[str, Dict[str, int]] = {}  # sources' positions, across stages
+        # one source in the whole run: today's stream; else mixture rules in every stage
+        self.legacy = len({n for s in stages for n in s.names}) == 1
+        self.stage_index = 0
+        self.mixture = self._open(0)
+
+    def _open(self, k: int) -> MixtureBatches:
+        s = self.stages[k]
+        mix = MixtureBatches(
+            s.names, [self.datasets[n] for n in s.names], s.weights,
+            micro_batch_size=s.micro_batch_size, positions=self.positions, legacy=self.legacy,
+            **self._args,
+        )  # fmt: skip
+        mix.on_batch = self._on_batch
+        return mix
+
+    @property
+    def stage(self) -> Stage:
+        return self.stages[self.stage_index]
+
+    @property
+    def seq_len(self) -> int:
+        return self.mixture.seq_len
+
+    @property
+    def epoch(self) -> int:
+        return self.mixture.epoch
+
+    @property
+    def on_batch(self) -> Optional[Callable[[Any, List[Any]], None]]:
+        return self._on_batch
+
+    @on_batch.setter
+    def on_batch(self, fn: Optional[Callable[[Any, List[Any]], None]]) -> None:
+        self._on_batch = fn
+        self.mixture.on_batch = fn
+
+    def stage_of(self, step: int) -> int:
+        """The stage that trains ``step`` (1-based; steps past the end: the last stage)."""
+        for k, s in enumerate(self.stages):
+            if step <= s.end_step:
+                return k
+        return len(self.stages) - 1
+
+    def begin_step(self, step: int) -> bool:
+        """Before training ``step``: move to its stage; True when the stage changed."""
+        k = self.stage_of(step)
+        if k == self.stage_index:
+            return False
+        self._carry()
+        self.stage_index = k
+        self.mixture = self._open(k)
+        return True
+
+    def _carry(self) -> None:
+        for name, st in self.mixture.state_dict()["sources"].items():
+            self.positions[name] = {"epoch": st["epoch"], "consumed": st["consumed"]}
+
+    def next_batch(self) -> Dict[str, torch.Tensor]:
+        return self.mixture.next_batch()
+
+    def shares(self) -> Dict[str, float]:
+        return self.mixture.shares()
+
+    def epochs(self) -> Dict[str, float]:
+        return self.mixture.epochs()
+
+    def state_dict(self) -> Dict[str, Any]:
+        mix = self.mixture.state_dict()
+        if self.mixture.sampler.legacy:
+            only = next(iter(mix["sources"].values()))
+            epoch, consumed = only["epoch"], only["consumed"]
+        else:
+            epoch, consumed = self.epoch, mix["position"]
+        self._carry()
+        return {
+            "epoch": epoch,
+            "sampler": {
+                "epoch": epoch,
+                "consumed": consumed,
+                "stage": self.stage_index,
+                "mixture": mix,
+                "positions": {k: dict(v) for k, v in self.positions.items()},
+            },
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` output, or a one-source ``TrainBatches`` state
+        (``ValueError`` when it does not fit these sources)."""
+        s = dict(state["sampler"])
+        k = int(s.get("stage", 0))
+        if not 0 <= k < len(self.stages):
+            raise ValueError(
+                f"the checkpoint is in stage {k}, the config has {len(self.stages)} stage(s)"
+            )
+        self.positions = {n: dict(v) for n, v in (s.get("positions") or {}).items()}
+        self.stage_index = k
+        self.mixture = self._open(k)
+        mix = s.get("mixture")
+        single = self.mixture.sampler.legacy
+        if mix is None:  # a TrainBatches state: one source
+            if not single:
+                raise ValueError(
+                    "the checkpoint was trained on one dataset, the config mixes "
+                    f"{len(self.stage.names)} sources; start a new run for the mixture"
+                )
+            c = int(s["consumed"])
+            name = self.stage.names[0]
+            mix = {"position": c, "sources": {name: {"epoch": int(state["epoch"]),
+                                                    "consumed": c, "count": c}}}  # fmt: skip
+        elif single and len(mix["sources"]) == 1:  # one source: its name may change (a path)
+            mix = {"position": mix["position"],
+                   "sources": {self.stage.names[0]: next(iter(mix["sources"].values()))}}  # fmt: skip
+        self.mixture.load_state_dict(mix)
