@@ -267,9 +267,12 @@ class LinearProjection(nn.Module):
     Inputs shorter than ``N_max`` use the first ``n`` columns (fairseq's slicing).
     Sequence parallel (``sequence_parallel`` set): the rank's slice uses the columns at its
     global offset and the partial products are summed over the group (``E K = sum_r E_r K_r``).
+    Sharded (``shard_sequence_parameters``): ``weight`` holds only the columns from
+    ``shard_start`` on (``[H, k, N_max / P]``), the ones this rank's slice uses.
     """
 
     sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
+    shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
 
     def __init__(self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool):
         super().__init__()
@@ -284,9 +287,16 @@ class LinearProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, h, d = x.shape
         sp = self.sequence_parallel
-        off = 0 if sp is None else sp.offset(n)
+        off = 0 if sp is None else sp.offset(n) - self.shard_start  # column in the local weight
+        width = self.weight.shape[-1]
+        if not 0 <= off <= width - n:
+            raise ValueError(
+                f"sequence-parallel slice [{off + self.shard_start}, "
+                f"{off + self.shard_start + n}) is outside the E/F columns this rank holds "
+                f"[{self.shard_start}, {self.shard_start + width}): sharded E/F need N = max_seq_len"
+            )
         # Plain views where possible: the backward of slicing/indexing zero-fills a gradient.
-        w = self.weight if n == self.max_seq_len else self.weight[:, :, off : off + n]
+        w = self.weight if n == width else self.weight[:, :, off : off + n]
         if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
             y = torch.matmul(w.squeeze(0), x.reshape(b, n, h * d)).view(b, self.k, h, d)
         else:
@@ -528,6 +538,8 @@ class LinformerEncoder(nn.Module):
     Activation checkpointing is applied from outside with ``set_activation_checkpointing``.
     """
 
+    position_shard_start = 0  # global position of the table's row 0 (sharded sequence parallel)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -596,7 +608,8 @@ class LinformerEncoder(nn.Module):
                 f"sequence-parallel slice ends at position {off + n}, past the model's "
                 f"max_seq_len {self.config.max_seq_len}"
             )
-        pos = torch.arange(off, off + n, device=tokens.device)
+        # sharded: the table holds rows [position_shard_start, ...) only
+        pos = torch.arange(off, off + n, device=tokens.device) - self.position_shard_start
         x = tokens + self.position_embeddings(pos)[None]
         x = self.drop(self.embed_ln(x))
         for i, layer in enumerate(self.layers):

@@ -457,3 +457,78 @@ def parallelize(model: nn.Module, group: Any) -> SequenceParallel:
         ):
             module.sequence_parallel = sp
     return sp  # type: ignore[return-value]
+
+
+# ================================================================== sharded sequence-axis parameters
+SHARD_ATTR = "sequence_shard"  # on a sharded parameter: (dim, full size along dim)
+
+
+def sequence_parameters(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
+    """``(name, module, dim)`` of every parameter indexed by sequence position: the weight of
+    every linear projection (E/F, any sharing mode, per-layer ones too; columns, dim 2) and the
+    position table (rows, dim 0). Conv kernels are not: they are the same for every block."""
+    from linformer_ds.model import LinearProjection, LinformerEncoder
+
+    out = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LinearProjection):
+            out.append((f"{prefix}weight", module, 2))
+        elif isinstance(module, LinformerEncoder):
+            out.append((f"{prefix}position_embeddings.weight", module.position_embeddings, 0))
+    return out
+
+
+def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[str]:
+    """Keep only this rank's ``N_max / P`` columns of every E/F and rows of the position table.
+
+    Rank r of the SP group keeps positions ``[r N_max / P, (r+1) N_max / P)``: with N = N_max,
+    exactly the ones its slice uses, so its gradient of them is complete on the rank (no other
+    rank's slice touches them) and needs only the data-parallel reduction. The parameters keep
+    their names; each carries ``sequence_shard = (dim, full size)``. Call after initialising
+    the whole model identically on every rank, before ``parallelize``'s users run it. Returns
+    the sharded parameter names.
+    """
+    from linformer_ds.model import LinearProjection, LinformerEncoder
+
+    names = []
+    for name, module, dim in sequence_parameters(model):
+        full = module.weight
+        size = full.shape[dim]
+        if size % world:
+            raise SequenceParallelConfigError(
+                f"{KEY}: {world} does not divide model.max_seq_len={size}: E/F columns and "
+                "position rows are sharded in equal parts"
+            )
+        width = size // world
+        piece = full.detach().narrow(dim, rank * width, width).clone()
+        module.weight = nn.Parameter(piece, requires_grad=full.requires_grad)
+        setattr(module.weight, SHARD_ATTR, (dim, size))
+        names.append(name)
+    for module in model.modules():
+        if isinstance(module, LinformerEncoder):
+            module.position_shard_start = rank * (module.config.max_seq_len // world)
+        elif isinstance(module, LinearProjection):
+            module.shard_start = rank * (module.max_seq_len // world)
+    return names
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s equal part of ``full`` along ``dim`` (how a whole matrix is sharded)."""
+    width = full.shape[dim] // world
+    return full.narrow(dim, rank * width, width)
+
+
+def full_state_dict(model: nn.Module, group: Any) -> Dict[str, torch.Tensor]:
+    """The model's state dict with every sharded parameter whole again (all-gathered over the
+    SP ``group`` in rank order): what one rank holding the whole model has. Collective."""
+    sd = model.state_dict()
+    sharded = {n: getattr(p, SHARD_ATTR) for n, p in model.named_parameters()
+               if hasattr(p, SHARD_ATTR)}  # fmt: skip
+    world = dist.get_world_size(group)
+    for name, (dim, _size) in sharded.items():
+        local = sd[name].detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=group)
+        sd[name] = torch.cat(parts, dim=dim)
+    return sd

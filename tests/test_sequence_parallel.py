@@ -119,13 +119,31 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     local, offset = shard_batch(batch, groups.sp_rank, groups.sp_size)
     # every schedule x sharing mode, plus the mixed schedule under activation checkpointing
     # (torch's non-reentrant: the recomputed forward issues its collectives again in backward)
-    cases = [(sched, sharing, False) for sched in SCHEDULES for sharing in SHARING]
-    cases.append(("mixed", "headwise", True))
-    for sched, sharing, checkpointing in cases:
+    # Sharded (N = max_seq_len): each rank holds its columns of E/F and rows of the position
+    # table; their gradient on the rank must be the reference's part, with no SP reduction.
+    cases = [
+        (sched, sharing, False, shard)
+        for shard in (False, True)
+        for sched in SCHEDULES
+        for sharing in SHARING
+    ]
+    cases += [("mixed", "headwise", True, False), ("mixed", "headwise", True, True)]
+    for sched, sharing, checkpointing, shard in cases:
         torch.manual_seed(0)
-        cfg = ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing})
+        extra = {"max_seq_len": N} if shard else {}
+        cfg = ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing, **extra})
         ref = LinformerForMaskedLM(cfg)
         model = copy.deepcopy(ref)
+        sharded = {}
+        if shard:
+            names = sp.shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
+            sharded = {n: p.sequence_shard[0] for n, p in model.named_parameters() if n in names}
+            full = sp.full_state_dict(model, groups.sp_group)
+            want = ref.state_dict()
+            assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
+            for n in sharded:  # each rank holds 1/P of them
+                held = dict(model.named_parameters())[n].numel()
+                assert held * groups.sp_size == dict(ref.named_parameters())[n].numel(), n
         sp.parallelize(model, groups.sp_group)
         if checkpointing:
             fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
@@ -139,10 +157,15 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         errs = {"loss": abs(total.item() - loss_ref.item()) / abs(loss_ref.item())}
         floor = 1e-7 * max(p.grad.abs().max().item() for p in ref.parameters())
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            if name in sharded:  # complete on the rank: compared without any reduction
+                want = sp.shard_tensor(p_ref.grad, sharded[name], groups.sp_rank, groups.sp_size)
+                errs[f"{name} (sharded)"] = rel_err(p.grad, want, floor)
+                continue
             g = p.grad.clone()
             dist.all_reduce(g, group=groups.sp_group)
             errs[name] = rel_err(g, p_ref.grad, floor)
-        results["cases"][f"{sched}/{sharing}" + ("/checkpointed" if checkpointing else "")] = errs
+        tag = ("/checkpointed" if checkpointing else "") + ("/sharded" if shard else "")
+        results["cases"][f"{sched}/{sharing}{tag}"] = errs
 
     # Bytes handed to collectives by one layer of each kind, forward and backward.
     for kind in ("linear", "conv", "dense"):
@@ -384,11 +407,19 @@ def test_bytes_formula_scaling():
 @pytest.mark.slow
 def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
     """Two ranks, gloo, fp32: losses and the gradient of every parameter (summed over the SP
-    group) equal the single-rank full-sequence reference to 1e-5, with right-padded rows."""
+    group) equal the single-rank full-sequence reference to 1e-5, with right-padded rows.
+    Sharded: every E/F (each sharing mode, per-layer and layerwise) and the position table
+    hold half their columns/rows per rank, reassemble to the reference exactly, and their
+    gradient on each rank equals the reference's half with no reduction over the group."""
     results = _run_ranks("equivalence", 2, tmp_path)
     assert [r["offset"] for r in results] == [0, N // 2]
     for res in results:
-        assert len(res["cases"]) == len(SCHEDULES) * len(SHARING) + 1
+        assert len(res["cases"]) == 2 * (len(SCHEDULES) * len(SHARING) + 1)
+        for case, errs in res["cases"].items():  # sharded cases: positions, and E/F if linear
+            n_sharded = sum(k.endswith("(sharded)") for k in errs)
+            assert n_sharded == 0 if "sharded" not in case else n_sharded >= 1, (case, errs)
+        lin = res["cases"]["linear/none/sharded"]
+        assert sum(k.endswith("(sharded)") for k in lin) == 1 + 2 * BASE["num_layers"]
         for case, errs in res["cases"].items():
             bad = {k: v for k, v in errs.items() if not v <= TOL}
             assert not bad, (case, bad)
