@@ -430,7 +430,7 @@ class Kit:
             max(10.0, deadline + 20 - time.perf_counter()),
         )  # fmt: skip
         rec: Dict[str, Any] = {
-            "sweep_file": sweep._rel(cfg.path),
+            "sweep_file": sweep.display_path(cfg.path),
             "workers": self.workers,
             "points": len(cfg.points()),
             "runs": runs,
