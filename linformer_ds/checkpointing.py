@@ -91,9 +91,15 @@ def _read_json(path: str) -> Any:
 
 def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
     """Why ``ckpt_dir/tag`` cannot be resumed from, or None if it validates."""
+    bad = tag_name_problem(tag)
+    if bad:
+        return bad
     d = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(d):
         return "no such directory"
+    real, root = os.path.realpath(d), os.path.realpath(ckpt_dir)
+    if os.path.dirname(real) != root:
+        return f"a link to {real}, outside {root} (another run's checkpoint is never used)"
     if not os.path.isfile(os.path.join(d, META_FILE)):
         return f"not a linformer_ds checkpoint (no {META_FILE})"
     if not os.path.isfile(os.path.join(d, COMPLETE_FILE)):
@@ -104,14 +110,21 @@ def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
         return f"{META_FILE} is unreadable ({e})"
     if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
         return f"{META_FILE} lacks one of {list(META_KEYS)}"
+    ints = {k: meta.get(k, 0) for k in ("world_size", "zero_stage", "step")}
+    if any(type(v) is not int or v < 0 for v in ints.values()) or ints["world_size"] < 1:
+        return f"{META_FILE} has a bad world_size/zero_stage/step ({ints})"
     try:
-        with open(os.path.join(d, COMPLETE_FILE)) as f:
-            marker = f.read()
+        with open(os.path.join(d, COMPLETE_FILE), "rb") as f:
+            marker = f.read().decode("utf-8")
         inventory = json.loads(marker).get("files", {}) if marker.strip() != "ok" else {}
+        if not isinstance(inventory, dict):
+            raise ValueError("'files' is not an object")
     except (OSError, ValueError, AttributeError) as e:
         return f"{COMPLETE_FILE} is unreadable ({e})"
     for name, size in inventory.items():
-        path = os.path.join(d, name)
+        path = os.path.join(d, str(name))
+        if tag_name_problem(os.path.basename(str(name))) or not isinstance(size, int):
+            return f"{COMPLETE_FILE} lists {name!r}: {size!r} (not a file of the tag and its size)"
         if not os.path.isfile(path):
             return f"{name} is missing"
         if os.path.getsize(path) != size:
@@ -130,15 +143,46 @@ def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
     return None
 
 
-def latest_tag(ckpt_dir: str) -> Optional[str]:
-    """The tag named by ``latest`` if it validates, else the newest valid one (with a warning)."""
+def tag_name_problem(tag: str) -> Optional[str]:
+    """Why ``tag`` is not a plain name inside a checkpoint directory (a path, ``..``, control
+    characters), or None. Tags are never paths: another run's checkpoint cannot be named."""
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or "\\" in tag:
+        return f"{tag!r} is not a tag name (tags are plain names such as step_00000100)"
+    if not tag.isprintable() or len(tag) > 255:
+        return f"{tag[:40]!r} is not a tag name (non-printable characters or too long)"
+    return None
+
+
+def read_pointer(ckpt_dir: str) -> Optional[str]:
+    """The tag named by ``ckpt_dir/latest``: None when there is none, ``""`` when the file does
+    not hold a plain tag name (damaged: bytes that are not UTF-8, a path, ...). A ``latest``
+    that is not a regular file is a :class:`CheckpointError` (the next save could not write it).
+    """
     pointer = os.path.join(ckpt_dir, "latest")
-    named = None
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            named = f.read().strip()
-        if named and tag_problem(ckpt_dir, named) is None:
-            return named
+    if not os.path.lexists(pointer):
+        return None
+    if os.path.islink(pointer) or not os.path.isfile(pointer):
+        raise CheckpointError(
+            f"{pointer} is not a regular file (the trainer writes the newest tag's name there): "
+            "move it away"
+        )
+    try:
+        with open(pointer, "rb") as f:
+            named = f.read(4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return "" if tag_name_problem(named) else named
+
+
+def latest_tag(ckpt_dir: str) -> Optional[str]:
+    """The tag named by ``latest`` if it validates, else the newest valid one (with a warning).
+    A ``latest`` that does not hold a plain tag name (``../../other/step_4``, bytes that are
+    not text) is never followed: it counts as naming an unusable tag."""
+    named = read_pointer(ckpt_dir)
+    if named == "":
+        named = "(not a tag name)"
+    elif named and tag_problem(ckpt_dir, named) is None:
+        return named
     rejected = []
     for tag in reversed(tag_dirs(ckpt_dir)):
         problem = tag_problem(ckpt_dir, tag)
@@ -159,10 +203,14 @@ def latest_tag(ckpt_dir: str) -> Optional[str]:
 
 def resolve_resume_tag(ckpt_dir: str, resume: str) -> Optional[str]:
     """The tag ``checkpoint.resume`` selects (``auto``: newest valid; ``never``: none)."""
+    read_pointer(ckpt_dir)  # a 'latest' that is a directory fails now, not at the first save
     if resume == "never":
         return None
     if resume == "auto":
         return latest_tag(ckpt_dir)
+    bad = tag_name_problem(resume)
+    if bad:
+        raise CheckpointError(f"checkpoint.resume: {bad}; or auto / never")
     if not os.path.isdir(os.path.join(ckpt_dir, resume)):
         found = ", ".join(tag_dirs(ckpt_dir)) or "none"
         raise CheckpointError(
@@ -573,6 +621,8 @@ def resolve_checkpoint(checkpoint: str, tag: Optional[str] = None) -> Tuple[str,
     ckpt = os.path.abspath(checkpoint)
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{checkpoint}: no such directory")
+    if tag is not None and tag_name_problem(tag):
+        raise CheckpointError(f"--tag {tag_name_problem(tag)}")
     if tag is None and os.path.isfile(os.path.join(ckpt, META_FILE)):
         ckpt, tag = os.path.dirname(ckpt), os.path.basename(ckpt)  # given the tag directory
     if tag is None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import zlib
 from collections.abc import MutableMapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHERS = ("env", "mpi", "slurm", "single")
@@ -303,3 +305,206 @@ def disable_deepspeed_shm_allreduce() -> None:
         return
     if SHM_OP in table:
         table[SHM_OP] = False
+
+
+# ---------------------------------------------------------------------- rendezvous with a deadline
+DEFAULT_INIT_TIMEOUT_S = 300.0  # parallel.init_timeout_s
+
+
+def check_master_addr(addr: str, port: int) -> None:
+    """A :class:`DistEnvError` (one line) when MASTER_ADDR does not resolve: without this check
+    every rank would retry connecting to it until the deadline."""
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise DistEnvError(
+            f"MASTER_ADDR {addr!r} does not resolve ({reason}): set MASTER_ADDR to rank 0's host "
+            "name or IP address"
+        ) from None
+
+
+def init_process_group(
+    backend: str, rank: int, world_size: int, timeout_s: float = DEFAULT_INIT_TIMEOUT_S
+) -> None:
+    """Start torch.distributed (env:// rendezvous at MASTER_ADDR:MASTER_PORT) with a deadline.
+
+    The rendezvous (connecting to rank 0's store, every rank joining, the backend's first
+    connections) must complete within ``timeout_s`` (``parallel.init_timeout_s``); afterwards
+    collectives get DeepSpeed's usual timeout. Failures are one-line :class:`DistEnvError`:
+    a busy MASTER_PORT, an unresolvable MASTER_ADDR, or ranks that did not all arrive in time
+    (a rank died or never started). ``deepspeed.init_distributed`` then adopts the group.
+    """
+    import math
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise DistEnvError(f"parallel.init_timeout_s must be > 0 seconds, got {timeout_s!r}")
+    if dist.is_initialized():
+        return
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    check_master_addr(addr, port)
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    except (RuntimeError, ValueError) as e:  # DistError subclasses RuntimeError
+        text = str(e)
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise DistEnvError(
+                f"MASTER_PORT {port} is already in use on rank 0's host {addr} (another job, or "
+                "a rank of an earlier run still alive): set MASTER_PORT to a free port"
+            ) from None
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise DistEnvError(
+                f"rank {rank}: the rendezvous at {where} did not complete within "
+                f"{timeout_s:g} s (parallel.init_timeout_s): a rank died or never started, or "
+                f"the address is not reachable ({first})"
+            ) from None
+        raise DistEnvError(f"rank {rank}: the rendezvous at {where} failed: {first}") from None
+    try:  # collectives: DeepSpeed's timeout (DEEPSPEED_TIMEOUT minutes), not the start-up one
+        from deepspeed.constants import default_pg_timeout
+
+        dist.distributed_c10d._set_pg_timeout(default_pg_timeout, None)
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        pass
+
+
+# --------------------------------------------------------------- signals and launcher watchdog
+def _proc_cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _proc_parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def launcher_pids() -> List[int]:
+    """The processes whose death means this rank must leave: the parent (the launcher, srun's
+    step daemon, mpirun's daemon) and, under the deepspeed launcher, its runner too (SIGTERM to
+    ``deepspeed`` ends the runner but not its ``deepspeed.launcher.launch`` child)."""
+    parent = os.getppid()
+    pids = [parent] if parent > 1 else []
+    if parent > 1 and "deepspeed.launcher.launch" in _proc_cmdline(parent):
+        grand = _proc_parent(parent)
+        if grand > 1:
+            pids.append(grand)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class Watchdog:
+    """A daemon thread that keeps a rank from waiting forever.
+
+    - Start-up (from construction until :meth:`training_started`): SIGTERM/SIGUSR1 end the
+      process at once (exit 75, one line), also while the main thread is blocked inside a
+      rendezvous or builds indices: no optimizer step has run, so the last checkpoint is
+      current. (Signals recorded before the watchdog started are adopted by the trainer.)
+    - Always, when ``watch_launcher``: if the launcher process exits (see :func:`launcher_pids`),
+      the rank sends itself SIGTERM (the trainer checkpoints at the next step and exits 75) and
+      leaves with exit 143 if it is still running ``grace_s`` seconds later.
+
+    Signals reach the thread through ``signal.set_wakeup_fd`` (written by the C-level handler,
+    so it works while the main thread is inside a C++ call); the Python handlers still run.
+    """
+
+    def __init__(self, exit_code: int = 75, watch_launcher: bool = True, grace_s: float = 300.0,
+                 poll_s: float = 1.0, phase: str = "start-up") -> None:  # fmt: skip
+        import threading
+
+        self.exit_code, self.grace_s, self.poll_s = exit_code, float(grace_s), poll_s
+        self.phase: Optional[str] = phase
+        self.launchers = launcher_pids() if watch_launcher else []
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._write = write
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="linformer-watchdog", daemon=True)
+        self._thread.start()
+
+    def set_phase(self, phase: str) -> None:
+        """Name what start-up is doing now (shown if a signal ends it)."""
+        self.phase = phase
+
+    def training_started(self) -> None:
+        """From now on a signal is the trainer's business (checkpoint at the next step)."""
+        self.phase = None
+
+    def _leave(self, message: str, code: int) -> None:
+        rank = os.environ.get("RANK", "?")
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.write(2, f"error: rank {rank}: {message}\n".encode())
+        os._exit(code)
+
+    def _run(self) -> None:
+        import select
+        import time
+
+        orphaned_at: Optional[float] = None
+        while True:
+            ready, _, _ = select.select([self._read], [], [], self.poll_s)
+            if ready:
+                for signum in os.read(self._read, 64):
+                    if signum in (signal.SIGTERM, signal.SIGUSR1) and self.phase is not None:
+                        name = signal.Signals(signum).name
+                        self._leave(
+                            f"{name} during {self.phase}: stopped before the first step (the "
+                            "last checkpoint is current)",
+                            self.exit_code,
+                        )
+            if self.launchers and orphaned_at is None:
+                dead = [pid for pid in self.launchers if not _alive(pid)]
+                if dead:
+                    orphaned_at = time.monotonic()
+                    os.write(2, f"[warn] the launcher (pid {dead[0]}) exited: stopping\n".encode())
+                    os.kill(os.getpid(), signal.SIGTERM)
+            if orphaned_at is not None and time.monotonic() - orphaned_at > self.grace_s:
+                self._leave(
+                    f"the launcher exited and this rank did not stop within {self.grace_s:g} s",
+                    143,
+                )
+
+
+
+_WATCHDOG: Optional[Watchdog] = None
+
+
+def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
+                   grace_s: float = DEFAULT_INIT_TIMEOUT_S) -> Watchdog:  # fmt: skip
+    """The process's one :class:`Watchdog`, (re)armed for start-up. Call from the main thread."""
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        _WATCHDOG = Watchdog(exit_code, watch_launcher, grace_s)
+    else:
+        _WATCHDOG.exit_code, _WATCHDOG.grace_s = exit_code, float(grace_s)
+        _WATCHDOG.launchers = launcher_pids() if watch_launcher else []
+        _WATCHDOG.set_phase("start-up")
+    return _WATCHDOG

@@ -1,0 +1,247 @@
+"""Output directories that never destroy what the command did not create.
+
+Used by ``python -m data_prep``, ``launch/export.py`` and ``launch/finetune.py`` before any slow
+work. ``--out`` is refused (:class:`OutDirError`, one line) when it
+
+- is, contains or lies inside one of the command's inputs (a source, the checkpoint, the base
+  model, a data file);
+- lies inside, or is, a directory another tool owns: a training run (``metrics.jsonl``), a
+  checkpoint directory (``latest``, ``step_*`` tags), a checkpoint tag, a data_prep output, an
+  export or a fine-tuned model;
+- is a non-empty directory without this command's marker file (``.linformer_ds-<command>.json``,
+  written when the command creates the directory): ``--overwrite`` replaces only a directory that
+  carries the same command's marker, and never one that contains any of the above.
+
+Replacing goes through a sibling temporary directory and renames (:func:`swap_in`), so a failed
+write leaves the previous output whole. Standard library only (data_prep imports it).
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+MARKER_PREFIX = ".linformer_ds-"
+COMMANDS = ("data_prep", "export", "finetune")
+# Files by which the outputs of earlier versions (no marker yet) are recognised as their own.
+LEGACY_MARKERS = {
+    "export": ("linformer_export.json",),
+    "finetune": ("finetune_results.json",),
+    "data_prep": ("manifest.json", "progress.json"),
+}
+_TAG_RE = re.compile(r"^step_\d{8,}$")
+_WALK_LIMIT = 10_000  # entries looked at when checking what an --overwrite target contains
+
+
+class OutDirError(ValueError):
+    """``--out`` cannot be used; the message names what it is and what to do."""
+
+
+def marker_name(command: str) -> str:
+    """File name of ``command``'s marker inside a directory it created."""
+    return f"{MARKER_PREFIX}{command}.json"
+
+
+def write_marker(directory: str, command: str, **info: object) -> None:
+    """Mark ``directory`` as created by ``command`` (JSON: command, UTC time, ``info``)."""
+    record = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record.update(info)
+    with open(os.path.join(directory, marker_name(command)), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True, default=str)
+        f.write("\n")
+
+
+def _names(d: str) -> List[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
+
+
+def identify(d: str) -> Optional[Tuple[str, Optional[str]]]:
+    """``(what d is, the command that made it or None)`` for a directory some tool of this
+    project owns, else None."""
+    names = _names(d)
+    if not names:
+        return None
+    present = set(names)
+    for command in COMMANDS:
+        if marker_name(command) in present:
+            return f"a {command} output", command
+    if "linformer_meta.json" in present:
+        return "a checkpoint tag", None
+    if any(_TAG_RE.match(n) for n in names) or os.path.isfile(os.path.join(d, "latest")):
+        return "a checkpoint directory (step_* tags / latest)", None
+    if "metrics.jsonl" in present:
+        return "a training run directory (metrics.jsonl)", None
+    if "linformer_export.json" in present:
+        return "an exported model", "export"
+    if "finetune_results.json" in present:
+        return "a fine-tuned model", "finetune"
+    if "manifest.json" in present or "progress.json" in present:
+        if "tokenizer.model" in present or "train" in present or "progress.json" in present:
+            return "a data_prep output", "data_prep"
+    return None
+
+
+def _under(path: str, root: str) -> bool:
+    return path != root and path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_out(
+    out: str,
+    command: str,
+    inputs: Sequence[Tuple[str, Optional[str]]] = (),
+    overwrite: bool = False,
+    resume: bool = False,
+) -> str:
+    """Check ``out`` for ``command`` (see the module docstring); returns its state:
+    ``"new"`` (does not exist), ``"empty"`` (an empty directory), ``"replace"`` (an earlier
+    output of ``command``, ``overwrite`` given) or ``"resume"`` (the same, ``resume`` given).
+
+    ``inputs``: ``(flag, path)`` pairs the command reads (None entries are skipped).
+    """
+    flag = "--out"
+    real = os.path.realpath(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise OutDirError(f"{flag} {out} exists and is not a directory; choose a new directory")
+    for label, path in inputs:
+        if not path or not os.path.exists(path):
+            continue
+        p = os.path.realpath(path)
+        if real == p:
+            relation = "is"
+        elif _under(p, real):
+            relation = "contains"
+        elif _under(real, p):
+            relation = "lies inside"
+        else:
+            continue
+        raise OutDirError(
+            f"{flag} {out} {relation} the input {label} {path}: write the output to a new "
+            "directory outside the inputs"
+        )
+    parent = os.path.dirname(real)
+    while True:
+        found = identify(parent)
+        if found is not None:
+            raise OutDirError(
+                f"{flag} {out} lies inside {found[0]} {parent}: write the output to a new "
+                "directory outside it"
+            )
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(real):
+        return "new"
+    if not _names(real):
+        return "empty"
+    found = identify(real)
+    if found is None or found[1] != command:
+        what = f"is {found[0]}" if found else "exists and is not empty"
+        made = f"{command} did not create it (no {marker_name(command)})"
+        if overwrite:
+            raise OutDirError(
+                f"refusing to --overwrite {out}: it {what} and {made}; --overwrite replaces only "
+                f"an earlier {command} output: choose a new or empty directory"
+            )
+        raise OutDirError(
+            f"{flag} {out} {what} and {made}; nothing there is replaced: choose a new or empty "
+            "directory"
+        )
+    if not (overwrite or resume):
+        return "exists"
+    for root, dirs, _files in os.walk(real):
+        if len(dirs) > _WALK_LIMIT:
+            break
+        for name in dirs:
+            inner = identify(os.path.join(root, name))
+            if inner is not None:
+                raise OutDirError(
+                    f"{flag} {out} contains {inner[0]} {os.path.join(root, name)}; it is not "
+                    "replaced: move that away first or choose another --out"
+                )
+    return "resume" if resume else "replace"
+
+
+def staging_dir(out: str, command: str) -> str:
+    """A new hidden directory next to ``out`` to write into (swapped in by :func:`swap_in`)."""
+    import tempfile
+
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{command}-", dir=parent)
+
+
+def swap_in(tmp: str, out: str) -> None:
+    """Make the finished ``tmp`` the directory ``out``; a previous ``out`` (checked by
+    :func:`check_out`) is moved aside first and deleted only after the rename succeeded."""
+    out = os.path.abspath(out)
+    old = None
+    if os.path.isdir(out) and _names(out):
+        old = f"{tmp}.old"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.dirname(out), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_error(e: BaseException, what: str) -> str:
+    """One line for a failed write of ``what``: the OS's reason (ENOSPC, EFBIG from a file-size
+    limit such as ``ulimit -f``, EROFS, ...) and the file, never a library's internal message."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        reason = "file too large for this process's file-size limit (ulimit -f)"
+    elif isinstance(e, OSError) and e.strerror:
+        reason = e.strerror
+    else:
+        text = str(e).strip().splitlines()
+        reason = f"{type(e).__name__}: {text[0] if text else ''}".strip()
+        if "space" not in reason.lower() and _disk_full(what):
+            reason = f"No space left on device ({reason})"
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    return f"could not write {what}: {reason}{where}"
+
+
+def _disk_full(path: str) -> bool:
+    p = os.path.abspath(path)
+    while p and not os.path.exists(p):
+        p = os.path.dirname(p)
+    try:
+        usage = shutil.disk_usage(p)
+    except OSError:
+        return False
+    return usage.free < min(16 * 2**20, usage.total // 100 + 1)
+
+
+def ignore_file_size_signal() -> None:
+    """Make a write beyond ``ulimit -f`` raise ``OSError(EFBIG)`` (reported in one line by
+    :func:`write_error`) instead of killing the process with SIGXFSZ."""
+    import signal
+
+    if hasattr(signal, "SIGXFSZ"):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def fail(prefix: str, message: str, code: int = 2) -> int:
+    """Print ``prefix: message`` as one stderr line; returns ``code``."""
+    print(f"{prefix}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return code
