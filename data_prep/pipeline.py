@@ -262,8 +262,8 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     os.makedirs(out, exist_ok=True)
     # Mark the directory as ours at once, so that a run interrupted while training the
     # tokenizer can still be resumed (from the start) or overwritten.
+    # (progress.json, then manifest.json, are data_prep's marker: outdir.identify)
     atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
-    outdir.write_marker(out, "data_prep")
     return None, created
 
 
