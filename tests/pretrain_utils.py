@@ -1,12 +1,15 @@
 """Helpers shared by tests that run the real trainer: a small corpus and 2-rank launches."""
 
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from linformer_ds.dist_env import free_port
+from linformer_ds.fsio import read_jsonl
+
+__all__ = ["free_port"]  # (re-exported for the tests that launch by hand)
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
@@ -39,12 +42,6 @@ def make_corpus(out: Path, seq_len: int = 128, vocab: int = 2000, max_docs: int 
     ]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_pretrain(
@@ -83,13 +80,7 @@ def run_pretrain(
 
 def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:
     """step -> metrics record (the last one written for that step)."""
-    out: Dict[int, dict] = {}
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec["split"] == split:
-                out[rec["step"]] = rec
-    return out
+    return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == split}
 
 
 def init_gloo_rank(rank: int, world: int, port: int):

@@ -9,7 +9,6 @@ MLM logits on a fixed padded input.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -20,6 +19,7 @@ from typing import Optional
 import pytest
 import torch
 
+from linformer_ds.dist_env import free_port
 from tests.pretrain_utils import init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,12 +173,6 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
 
 
 # ===================================================================================== helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -306,7 +300,7 @@ def checkpoints(tmp_path_factory) -> Path:
 
 def _run_ranks(spec: Path, cwd: Path, mode: str = "train") -> None:
     """Run this file's 2-rank worker job (``mode``: train or reload) and wait for it."""
-    port = _free_port()
+    port = free_port()
     extra = ["reload"] if mode == "reload" else []
     procs = [
         subprocess.Popen(
@@ -569,7 +563,7 @@ def test_real_trainer_pretrain_export_load_logits_equal(tmp_path):
     jobs = []
     for name, overrides in TRAINER_RUNS.items():
         run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", str(_free_port()), str(REPO / "launch/pretrain.py"),
+             "--master_port", str(free_port()), str(REPO / "launch/pretrain.py"),
              "--config", str(REPO / "configs/tiny_cpu.yaml"), *small, *overrides,
              f"logging.dir=runs/{name}"])  # fmt: skip
         ckpt = tmp_path / "runs" / name / "checkpoints"

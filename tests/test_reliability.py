@@ -23,6 +23,7 @@ import torch
 
 from linformer_ds import checkpointing as ckpt
 from linformer_ds.data import ResumableDistributedSampler, ShardDataset
+from linformer_ds.fsio import read_jsonl
 from linformer_ds.train import SAMPLE_LOG_ENV, TEST_NAN_ENV
 from tests.pretrain_utils import (
     PRETRAIN,
@@ -47,8 +48,7 @@ def samples(run_dir: Path) -> Dict[int, List[int]]:
     """step -> sorted sample indices consumed by all ranks (last record of a (step, rank))."""
     per: Dict[tuple, List[int]] = {}
     for path in sorted((run_dir / "samples").glob("samples.rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_jsonl(path):
             per[(rec["step"], rec["rank"])] = rec["indices"]
     out: Dict[int, List[int]] = {}
     for (step, _), idx in per.items():
@@ -192,16 +192,7 @@ def crashed_run(tiny_corpus, tmp_path_factory):
 
 
 def _logged_steps(run: Path) -> set:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return set()
-    steps = set()
-    for line in path.read_text().splitlines():
-        try:
-            steps.add(json.loads(line)["step"])
-        except ValueError:
-            pass  # a line being written
-    return steps
+    return {r["step"] for r in read_jsonl(run / "metrics.jsonl")}  # a torn last line is skipped
 
 
 def test_sigkill_mid_save_and_mid_step_resume_equals_uninterrupted(reference, crashed_run):

@@ -6,7 +6,6 @@ hands to collectives. Multi-rank parts run this file as a script, one process pe
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
+from linformer_ds.dist_env import free_port
 from linformer_ds.model import ModelConfig
 from linformer_ds.sequence_parallel import (
     SequenceParallelConfigError,
@@ -317,17 +317,11 @@ def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
 
 
 # ========================================================================================= helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(mode: str, world: int, out: Path, timeout: int = 600) -> list:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, mode, str(r), str(world), str(port), str(out)],

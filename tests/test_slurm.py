@@ -18,6 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurmCluster, running_cluster  # noqa: E402
 
+from linformer_ds.fsio import read_jsonl  # noqa: E402
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,11 +88,7 @@ def submit_pretrain(cluster: LocalSlurmCluster, data: Path, run_dir: Path) -> in
 
 def train_metrics(run_dir: Path) -> list:
     """The trainer's rank-0 metrics.jsonl rows of split train."""
-    path = run_dir / "logs" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("split") == "train"]
+    return [r for r in read_jsonl(run_dir / "logs" / "metrics.jsonl") if r.get("split") == "train"]
 
 
 def job_log(run_dir: Path, job_id: int) -> str:

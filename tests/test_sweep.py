@@ -10,6 +10,7 @@ import sys
 import pytest
 import yaml
 
+from linformer_ds.fsio import read_jsonl
 from studies import sweep
 from tests.pretrain_utils import REPO
 
@@ -158,9 +159,7 @@ def test_report_files_have_one_row_per_point(swept):
     assert [r["status"] for r in rows] == ["ok", "ok", "diverged"]
     # the numbers come from the trainer's metrics.jsonl, unchanged
     for r in rows[:2]:
-        evals = [
-            json.loads(line) for line in open(swept["out"] / "runs" / r["id"] / "metrics.jsonl")
-        ]
+        evals = read_jsonl(swept["out"] / "runs" / r["id"] / "metrics.jsonl")
         last = [e for e in evals if e["split"] == "eval"][-1]
         assert float(r["final_eval_loss"]) == last["loss"]
         assert float(r["final_eval_ppl"]) == pytest.approx(last["perplexity"], rel=1e-12)
