@@ -532,3 +532,73 @@ def full_state_dict(model: nn.Module, group: Any) -> Dict[str, torch.Tensor]:
         dist.all_gather(parts, local, group=group)
         sd[name] = torch.cat(parts, dim=dim)
     return sd
+
+
+class ShardedSequenceParallelMPU(SequenceParallelMPU):
+    """The ``mpu`` when the sequence-axis parameters are sharded (:func:`shard_for_deepspeed`).
+
+    DeepSpeed sees the SP group as a tensor-parallel group and reduces every gradient over the
+    data-parallel group only (DP ranks: the same slice position, so the same shards). Sharded
+    parameters carry ``tensor_model_parallel = True``: the gradient norm counts them on every
+    rank and the replicated ones once (DeepSpeed sums the norm over the model-parallel group).
+    The replicated parameters' gradients are summed over the SP group by hooks beforehand.
+    """
+
+    def get_sequence_parallel_world_size(self) -> int:  # DeepSpeed: no sequence-data group
+        return 1
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.groups.dp_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.groups.dp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.sp_size
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.sp_rank
+
+    def get_model_parallel_group(self) -> Any:
+        return self.groups.sp_group
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.groups.rank - self.groups.sp_rank
+
+
+def _sum_over(group: Any) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        g = grad.contiguous().clone()
+        dist.all_reduce(g, group=group)
+        return g
+
+    return hook
+
+
+def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> List[str]:
+    """Sharded sequence parallelism under DeepSpeed: shard E/F and the positions
+    (:func:`shard_sequence_parameters`), mark them model-parallel, and make every other
+    parameter's gradient the sum over the SP group (a hook per parameter, before DeepSpeed's
+    data-parallel reduction). Use with :class:`ShardedSequenceParallelMPU` and a backward loss
+    scale of 1 at every ZeRO stage. Returns the sharded parameter names."""
+    names = shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name in names:
+            p.tensor_model_parallel = True
+        elif p.requires_grad:
+            p.register_hook(_sum_over(groups.sp_group))
+    return names

@@ -203,6 +203,7 @@ def _ds_config(stage: int) -> dict:
 
 
 DS_MODEL = dict(num_layers=3, layer_projections=["linear", "conv", "dense"], sharing="headwise")
+SHARDED_STAGES = (0, 1, 2, 3)  # sharded E/F and positions: DP-only reduction through the mpu
 # (name, ZeRO stage, apply partition_for_zero3, apply backward_loss_scale)
 DS_CASES = [
     ("z0", 0, True, True),
@@ -227,12 +228,19 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
     rows = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
     results = {}
     cases = DS_CASES if sp_size > 1 else [c for c in DS_CASES if "_" not in c[0]]
+    cases = cases + [(f"z{z}_sharded", z, False, False) for z in SHARDED_STAGES]
     for name, stage, partition, scale in cases:
         torch.manual_seed(0)
-        model = LinformerForMaskedLM(ModelConfig(**{**BASE, **DS_MODEL}))
+        shard = name.endswith("_sharded")
+        extra = {"max_seq_len": N} if shard else {}  # sharding needs N = max_seq_len
+        model = LinformerForMaskedLM(ModelConfig(**{**BASE, **DS_MODEL, **extra}))
         cfg = _ds_config(stage)
         kwargs = {}
-        if groups is not None:
+        if groups is not None and shard:
+            sp.shard_for_deepspeed(model, groups)
+            sp.parallelize(model, groups.sp_group)
+            kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
+        elif groups is not None:
             sp.parallelize(model, groups.sp_group)
             if partition:
                 sp.partition_for_zero3(model, groups, cfg)
@@ -254,6 +262,14 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
             after = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+        if groups is not None and shard:  # whole again: all-gather the shards over the group
+            for k, v in engine.module.named_parameters():
+                if hasattr(v, sp.SHARD_ATTR):
+                    dim = getattr(v, sp.SHARD_ATTR)[0]
+                    for d in (grads, after):
+                        parts = [torch.empty_like(d[k]) for _ in range(groups.sp_size)]
+                        torch.distributed.all_gather(parts, d[k].contiguous(), groups.sp_group)
+                        d[k] = torch.cat(parts, dim=dim)
         results[name] = {
             "grad": {k: v.tolist() for k, v in grads.items()},
             "param": {k: v.tolist() for k, v in after.items()},
@@ -463,6 +479,11 @@ def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(tmp_path):
             assert worst(run, case, case, "param") <= TOL, (stage, "param")
         # the comparison is of real updates: every parameter has a non-zero gradient
         assert min(torch.tensor(g).abs().max().item() for g in ref[case]["grad"].values()) > 0
+    for stage in SHARDED_STAGES:  # sharded on DP 2 x SP 2 vs the same model on DP 2, unsharded
+        case = f"z{stage}_sharded"
+        for run in sp_runs:
+            assert worst(run, case, case, "grad") <= TOL, (case, "grad")
+            assert worst(run, case, case, "param") <= TOL, (case, "param")
     # The two ways ZeRO-3 goes wrong without the fix (see docs/sequence_parallel.md):
     assert worst(sp_runs[0], "z3_dp_partition", "z3", "grad") > 0.1  # partitioned over DP only
     assert worst(sp_runs[0], "z3_no_scale", "z3", "grad") > 0.1  # reduce-scatter divides by DP x P
