@@ -9,8 +9,6 @@ from typing import Dict, List, Optional
 from linformer_ds.dist_env import free_port
 from linformer_ds.fsio import read_jsonl
 
-__all__ = ["free_port"]  # (re-exported for the tests that launch by hand)
-
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 TINY_CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
