@@ -21,7 +21,6 @@ class World:
     local_rank: int
     device: torch.device
     backend: str
-    launcher: Optional[str] = None
 
 
 def final_deepspeed_config(
