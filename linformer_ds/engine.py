@@ -66,13 +66,15 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce, init_process_group
 
     check_accelerator(cfg)
     acc = get_accelerator()
     on_cpu = acc.device_name() == "cpu"
     backend = cfg.deepspeed.dist_backend or ("gloo" if on_cpu else acc.communication_backend_name())
     disable_deepspeed_shm_allreduce()  # training never uses it; it leaks /dev/shm on CPU
+    # the rendezvous with its deadline (parallel.init_timeout_s); DeepSpeed adopts the group
+    init_process_group(backend, rank, world_size, getattr(cfg.parallel, "init_timeout_s", 300.0))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     device = torch.device("cpu") if on_cpu else torch.device(acc.device_name(local_rank))
     if not on_cpu:
