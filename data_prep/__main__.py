@@ -80,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers", type=int, help="tokenizer processes (default: CPU count; 0: inline)"
     )
+    p.add_argument(
+        "--unit-bytes",
+        type=int,
+        help="under mpirun/srun: bytes of input per work unit (default: corpus/256, 1-256 MiB); "
+        "the output does not depend on it",
+    )
+    p.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=120.0,
+        help="under mpirun/srun: fail the run when a rank gives no sign of life for this many "
+        "seconds (default 120)",
+    )
     p.add_argument("--overwrite", action="store_true", help="delete an existing output first")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -115,13 +128,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         overwrite=args.overwrite,
         resume=args.resume,
         progress=not args.quiet,
+        unit_bytes=args.unit_bytes,
+        rank_timeout=args.rank_timeout,
     )
     if args.workers is not None:
         kwargs["workers"] = args.workers
     try:
         prepare(PrepConfig(**kwargs))
     except DataPrepError as e:  # bad input, options or output directory: one line, exit 2
-        print(f"data_prep: error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # (another rank of an mpirun/srun run prints it)
+            print(f"data_prep: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("data_prep: interrupted; rerun with --resume to continue", file=sys.stderr)

@@ -88,6 +88,8 @@ class PrepConfig:
     resume: bool = False
     checkpoint_seconds: float = 10.0
     progress: bool = True
+    unit_bytes: Optional[int] = None  # ranks' work unit (mpirun/srun); the output ignores it
+    rank_timeout: float = 120.0  # mpirun/srun: a rank silent this long fails the run
 
     def validate(self) -> None:
         """Raise :class:`DataPrepError` naming the first bad option."""
@@ -137,6 +139,10 @@ class PrepConfig:
             )
         if not 0 <= self.seed < 2**32:
             raise DataPrepError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.unit_bytes is not None and self.unit_bytes < 1:
+            raise DataPrepError(f"--unit-bytes must be >= 1, got {self.unit_bytes}")
+        if not self.rank_timeout > 0 or self.rank_timeout == float("inf"):
+            raise DataPrepError(f"--rank-timeout must be > 0 seconds, got {self.rank_timeout}")
         if not self.checkpoint_seconds >= 0:  # 0: after every task; nan is refused too
             raise DataPrepError(f"checkpoint_seconds must be >= 0, got {self.checkpoint_seconds}")
         if not self.out or not str(self.out).strip():
@@ -317,37 +323,49 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
                     else ""
                 )
             )
-        _log(
-            cfg,
-            f"training a {cfg.model_type} tokenizer (vocab {cfg.vocab_size}) on "
-            f"{sampled['sampled_lines']} sampled lines ({sampled['sampled_bytes']:,} bytes) of "
-            f"{sampled['corpus_lines']} non-blank lines ({sampled['corpus_bytes']:,} bytes); "
-            f"{sampled['long_lines']} lines over {MAX_SENTENCE_BYTES} bytes were split",
-        )
-        train_tokenizer(
-            sentences,
-            dest,
-            cfg.vocab_size,
-            cfg.model_type,
-            cfg.character_coverage,
-            num_threads=cfg.tokenizer_threads,
-            seed=cfg.seed,
-        )
-        sp = load_tokenizer(dest)
-        trip = round_trip(sp, sentences)  # decode(encode(x)) == normalized(x) on the sample
-        _log(
-            cfg,
-            f"tokenizer round trip: {trip['exact']}/{trip['lines']} sampled lines decode to "
-            f"their normalized text ({trip['unk_pieces']} <unk> pieces)",
-        )
-        trained = {
-            **sampled,  # sampled_lines/bytes, corpus_lines/bytes, long_lines (split)
-            "max_sentences": cfg.max_sentences_for_tokenizer,
-            "character_coverage": cfg.character_coverage,  # requested (None: automatic)
-            "round_trip": trip,
-            "threads": cfg.tokenizer_threads,
-            "seconds": round(time.time() - t0, 2),
-        }
+        return train_on_sample(cfg, sentences, sampled, t0)
+    return sp, tokenizer_info(dest, sp, trained)
+
+
+def train_on_sample(
+    cfg: PrepConfig, sentences: List[str], sampled: Dict[str, int], t0: float
+) -> Tuple[Any, Dict[str, Any]]:
+    """Train ``OUT/tokenizer.model`` on the sample; returns it and its manifest entry.
+
+    ``sampled`` holds the sample's counters (see :func:`sample_sentences`); ``t0`` is when the
+    sampling began (the manifest's ``seconds``)."""
+    dest = os.path.join(cfg.out, TOKENIZER)
+    _log(
+        cfg,
+        f"training a {cfg.model_type} tokenizer (vocab {cfg.vocab_size}) on "
+        f"{sampled['sampled_lines']} sampled lines ({sampled['sampled_bytes']:,} bytes) of "
+        f"{sampled['corpus_lines']} non-blank lines ({sampled['corpus_bytes']:,} bytes); "
+        f"{sampled['long_lines']} lines over {MAX_SENTENCE_BYTES} bytes were split",
+    )
+    train_tokenizer(
+        sentences,
+        dest,
+        cfg.vocab_size,
+        cfg.model_type,
+        cfg.character_coverage,
+        num_threads=cfg.tokenizer_threads,
+        seed=cfg.seed,
+    )
+    sp = load_tokenizer(dest)
+    trip = round_trip(sp, sentences)  # decode(encode(x)) == normalized(x) on the sample
+    _log(
+        cfg,
+        f"tokenizer round trip: {trip['exact']}/{trip['lines']} sampled lines decode to "
+        f"their normalized text ({trip['unk_pieces']} <unk> pieces)",
+    )
+    trained = {
+        **sampled,  # sampled_lines/bytes, corpus_lines/bytes, long_lines (split)
+        "max_sentences": cfg.max_sentences_for_tokenizer,
+        "character_coverage": cfg.character_coverage,  # requested (None: automatic)
+        "round_trip": trip,
+        "threads": cfg.tokenizer_threads,
+        "seconds": round(time.time() - t0, 2),
+    }
     return sp, tokenizer_info(dest, sp, trained)
 
 
@@ -419,7 +437,7 @@ def _tasks(
             yield texts, meta
             texts, size = [], 0
             before = (stats.bytes, stats.undecodable_bytes)
-    if texts:
+    if texts or (stats.bytes, stats.undecodable_bytes) != before:  # bytes after the last doc
         meta = {
             "documents": len(texts),
             "bytes": stats.bytes - before[0],
@@ -452,6 +470,13 @@ def _empty_counters() -> Dict[str, Any]:
 def prepare(cfg: PrepConfig) -> PrepResult:
     """Run data_prep end to end; returns the manifest (also written to ``OUT/manifest.json``)."""
     t_start = time.time()
+    from data_prep.distributed import detect_world
+
+    world = detect_world()
+    if world is not None:  # launched by mpirun or srun: one rank of many (data_prep.parallel)
+        from data_prep.parallel import prepare_distributed
+
+        return prepare_distributed(cfg, world)
     cfg.validate()
     # missing paths fail here
     source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
@@ -498,6 +523,11 @@ def _documents_done(out: str) -> int:
 def _run(
     cfg: PrepConfig, source: Source, state: Optional[Dict[str, Any]], t_start: float
 ) -> PrepResult:
+    if state is not None and state.get("mode") == "units":
+        raise DataPrepError(
+            f"cannot --resume {cfg.out!r} as one process: that run was started under mpirun/srun; "
+            "resume it the same way, on any number of ranks (or --overwrite)"
+        )
     if state is not None and "tokenizer" not in state:
         state = None  # interrupted before the tokenizer was done: start from the beginning
     sp, tok_info = _get_tokenizer(cfg, state)

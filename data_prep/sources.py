@@ -31,7 +31,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from data_prep.errors import DataPrepError
 
@@ -224,11 +224,38 @@ class Source:
             if spec.startswith("hf:"):
                 yield from self._iter_hf(parse_hf(spec))
                 continue
-            for path in self._files[spec]:
-                self.stats.files += 1
-                for doc in self._iter_file(path):
-                    self.stats.documents += 1
-                    yield doc
+            yield from self.iter_files(self._files[spec])
+
+    def files(self, spec: str) -> List[str]:
+        """The files of a local spec, in reading order."""
+        return self._files[spec]
+
+    def iter_files(self, paths: List[str]) -> Iterator[str]:
+        """The documents of some of the local files, in order (a run of one spec's files)."""
+        for path in paths:
+            self.stats.files += 1
+            for doc in self._iter_file(path):
+                self.stats.documents += 1
+                yield doc
+
+    def iter_hf_shard(self, spec: str, num_shards: int, index: int) -> Iterator[str]:
+        """The documents of one contiguous shard of an ``hf:`` spec (the datasets library's own
+        ``shard(num_shards, index, contiguous=True)``): shards 0..num_shards-1 in order are the
+        whole dataset in order."""
+        return self._iter_hf(parse_hf(spec), (num_shards, index))
+
+    def hf_shards(self, spec: str, unit_bytes: int) -> Tuple[int, int]:
+        """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved
+        dataset into about ``unit_bytes`` of Arrow data each, a streamed one into its files."""
+        hf = parse_hf(spec)
+        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
+        if is_saved_dataset(hf.name):
+            ds = self._load_saved(hf, where)
+            rows, nbytes = len(ds), int(ds.data.nbytes)
+            n = max(1, min(rows, -(-nbytes // unit_bytes)))
+            return n, -(-nbytes // n)
+        ds = self._load_hub(hf, where)
+        return max(1, int(ds.n_shards)), unit_bytes
 
     # ------------------------------------------------------------------------------ readers
     def _iter_file(self, path: str) -> Iterator[str]:
@@ -341,13 +368,13 @@ class Source:
                 if text is not None:
                     yield text
 
-    def _iter_hf(self, hf: HFSpec) -> Iterator[str]:
+    def _iter_hf(self, hf: HFSpec, shard: Optional[Tuple[int, int]] = None) -> Iterator[str]:
         where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
         if is_saved_dataset(hf.name):
-            rows = self._saved_dataset_rows(hf, where)
+            rows = self._saved_dataset_rows(hf, where, shard)
             first = next(rows, None)
         else:
-            rows, first = self._hub_rows(hf, where)
+            rows, first = self._hub_rows(hf, where, shard)
         if first is None:
             return
         if self.text_column not in first:
@@ -360,8 +387,8 @@ class Source:
                 yield text
 
     @staticmethod
-    def _saved_dataset_rows(hf: HFSpec, where: str) -> Iterator[Any]:
-        """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
+    def _load_saved(hf: HFSpec, where: str) -> Any:
+        """The ``Dataset`` of a directory written by ``Dataset(Dict).save_to_disk``."""
         import datasets
 
         try:
@@ -375,15 +402,39 @@ class Source:
                     f"{', '.join(sorted(ds))}); name one as hf:PATH::SPLIT"
                 )
             ds = ds[hf.split]
+        return ds
+
+    @classmethod
+    def _saved_dataset_rows(
+        cls, hf: HFSpec, where: str, shard: Optional[Tuple[int, int]] = None
+    ) -> Iterator[Any]:
+        """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
+        ds = cls._load_saved(hf, where)
+        if shard is not None:
+            ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
         return iter(ds)
 
     @staticmethod
-    def _hub_rows(hf: HFSpec, where: str):
+    def _load_hub(hf: HFSpec, where: str) -> Any:
         """``load_dataset`` streamed: a Hub name, or a local directory of data files."""
         try:
             import datasets
 
-            ds = datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
+            return datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
+        except Exception as e:
+            raise DataPrepError(
+                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
+                "or the Hub is unreachable, download the data elsewhere and pass local files "
+                "(text, .jsonl, .csv, .parquet) to --source instead."
+            ) from e
+
+    @classmethod
+    def _hub_rows(cls, hf: HFSpec, where: str, shard: Optional[Tuple[int, int]] = None):
+        """Rows (and the first row) of a streamed dataset, or of one of its shards."""
+        ds = cls._load_hub(hf, where)
+        try:
+            if shard is not None:
+                ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
             rows = iter(ds)
             first = next(rows, None)
         except Exception as e:
