@@ -10,7 +10,8 @@ writes (JSON, never a pickle). ``OUT`` holds::
     config.json                 model_type "linformer", architectures, auto_map, every model option
     model.safetensors           weights (the tied MLM decoder weight is not stored)
     configuration_linformer.py  remote code: LinformerConfig
-    modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification
+    modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification,
+                                ...ForTokenClassification, ...ForQuestionAnswering, ...ForMultipleChoice
     linformer_model.py          a verbatim copy of linformer_ds/model.py (torch + stdlib only)
     tokenizer.model             the SentencePiece model
     tokenizer.json              the same model as a fast tokenizer, post-processor <s> X </s>
@@ -68,6 +69,9 @@ AUTO_MAP = {
     "AutoModel": "modeling_linformer.LinformerModel",
     "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
     "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_linformer.LinformerForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_linformer.LinformerForQuestionAnswering",
+    "AutoModelForMultipleChoice": "modeling_linformer.LinformerForMultipleChoice",
     "AutoModelForCausalLM": "modeling_linformer.LinformerForCausalLM",  # refuses, with the reason
 }
 

@@ -723,15 +723,21 @@ class MLMHead(nn.Module):
 
 
 class ClassificationHead(nn.Module):
-    """First-token pooler (dense + tanh), dropout, linear classifier: ``[B, n, D] -> [B, C]``.
+    """First-token head laid out as RoBERTa's ``classifier``: ``dense`` (D -> D) + tanh, dropout,
+    ``out_proj`` (D -> C). ``forward(hidden [B, n, D]) -> [B, C]`` pools position 0.
 
-    Its parameters are registered on the task model itself (``pooler.*``, ``classifier.*``,
-    the names every export uses); this object only holds the computation.
+    One module holds the whole head (the pooler included), so PEFT's default ``modules_to_save``
+    for sequence classification (``classifier``) trains and saves all of it.
     """
 
-    @staticmethod
-    def forward(hidden: torch.Tensor, pooler: nn.Module, drop: nn.Module, classifier: nn.Module):
-        return classifier(drop(torch.tanh(pooler(hidden[:, 0]))))
+    def __init__(self, hidden_size: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.drop = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.drop(torch.tanh(self.dense(hidden[:, 0]))))
 
 
 class LinformerForMaskedLM(LinformerPreTrainedModel):
@@ -803,17 +809,15 @@ def _check_labels(labels: Optional[torch.Tensor], input_ids: torch.Tensor) -> No
 
 
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
-    """Encoder + pooler (first token, dense + tanh) + linear classifier: ``[B, num_labels]``."""
+    """Encoder + :class:`ClassificationHead` (first token): ``[B, num_labels]``."""
 
     def __init__(self, config: ModelConfig, problem_type: Optional[str] = None):
         super().__init__()
         self.config = config
         self.problem_type = problem_type
         self.encoder = LinformerEncoder(config)
-        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
-        self.drop = nn.Dropout(p)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = ClassificationHead(config.hidden_size, config.num_labels, p)
         self.apply(self._init_weights)
 
     def forward(
@@ -823,7 +827,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         labels: Optional[torch.Tensor] = None,
     ) -> SequenceClassifierOutput:
         hidden = self.encoder(input_ids, attention_mask)
-        logits = ClassificationHead.forward(hidden, self.pooler, self.drop, self.classifier)
+        logits = self.classifier(hidden)
         loss = None
         if labels is not None:
             loss = sequence_classification_loss(logits, labels, self.problem_type)

@@ -427,6 +427,9 @@ def test_export_directory_layout(exported):
         "AutoModel": "modeling_linformer.LinformerModel",
         "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
         "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_linformer.LinformerForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_linformer.LinformerForQuestionAnswering",
+        "AutoModelForMultipleChoice": "modeling_linformer.LinformerForMultipleChoice",
         "AutoModelForCausalLM": "modeling_linformer.LinformerForCausalLM",
     }
     assert (config["hidden_size"], config["k"], config["sharing"]) == (32, 8, "layerwise")

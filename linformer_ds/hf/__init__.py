@@ -8,7 +8,10 @@ from .configuration_linformer import LinformerConfig
 from .modeling_linformer import (
     LinformerForCausalLM,
     LinformerForMaskedLM,
+    LinformerForMultipleChoice,
+    LinformerForQuestionAnswering,
     LinformerForSequenceClassification,
+    LinformerForTokenClassification,
     LinformerModel,
     LinformerPreTrainedModel,
 )
@@ -19,5 +22,8 @@ __all__ = [
     "LinformerPreTrainedModel",
     "LinformerForMaskedLM",
     "LinformerForSequenceClassification",
+    "LinformerForTokenClassification",
+    "LinformerForQuestionAnswering",
+    "LinformerForMultipleChoice",
     "LinformerForCausalLM",
 ]

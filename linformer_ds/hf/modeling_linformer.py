@@ -1,9 +1,10 @@
 """Hugging Face model classes for Linformer encoders (shipped as remote code with every export).
 
 The classes are thin adapters over the plain-PyTorch modules of ``model.py``, under the same
-parameter names as the training model (``encoder.*``, ``lm_head.*``, ``pooler.*``,
-``classifier.*``), so a consolidated training state dict loads without renaming.
-``lm_head.decoder.weight`` is tied to ``encoder.token_embeddings.weight`` and is not stored.
+parameter names as the training model (``encoder.*``, ``lm_head.*``, ``classifier.*``), so a
+consolidated training state dict loads without renaming. ``lm_head.decoder.weight`` is tied to
+``encoder.token_embeddings.weight`` and is not stored. Task heads follow BERT/RoBERTa's names
+(``classifier``, ``qa_outputs``), the ones PEFT's defaults and users' recipes expect.
 
 What the adapters add to ``model.py``: the HF calling conventions (``return_dict``,
 ``output_hidden_states``, ``inputs_embeds``), clear refusals of the arguments a Linformer cannot
@@ -11,18 +12,26 @@ honour (``output_attentions``, ``position_ids``, ``head_mask``, ...), and paddin
 row whose padding is not all on the right is compacted (real tokens first, in order) before the
 encoder and its outputs are put back, so positions and the columns of ``E``/``F`` are those of
 the unpadded sequence (like RoBERTa's position ids) and the classifier pools the first real token.
+``attn_implementation``: ``"sdpa"`` (default) lets torch pick the fused kernel, ``"eager"`` runs
+the same attention through SDPA's math backend (plain matmul + softmax).
 """
 
-import functools
-from typing import Any, Dict, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import (
     BaseModelOutput,
     MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
+    TokenClassifierOutput,
 )
 
 from ..model import (
@@ -101,6 +110,7 @@ class LinformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "encoder"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    _supports_sdpa = True  # attention is torch's scaled_dot_product_attention ("eager": its math)
     accepts_loss_kwargs = False  # the losses are means; Trainer need not pass num_items_in_batch
     _no_split_modules = ["EncoderLayer"]
 
@@ -108,21 +118,34 @@ class LinformerPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         init_weights(module, self.config.initializer_range)
 
-    def gradient_checkpointing_enable(
-        self, gradient_checkpointing_kwargs: Optional[dict] = None
+    def _set_gradient_checkpointing(
+        self,
+        enable: bool = True,
+        gradient_checkpointing_func: Callable = checkpoint,
+        every_n_layers: int = 1,
     ) -> None:
-        """Non-reentrant activation checkpointing of every encoder layer."""
-        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
-        fn = functools.partial(torch.utils.checkpoint.checkpoint, **kwargs)
-        self.encoder.set_activation_checkpointing(fn)
+        """Where transformers' ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``
+        (every argument: ``gradient_checkpointing_kwargs``, ``every_n_layers``, ``offload``) and
+        ``..._disable`` land: checkpoint every ``every_n_layers``-th encoder layer with
+        ``gradient_checkpointing_func`` (transformers builds it: non-reentrant by default)."""
+        layers = range(0, len(self.encoder.layers), max(1, int(every_n_layers)))
+        self.encoder.set_activation_checkpointing(
+            gradient_checkpointing_func if enable else None, list(layers)
+        )
 
-    def gradient_checkpointing_disable(self) -> None:
-        """Turn activation checkpointing off."""
-        self.encoder.set_activation_checkpointing(None)
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.encoder._checkpoint_fn is not None
 
     @property
     def is_gradient_checkpointing(self) -> bool:
         return self.encoder._checkpoint_fn is not None
+
+    def _attention_backend(self) -> contextlib.AbstractContextManager:
+        """``attn_implementation="eager"``: SDPA's math backend; otherwise torch's choice."""
+        if getattr(self.config, "_attn_implementation", None) == "eager":
+            return sdpa_kernel(SDPBackend.MATH)
+        return contextlib.nullcontext()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.encoder.token_embeddings
@@ -164,7 +187,8 @@ class LinformerPreTrainedModel(PreTrainedModel):
             input_ids, inputs_embeds = _gather(input_ids, order), _gather(inputs_embeds, order)
             attention_mask = attention_mask.gather(1, order)
         states: Optional[list] = [] if output_hidden_states else None
-        hidden = self.encoder(input_ids, attention_mask, inputs_embeds, states)
+        with self._attention_backend():
+            hidden = self.encoder(input_ids, attention_mask, inputs_embeds, states)
         all_states = tuple(_restore(h, order) for h in states) if states is not None else None
         return hidden, all_states, order
 
@@ -256,19 +280,56 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=states)
 
 
+# Weight names of exports written before the head took RoBERTa's layout (pooler + a linear
+# classifier) -> today's names; transformers applies them while loading (regex -> replacement).
+# (Plain strings: transformers reverses a renaming when saving, and cannot reverse regex syntax.)
+LEGACY_CLASSIFIER_KEYS = {
+    "pooler.": "classifier.dense.",
+    "classifier.weight": "classifier.out_proj.weight",
+    "classifier.bias": "classifier.out_proj.bias",
+}
+
+
+def _classifier_dropout(config: LinformerConfig) -> float:
+    return config.classifier_dropout if config.classifier_dropout is not None else config.dropout
+
+
+def _output(return_dict: bool, loss: Optional[torch.Tensor], outputs: tuple, cls: type, **kw: Any):
+    """``cls(loss=..., **kw)``, or the tuple ``(loss?, *outputs)`` (``None`` entries dropped)."""
+    if return_dict:
+        return cls(loss=loss, **kw)
+    out = tuple(o for o in outputs if o is not None)
+    return out if loss is None else (loss, *out)
+
+
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
-    """Encoder + first-real-token pooler (dense + tanh) + classifier: ``[B, num_labels]``."""
+    """Encoder + RoBERTa-style head on the first real token (``classifier.dense`` + tanh,
+    dropout, ``classifier.out_proj``): ``[B, num_labels]``. Exports that store the head as
+    ``pooler.*`` + ``classifier.{weight,bias}`` load through :data:`LEGACY_CLASSIFIER_KEYS`."""
 
     def __init__(self, config: LinformerConfig):
         super().__init__(config)
-        model_config = config.to_model_config()
         self.num_labels = config.num_labels
-        self.encoder = LinformerEncoder(model_config)
-        self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
-        p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
-        self.drop = nn.Dropout(p)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.encoder = LinformerEncoder(config.to_model_config())
+        self.classifier = ClassificationHead(
+            config.hidden_size, config.num_labels, _classifier_dropout(config)
+        )
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "LinformerForSequenceClassification":
+        """``PreTrainedModel.from_pretrained``, renaming old head weights on the way in; the
+        renaming is then forgotten, so ``save_pretrained`` writes today's names."""
+        if kwargs.get("key_mapping") is not None:
+            return super().from_pretrained(*args, **kwargs)
+        model = super().from_pretrained(*args, key_mapping=dict(LEGACY_CLASSIFIER_KEYS), **kwargs)
+        done = getattr(model, "_weight_conversions", None)  # what transformers reverts on save
+        if done:
+            model._weight_conversions = [
+                c for c in done if list(getattr(c, "source_patterns", ()))[:1]
+                not in ([k] for k in LEGACY_CLASSIFIER_KEYS)
+            ]  # fmt: skip
+        return model
 
     def forward(
         self,
@@ -283,8 +344,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         hidden, states, _ = self._encode(
             input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
         )
-        # compacted order: position 0 is every row's first real token
-        logits = ClassificationHead.forward(hidden, self.pooler, self.drop, self.classifier)
+        logits = self.classifier(hidden)  # compacted order: position 0 is the first real token
         loss = None
         if labels is not None:
             if self.config.problem_type is None:  # as BERT infers it
@@ -296,10 +356,132 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
                     else "multi_label_classification"
                 )
             loss = sequence_classification_loss(logits, labels, self.config.problem_type)
-        if not self._return_dict(return_dict):
-            out = (logits,) if states is None else (logits, states)
-            return out if loss is None else (loss, *out)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=states)
+        return _output(
+            self._return_dict(return_dict), loss, (logits, states), SequenceClassifierOutput,
+            logits=logits, hidden_states=states,
+        )  # fmt: skip
+
+
+class LinformerForTokenClassification(LinformerPreTrainedModel):
+    """Encoder + dropout + linear ``classifier`` on every token: ``[B, n, num_labels]``;
+    ``labels [B, n]`` with ``-100`` = ignore (sub-word continuations, padding)."""
+
+    def __init__(self, config: LinformerConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.encoder = LinformerEncoder(config.to_model_config())
+        self.drop = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> TokenClassifierOutput:
+        hidden, states, order = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
+        )
+        logits = _restore(self.classifier(self.drop(hidden)), order)
+        if labels is not None and labels.shape != logits.shape[:2]:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match the input {tuple(logits.shape[:2])}"
+            )
+        loss = None if labels is None else mlm_loss(logits, labels)  # mean CE, -100 ignored
+        return _output(
+            self._return_dict(return_dict), loss, (logits, states), TokenClassifierOutput,
+            logits=logits, hidden_states=states,
+        )  # fmt: skip
+
+
+class LinformerForQuestionAnswering(LinformerPreTrainedModel):
+    """Extractive QA: ``qa_outputs`` (D -> 2) gives ``start_logits`` and ``end_logits [B, n]``;
+    the loss is BERT's (mean of the start and end cross-entropies; positions outside the input
+    are ignored)."""
+
+    def __init__(self, config: LinformerConfig):
+        super().__init__(config)
+        self.num_labels = 2
+        self.encoder = LinformerEncoder(config.to_model_config())
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        start_positions: Optional[torch.Tensor] = None,
+        end_positions: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> QuestionAnsweringModelOutput:
+        hidden, states, order = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
+        )
+        logits = _restore(self.qa_outputs(hidden), order)  # [B, n, 2], caller's positions
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            n = start_logits.shape[1]  # out-of-range positions (truncated answers) are ignored
+            start = start_positions.reshape(-1).clamp(0, n)
+            end = end_positions.reshape(-1).clamp(0, n)
+            loss = 0.5 * (
+                F.cross_entropy(start_logits.float(), start, ignore_index=n)
+                + F.cross_entropy(end_logits.float(), end, ignore_index=n)
+            )
+        return _output(
+            self._return_dict(return_dict), loss, (start_logits, end_logits, states),
+            QuestionAnsweringModelOutput, start_logits=start_logits, end_logits=end_logits,
+            hidden_states=states,
+        )  # fmt: skip
+
+
+class LinformerForMultipleChoice(LinformerPreTrainedModel):
+    """Multiple choice: ``input_ids [B, C, n]`` (each choice encoded with its context), the
+    :class:`ClassificationHead` scores each choice's first real token, logits ``[B, C]``;
+    ``labels [B]`` index the right choice. Hidden states are ``[B * C, n, D]`` (as BERT's)."""
+
+    def __init__(self, config: LinformerConfig):
+        super().__init__(config)
+        self.encoder = LinformerEncoder(config.to_model_config())
+        self.classifier = ClassificationHead(config.hidden_size, 1, _classifier_dropout(config))
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> MultipleChoiceModelOutput:
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given is None or given.dim() != (3 if input_ids is not None else 4):
+            raise ValueError(
+                "multiple choice takes input_ids [batch, choices, seq_len] (or inputs_embeds "
+                f"[batch, choices, seq_len, D]), got {None if given is None else tuple(given.shape)}"
+            )
+        b, c = given.shape[:2]
+        flat = lambda t: None if t is None else t.reshape(b * c, *t.shape[2:])  # noqa: E731
+        hidden, states, _ = self._encode(
+            flat(input_ids), flat(attention_mask), flat(inputs_embeds), output_hidden_states,
+            kwargs,
+        )  # fmt: skip
+        logits = self.classifier(hidden).view(b, c)
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels.long())
+        return _output(
+            self._return_dict(return_dict), loss, (logits, states), MultipleChoiceModelOutput,
+            logits=logits, hidden_states=states,
+        )  # fmt: skip
 
 
 class LinformerForCausalLM(LinformerPreTrainedModel):
@@ -316,9 +498,13 @@ class LinformerForCausalLM(LinformerPreTrainedModel):
 
 
 __all__ = [
+    "LEGACY_CLASSIFIER_KEYS",
     "LinformerForCausalLM",
     "LinformerPreTrainedModel",
     "LinformerModel",
     "LinformerForMaskedLM",
     "LinformerForSequenceClassification",
+    "LinformerForTokenClassification",
+    "LinformerForQuestionAnswering",
+    "LinformerForMultipleChoice",
 ]
