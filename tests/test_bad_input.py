@@ -323,11 +323,19 @@ MAIN_CASES = [
     ),
     (
         "config-extra-bad-value",
-        ["deepspeed.extra.zero_optimization.offload_optimizer.device=gpu"],
+        ["deepspeed.extra.zero_optimization.offload_optimizer.pin_memory=maybe"],
         None,
         None,
-        "deepspeed.extra.zero_optimization.offload_optimizer.device: Input should be "
-        "'none', 'cpu' or 'nvme' (got 'gpu')",
+        "deepspeed.extra.zero_optimization.offload_optimizer.pin_memory: Input should be a "
+        "valid boolean, unable to interpret input (got 'maybe')",
+    ),
+    (
+        "config-extra-owned-offload",
+        ["deepspeed.extra.zero_optimization.offload_optimizer.device=cpu"],
+        None,
+        None,
+        "deepspeed.extra.zero_optimization.offload_optimizer.device: the job config sets it; "
+        "use deepspeed.zero.offload_optimizer instead",
     ),
     (
         "config-extra-owned-key",
@@ -341,7 +349,7 @@ MAIN_CASES = [
         ["deepspeed.extra.bf16.enabld=true"],
         None,
         None,
-        "deepspeed.extra.bf16.enabld: Extra inputs are not permitted",
+        "deepspeed.extra.bf16.enabld: the job config sets it; use deepspeed.precision instead",
     ),
     ("data-missing", ["data.path=/nonexistent/data"], None, None, "no manifest.json"),
     ("data-no-manifest", [], None, data_no_manifest, "no manifest.json (not a data_prep output)"),
