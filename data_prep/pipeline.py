@@ -727,12 +727,3 @@ def _manifest(
         "shard_rows": shard_rows,
         "splits": splits,
     }
-
-
-def config_from_dict(d: Dict[str, Any]) -> PrepConfig:
-    """Build a :class:`PrepConfig` from a dict; unknown keys are errors."""
-    names = {f.name for f in dataclasses.fields(PrepConfig)}
-    unknown = set(d) - names
-    if unknown:
-        raise DataPrepError(f"unknown data_prep options: {sorted(unknown)}")
-    return PrepConfig(**d)

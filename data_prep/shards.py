@@ -168,8 +168,3 @@ class ShardWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    @property
-    def total_rows(self) -> int:
-        """Rows written so far, finished shards and the partial one."""
-        return sum(s["rows"] for s in self.shards) + self.rows
