@@ -20,7 +20,6 @@ skips the recorded documents and continues; the result is byte-identical to an u
 """
 
 import collections
-import dataclasses
 import json
 import os
 import shutil
