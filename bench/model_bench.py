@@ -21,11 +21,8 @@ Writes ``results.json``, ``results.md``, ``time_per_token.png`` and ``peak_memor
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +33,15 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, flops_per_token
+from bench.common import (
+    BenchError,
+    ModelSizes,
+    environment,
+    mlm_batch,
+    model_config,
+    parse_max_n,
+)
+from linformer_ds.model import LinformerForMaskedLMPretraining, flops_per_token
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
 VARIANTS = ("linear", "conv", "hybrid", "dense")
@@ -45,22 +50,13 @@ DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 
 
-class BenchError(ValueError):
-    """A benchmark option is invalid; the message names the option."""
-
-
 @dataclass
-class BenchConfig:
-    """Everything one benchmark run depends on (stored in results.json)."""
+class BenchConfig(ModelSizes):
+    """Everything one benchmark run depends on (stored in results.json); the model's sizes
+    (base width by default) come from :class:`bench.common.ModelSizes`."""
 
     seq_lens: List[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
     variants: List[str] = field(default_factory=lambda: list(VARIANTS))
-    layers: int = 2
-    hidden: int = 768
-    heads: int = 12
-    k: int = 256
-    intermediate: int = 3072
-    vocab: int = 16000
     batch: int = 1
     tokens: Optional[int] = None  # if set, batch = max(1, tokens // N) at each N
     warmup: int = 1
@@ -68,8 +64,6 @@ class BenchConfig:
     precision: str = "bf16"  # bf16 params + fp32 master weights, as DeepSpeed's bf16 mode
     compile: bool = False
     mlm_fraction: float = 0.15
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
     max_n: Dict[str, int] = field(default_factory=dict)  # per-variant largest N
     step_budget_s: float = 120.0  # a variant whose step exceeds this is not run at larger N
     device: str = "auto"
@@ -100,15 +94,14 @@ class BenchConfig:
                 )
             if n < self.k:
                 raise BenchError(f"--seq-lens: N={n} is smaller than k={self.k}")
-        for name in ("layers", "hidden", "heads", "intermediate", "vocab", "batch", "iters"):
+        self.validate_sizes()
+        for name in ("batch", "iters"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
         if self.tokens is not None and self.tokens < 1:
             raise BenchError(f"--tokens: must be >= 1, got {self.tokens}")
         if self.warmup < 0:
             raise BenchError(f"--warmup: must be >= 0, got {self.warmup}")
-        if self.hidden % self.heads:
-            raise BenchError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
         if self.precision not in PRECISIONS:
             raise BenchError(f"--precision: must be one of {PRECISIONS}, got {self.precision!r}")
         if not 0.0 < self.mlm_fraction <= 1.0:
@@ -178,24 +171,6 @@ def transient_peak(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 # ===================================================================================== one model
-def model_config(bc: BenchConfig, variant: str, n: int) -> ModelConfig:
-    """The benchmarked model: base width, ``bc.layers`` layers, ``max_seq_len = N``."""
-    return ModelConfig(
-        vocab_size=bc.vocab,
-        max_seq_len=n,
-        hidden_size=bc.hidden,
-        num_layers=bc.layers,
-        num_heads=bc.heads,
-        intermediate_size=bc.intermediate,
-        dropout=bc.dropout,
-        attention_dropout=bc.attention_dropout,
-        projection=variant,
-        hybrid_linear_layers=bc.layers // 2 if variant == "hybrid" else 6,
-        k=bc.k,
-        sharing="layerwise",
-    )
-
-
 class MasterWeightAdamW:
     """bf16 model parameters with fp32 master copies updated by AdamW (DeepSpeed's bf16 mode)."""
 
@@ -247,16 +222,10 @@ class Trainee:
             self.opt = _adamw(list(model.parameters()), **ADAMW)
             self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
         self.forward = torch.compile(model) if bc.compile else model
-        g = torch.Generator().manual_seed(bc.seed + n)
         batch = bc.batch_for(n)
-        ids = torch.randint(1, bc.vocab, (batch, n), generator=g)
-        labels = torch.full_like(ids, -100)
-        n_mask = max(1, round(bc.mlm_fraction * n))
-        for b in range(batch):
-            pos = torch.randperm(n, generator=g)[:n_mask]
-            labels[b, pos] = ids[b, pos]
-        self.ids, self.labels = ids.to(device), labels.to(device)
-        self.mlm_fraction = n_mask / n
+        rows = mlm_batch(bc.vocab, batch, n, bc.mlm_fraction, seed=bc.seed + n)
+        self.ids, self.labels = rows["input_ids"].to(device), rows["labels"].to(device)
+        self.mlm_fraction = int((rows["labels"][0] != -100).sum()) / n
         self.batch, self.tokens = batch, batch * n
         self.flops_per_token = flops_per_token(self.config, n, self.mlm_fraction)
 
@@ -343,7 +312,7 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
             r["mfu_vs_nearby_gemm"] = r["model_tflops"] * 1e12 / r["gemm_flops_nearby"]
     return {
         "config": asdict(bc),
-        "environment": environment(device),
+        "environment": environment("bench.model_bench", device),
         "gemm_peak_flops": peak,
         "gemm_flops_before": gemm_before,
         "gemm_flops_after": gemm_after,
@@ -428,41 +397,6 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             "n_ratio": n_hi / n_mid,
         }
     return out
-
-
-def environment(device: torch.device) -> Dict[str, Any]:
-    """Machine and versions, for the record."""
-    env: Dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.model_bench"] + sys.argv[1:]),
-    }
-    try:
-        import deepspeed
-
-        env["deepspeed"] = deepspeed.__version__
-    except Exception:  # noqa: BLE001 - optional, and its import can fail in many ways
-        env["deepspeed"] = None
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ====================================================================================== outputs
@@ -562,16 +496,6 @@ def _plots(results: Dict[str, Any], out: Path) -> List[Path]:
 
 
 # ========================================================================================== CLI
-def _parse_max_n(items: Sequence[str]) -> Dict[str, int]:
-    out = {}
-    for item in items:
-        v, sep, n = item.partition("=")
-        if not sep or not n.isdigit():
-            raise BenchError(f"--max-n: expected VARIANT=N (e.g. dense=8192), got {item!r}")
-        out[v] = int(n)
-    return out
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]:
     """Command line -> BenchConfig (defaults: the CPU benchmark), or the ``--replot`` folder."""
     d = BenchConfig()
@@ -622,7 +546,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
         mlm_fraction=a.mlm_fraction,
         dropout=a.dropout,
         attention_dropout=a.attention_dropout,
-        max_n=_parse_max_n(a.max_n),
+        max_n=parse_max_n(a.max_n),
         step_budget_s=a.step_budget_s,
         device=a.device,
         gemm_n=a.gemm_n,

@@ -29,15 +29,13 @@ Writes ``results.json`` and ``results.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import inspect
 import json
 import os
-import platform
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +48,20 @@ from typing import Any, Dict, List, Optional
 import psutil
 import torch
 
+from bench.common import (
+    BenchError,
+    ModelSizes,
+    deepspeed_json,
+    environment,
+    job_config,
+    mlm_batch,
+    model_config,
+    model_overrides,
+    parse_max_n,
+)
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
+from linformer_ds.dist_env import free_port
+from linformer_ds.fsio import read_jsonl
 
 PHASES = ("comm", "memory", "trainer")
 VARIANTS = ("linear", "dense")
@@ -58,13 +69,9 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
-class BenchError(ValueError):
-    """A benchmark option is invalid; the message names the option."""
-
-
 @dataclass
-class SPBenchConfig:
-    """Everything one run depends on (stored in results.json)."""
+class SPBenchConfig(ModelSizes):
+    """Everything one run depends on (stored in results.json); a small model by default."""
 
     phases: List[str] = field(default_factory=lambda: ["comm", "memory"])
     # comm: linear vs dense at each N, P ranks
@@ -82,7 +89,7 @@ class SPBenchConfig:
     trainer_sp: int = 2
     trainer_zero: int = 2
     trainer_overrides: List[str] = field(default_factory=list)
-    # the model and the step
+    # the model (sizes of bench.common.ModelSizes) and the step
     zero: int = 2
     precision: str = "fp32"
     layers: int = 2
@@ -91,6 +98,7 @@ class SPBenchConfig:
     k: int = 64
     intermediate: int = 128
     vocab: int = 512
+    dropout: float = 0.0
     mlm_fraction: float = 0.15
     warmup: int = 1
     iters: int = 2
@@ -108,11 +116,9 @@ class SPBenchConfig:
         for v in list(self.variants) + list(self.max_n):
             if v not in VARIANTS:
                 raise BenchError(f"--variants/--max-n: unknown variant {v!r}, choose {VARIANTS}")
-        for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "iters"):
-            if getattr(self, name) < 1:
-                raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
-        if self.hidden % self.heads:
-            raise BenchError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        self.validate_sizes()
+        if self.iters < 1:
+            raise BenchError(f"--iters: must be >= 1, got {self.iters}")
         if self.precision not in ("fp32", "bf16"):
             raise BenchError(f"--precision: fp32 or bf16, got {self.precision!r}")
         if not 0.0 < self.mlm_fraction <= 1.0:
@@ -187,55 +193,6 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _model_config(bc: SPBenchConfig, variant: str, n: int) -> Any:
-    from linformer_ds.model import ModelConfig
-
-    return ModelConfig(
-        vocab_size=bc.vocab,
-        max_seq_len=n,
-        hidden_size=bc.hidden,
-        num_layers=bc.layers,
-        num_heads=bc.heads,
-        intermediate_size=bc.intermediate,
-        projection=variant,
-        k=bc.k,
-        sharing="layerwise",
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-
-
-def ds_config(bc: SPBenchConfig, zero: int, dp: int) -> Dict[str, Any]:
-    """The DeepSpeed JSON of one configuration (as linformer_ds.config builds it)."""
-    cfg: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": dp,
-        "zero_optimization": {"stage": zero},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_force_ds_cpu_optimizer": False,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    if bc.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    return cfg
-
-
-def make_batch(bc: SPBenchConfig, n: int) -> Dict[str, torch.Tensor]:
-    """One ``[1, N]`` MLM row: random tokens, ``mlm_fraction`` of the positions labelled."""
-    g = torch.Generator().manual_seed(bc.seed)
-    ids = torch.randint(5, bc.vocab, (1, n), generator=g)
-    labels = torch.full((1, n), -100)
-    pos = torch.randperm(n, generator=g)[: max(1, round(bc.mlm_fraction * n))]
-    labels[0, pos] = ids[0, pos]
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones(1, n, dtype=torch.long),
-        "labels": labels,
-    }
-
-
 def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
     """Bytes this rank holds: model parameters (its ZeRO-3 partition), the optimizer's own
     tensors (fp32 master partitions and AdamW moments), and how much of E and the positions."""
@@ -290,6 +247,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     from linformer_ds import sequence_parallel as sp
     from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
     from linformer_ds.model import LinformerForMaskedLMPretraining
+    from linformer_ds.optim import param_groups
 
     rss_imports = _rss()
     disable_deepspeed_shm_allreduce()
@@ -297,18 +255,18 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     groups = sp.build_groups(p) if p > 1 else None
     sp_group = groups.sp_group if groups is not None else None
     torch.manual_seed(bc.seed)
-    model = LinformerForMaskedLMPretraining(_model_config(bc, case.variant, case.n))
-    cfg = ds_config(bc, case.zero, 1)
+    job = job_config(model_config(bc, case.variant, case.n), case.zero, bc.precision, sp=p)
+    model = LinformerForMaskedLMPretraining(job.model)
+    cfg = deepspeed_json(job, world_size=p)  # the trainer's DeepSpeed JSON
     kwargs: Dict[str, Any] = {}
     if groups is not None:
         sp.parallelize(model, sp_group)
         sp.partition_for_zero3(model, groups, cfg)
         kwargs["mpu"] = sp.SequenceParallelMPU(groups)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg, **kwargs
-    )
+    params = param_groups(model, job.optimizer.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, **kwargs)
     scale = sp.backward_loss_scale(case.zero, p)
-    batch = make_batch(bc, case.n)
+    batch = mlm_batch(bc.vocab, 1, case.n, bc.mlm_fraction, bc.seed)
     if groups is not None:
         batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
     rss_init = _rss()
@@ -349,12 +307,6 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
 
 
 # ============================================================================== the parent side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _available() -> int:
     return psutil.virtual_memory().available
 
@@ -399,7 +351,7 @@ def run_case(bc: SPBenchConfig, case: Case) -> Dict[str, Any]:
     row: Dict[str, Any] = asdict(case)
     with tempfile.TemporaryDirectory(prefix="sp_bench_") as tmp:
         ctx = mp.start_processes(
-            rank_worker, args=(asdict(bc), asdict(case), _free_port(), tmp), nprocs=case.p,
+            rank_worker, args=(asdict(bc), asdict(case), free_port(), tmp), nprocs=case.p,
             join=False, start_method="spawn",
         )  # fmt: skip
         procs = [psutil.Process(pr.pid) for pr in ctx.processes]
@@ -477,19 +429,17 @@ def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
     n = int(manifest["seq_len"])
     p = bc.trainer_sp
     run_dir = Path(tempfile.mkdtemp(prefix="sp_bench_trainer_"))  # metrics.jsonl, logs
+    model = dataclasses.replace(model_config(bc, "linear", n), vocab_size=manifest["vocab_size"])
     overrides = [
-        f"data.path={data}", f"logging.dir={run_dir}", f"model.vocab_size={manifest['vocab_size']}",
-        f"model.max_seq_len={n}", f"model.hidden_size={bc.hidden}", f"model.num_layers={bc.layers}",
-        f"model.num_heads={bc.heads}", f"model.intermediate_size={bc.intermediate}",
-        f"model.k={bc.k}", "model.projection=linear", "model.sharing=layerwise",
-        "model.dropout=0.0", "model.attention_dropout=0.0", "train.micro_batch_size=1",
-        "train.gradient_accumulation_steps=1", "train.max_steps=1", "train.log_interval=1",
+        f"data.path={data}", f"logging.dir={run_dir}", *model_overrides(model),
+        "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", "train.max_steps=1",
+        "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.save_final=false",
         f"deepspeed.precision={bc.precision}", f"deepspeed.zero.stage={bc.trainer_zero}",
         f"parallel.sequence_parallel_size={p}", "logging.tensorboard=false",
         "scheduler.warmup_steps=1",
     ] + list(bc.trainer_overrides)  # fmt: skip
-    cmd = ["deepspeed", "--num_gpus", str(p), "--master_port", str(_free_port()),
+    cmd = ["deepspeed", "--num_gpus", str(p), "--master_port", str(free_port()),
            str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
            ] + overrides  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, bc.threads // p)),
@@ -525,9 +475,7 @@ def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
     row["peak_rss_per_rank_sampled"] = sorted(peaks.values(), reverse=True)
     if why or proc.returncode != 0:
         row["failed"] = why or f"failed: exit {proc.returncode}: " + text.strip()[-400:]
-    recs = []
-    if (run_dir / "metrics.jsonl").exists():
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_jsonl(run_dir / "metrics.jsonl")
     shutil.rmtree(run_dir, ignore_errors=True)
     train = [r for r in recs if r.get("split") == "train"]
     if train:
@@ -610,22 +558,6 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def environment() -> Dict[str, Any]:
-    import deepspeed
-
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "load_avg_start": os.getloadavg(),
-        "command": " ".join(["python", "-m", "bench.sp_bench"] + sys.argv[1:]),
-    }
-
-
 def plan(bc: SPBenchConfig) -> List[Case]:
     """The configurations of the comm and memory phases, in run order."""
     cases = []
@@ -647,7 +579,8 @@ def run(bc: SPBenchConfig) -> Dict[str, Any]:
     bc.validate()
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"config": asdict(bc), "environment": environment(), "rows": []}
+    results: Dict[str, Any] = {"config": asdict(bc), "environment": environment("bench.sp_bench"),
+                               "rows": []}  # fmt: skip
 
     def save() -> None:
         results["environment"]["load_avg_end"] = os.getloadavg()
@@ -708,14 +641,8 @@ def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
     ap.add_argument("--case-timeout-s", type=float, default=d.case_timeout_s)
     ap.add_argument("--out", default=d.out)
     a = ap.parse_args(argv)
-    max_n = {}
-    for item in a.max_n:
-        name, _, val = item.partition("=")
-        if not val.isdigit():
-            raise BenchError(f"--max-n: expected VARIANT=N, got {item!r}")
-        max_n[name] = int(val)
     kw = {k: v for k, v in vars(a).items() if k != "max_n"}
-    return SPBenchConfig(max_n=max_n, **kw)
+    return SPBenchConfig(max_n=parse_max_n(a.max_n), **kw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

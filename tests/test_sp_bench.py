@@ -33,7 +33,7 @@ def tiny_run(tmp_path_factory, tiny_corpus):
 
 def _param_bytes() -> int:
     bc = sp_bench.SPBenchConfig(layers=L, hidden=H, heads=2, k=K, intermediate=64, vocab=VOCAB)
-    cfg = sp_bench._model_config(bc, "linear", N)
+    cfg = sp_bench.model_config(bc, "linear", N)
     return 4 * LinformerForMaskedLMPretraining(cfg).num_parameters()  # fp32, tied weights once
 
 
