@@ -365,9 +365,10 @@ def open_sources(
     split: str,
     model_config: Any = None,
     verify_checksums: bool = False,
+    same_seq_len: bool = True,
 ) -> List[ShardDataset]:
     """Open one split of every source, checked against the model and against each other
-    (same tokenizer and N); :class:`DataError` names the source."""
+    (same tokenizer; same N with ``same_seq_len``); :class:`DataError` names the source."""
     datasets = []
     for name, path in zip(names, paths):
         try:
@@ -377,7 +378,7 @@ def open_sources(
         except DataError as e:
             raise DataError(f"source {name!r}: {e}") from None
         datasets.append(d)
-    check_same_tokenizer(names, datasets)
+    check_same_tokenizer(names, datasets, same_seq_len)
     return datasets
 
 
@@ -675,3 +676,36 @@ class TrainData:
             mix = {"position": mix["position"],
                    "sources": {self.stage.names[0]: next(iter(mix["sources"].values()))}}  # fmt: skip
         self.mixture.load_state_dict(mix)
+
+
+class StageMeter:
+    """Throughput, MFU and peak memory of the current stage, from this process's steps (after
+    a resume: the steps since it). On CUDA the peak is the stage's (reset at its start); on
+    CPU the process's resident-set peak so far."""
+
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        self.device = torch.device(device)
+        self.index, self.steps, self.seconds = -1, 0, 0.0
+        self.tokens_per_step, self.flops_per_token = 0, 0.0
+
+    def start(self, index: int, tokens_per_step: int, flops_per_token: float) -> None:
+        self.index, self.steps, self.seconds = index, 0, 0.0
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def add(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+
+    def figures(self, world_size: int, peak_tflops: float) -> Dict[str, float]:
+        """``tokens_per_s`` (all ranks), ``mfu`` and ``peak_mem_gb`` (this rank)."""
+        from linformer_ds.perf import MemoryProbe
+
+        tps = self.steps * self.tokens_per_step / max(self.seconds, 1e-9)
+        tflops = self.flops_per_token * tps / world_size / 1e12
+        return {
+            "tokens_per_s": tps,
+            "mfu": tflops / peak_tflops,
+            "peak_mem_gb": MemoryProbe(self.device).peak() / 2**30,
+        }
