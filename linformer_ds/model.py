@@ -84,6 +84,10 @@ class ModelConfigError(ValueError):
     """A model option is invalid; the message names the field."""
 
 
+def _bad(name: str, msg: str) -> None:
+    raise ModelConfigError(f"model.{name}: {msg}")
+
+
 @dataclass
 class ModelConfig:
     """Every model option in one place. Sizes follow BERT-base by default."""
@@ -147,77 +151,75 @@ class ModelConfig:
     def validate(self) -> None:
         """Every model option checked here (the job config calls this too): the first problem
         raises a :class:`ModelConfigError` naming ``model.<field>``."""
-
-        def bad(name: str, msg: str) -> None:
-            raise ModelConfigError(f"model.{name}: {msg}")
-
         for name in (*_INT_RANGES, *_FLOAT_RANGES):
             problem = _range_problem(name, getattr(self, name))
             if problem:
-                bad(name, problem)
+                _bad(name, problem)
         if self.hidden_size % self.num_heads:
-            bad(
-                "hidden_size",
-                f"{self.hidden_size} is not divisible by num_heads={self.num_heads}",
+            _bad(
+                "hidden_size", f"{self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
-        if self.norm not in NORM_STYLES:
-            bad("norm", f"must be one of {NORM_STYLES}, got {self.norm!r}")
-        if self.sharing not in SHARING_MODES:
-            bad("sharing", f"must be one of {SHARING_MODES}, got {self.sharing!r}")
-        if self.projection not in SCHEDULES:
-            bad("projection", f"must be one of {SCHEDULES}, got {self.projection!r}")
+        for name, choices in (("norm", NORM_STYLES), ("sharing", SHARING_MODES),
+                              ("projection", SCHEDULES)):  # fmt: skip
+            if getattr(self, name) not in choices:
+                _bad(name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            _bad(
+                "pad_token_id",
+                f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
+            )
+        self._validate_schedule()
+        self._validate_k()
+
+    def _validate_schedule(self) -> None:
+        """The per-layer schedule: hybrid split, explicit ``layer_projections``, ``layer_k``."""
         if (
             self.projection == "hybrid"
             and not 0 <= self.num_hybrid_linear_layers() <= self.num_layers
         ):
-            bad(
+            _bad(
                 "hybrid_linear_layers",
                 f"must be in [0, num_layers={self.num_layers}], got {self.hybrid_linear_layers}",
             )
         if self.layer_projections is not None:
             if len(self.layer_projections) != self.num_layers:
-                bad(
+                _bad(
                     "layer_projections",
                     f"has {len(self.layer_projections)} entries, num_layers={self.num_layers}",
                 )
             for i, p in enumerate(self.layer_projections):
                 if p not in PROJECTIONS:
-                    bad(f"layer_projections[{i}]", f"must be one of {PROJECTIONS}, got {p!r}")
+                    _bad(f"layer_projections[{i}]", f"must be one of {PROJECTIONS}, got {p!r}")
         if self.layer_k is not None:
             if len(self.layer_k) != self.num_layers:
-                bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
+                _bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
             for i, k in enumerate(self.layer_k):
                 if isinstance(k, bool) or not isinstance(k, int):
-                    bad(f"layer_k[{i}]", f"must be an integer, got {k!r}")
-        if not 0 <= self.pad_token_id < self.vocab_size:
-            bad(
-                "pad_token_id",
-                f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
-            )
+                    _bad(f"layer_k[{i}]", f"must be an integer, got {k!r}")
 
-        schedule = self.projection_schedule()
+    def _validate_k(self) -> None:
+        """Each projected layer's k: in [1, max_seq_len], dividing N for conv, one k per kind
+        under layerwise sharing."""
         kname = "layer_k" if self.layer_k is not None else "k"
         shared_k: dict = {}
-        for i, p in enumerate(schedule):
+        for i, p in enumerate(self.projection_schedule()):
             if p == "dense":
                 continue
             k = self.k_for_layer(i)
             where = f"{kname}[{i}]" if self.layer_k is not None else "k"
             if not 1 <= k <= self.max_seq_len:
-                bad(where, f"k={k} must be in [1, max_seq_len={self.max_seq_len}]")
+                _bad(where, f"k={k} must be in [1, max_seq_len={self.max_seq_len}]")
             if p == "conv" and self.max_seq_len % k:
-                bad(
+                _bad(
                     where,
                     f"conv layer {i}: k={k} does not divide max_seq_len={self.max_seq_len} "
                     "(conv kernel = stride = max_seq_len / k)",
                 )
-            if self.sharing == "layerwise":
-                if shared_k.setdefault(p, k) != k:
-                    bad(
-                        kname,
-                        f"sharing='layerwise' needs one k for all {p} layers, got "
-                        f"{shared_k[p]} and {k}",
-                    )
+            if self.sharing == "layerwise" and shared_k.setdefault(p, k) != k:
+                _bad(
+                    kname,
+                    f"sharing='layerwise' needs one k for all {p} layers, got {shared_k[p]} and {k}",
+                )
 
     # ---------------------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict:
