@@ -130,7 +130,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     from linformer_ds import engine as eng
     from linformer_ds.data import MLMMasking, ShardDataset, TrainBatches, check_compatible
     from linformer_ds.debug import DebugHooks
-    from linformer_ds.dist_env import setup_distributed_env
+    from linformer_ds.dist_env import setup_distributed_env, start_watchdog
     from linformer_ds.evaluate import evaluate
     from linformer_ds.metrics import Metrics, step_stats
     from linformer_ds.sequence_parallel import global_label_count
@@ -141,6 +141,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
     stop = SignalFlag(cfg.train.save_on_signal)
     env = setup_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # start-up waits end on a signal at once; a rank leaves when its launcher dies
+    watchdog = start_watchdog(
+        EXIT_PREEMPTED, env["launcher"] != "single", getattr(cfg.parallel, "init_timeout_s", 300.0)
+    )
     validate(cfg, world_size=world)
     if args.print_config:
         rank0_print(to_yaml(cfg))
@@ -256,6 +260,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     # ---- the loop
     engine.train()
+    watchdog.training_started()  # a signal now means: checkpoint at the next step
     end = cfg.train.max_steps
     if cfg.train.stop_at_step is not None:
         end = min(end, cfg.train.stop_at_step)

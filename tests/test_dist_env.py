@@ -346,3 +346,166 @@ def test_mpirun_two_ranks_discover_distinct_ranks_and_all_reduce(mode, tmp_path)
     assert len({r["master_port"] for r in rows}) == 1
     addr = {r["master_addr"] for r in rows}
     assert addr == ({"127.0.0.1"} if mode == "single-node" else {socket.gethostname()})
+
+
+# =========================================================== nothing waits forever (real ranks)
+PRETRAIN = str(REPO / "launch" / "pretrain.py")
+
+
+def _rank_cmd(data: Path, run: Path, overrides=()) -> list:
+    from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+
+    return [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *TEST_OVERRIDES,
+            f"data.path={data}", f"logging.dir={run}", "train.max_steps=2", *overrides]  # fmt: skip
+
+
+def _rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in REQUIRED_VARS and not k.startswith(LAUNCHER_PREFIXES)}  # fmt: skip
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=addr,
+               MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    return env
+
+
+def _one_error_line(stderr: str) -> str:
+    """The error line of a rank that failed: no traceback, exactly one 'error' line."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith(("error:", "config error:"))]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def _wait_started(proc: subprocess.Popen, seconds: float) -> None:
+    """Let a rank get past its imports and data checks into the rendezvous."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+
+
+def test_busy_master_port_is_one_line_exit_2(tiny_corpus, tmp_path):
+    """Rank 0 cannot host the rendezvous on a port in use: one line, exit 2, no retries."""
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run(_rank_cmd(tiny_corpus, tmp_path / "run"), env=_rank_env(0, 2, port),
+                              capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+        elapsed = time.monotonic() - t0
+    line = _one_error_line(proc.stderr)
+    assert proc.returncode == 2, proc.stderr
+    assert f"MASTER_PORT {port} is already in use" in line and "set MASTER_PORT" in line
+    print(f"busy port: exit 2 after {elapsed:.1f} s")
+
+
+def test_unresolvable_master_addr_is_one_line(clean_env):
+    from linformer_ds.dist_env import init_process_group
+
+    _set(clean_env, RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR="no-such-host.invalid",
+         MASTER_PORT=29999)  # fmt: skip
+    with pytest.raises(DistEnvError, match="MASTER_ADDR 'no-such-host.invalid' does not resolve"):
+        init_process_group("gloo", 1, 2, timeout_s=5)
+    with pytest.raises(DistEnvError, match="init_timeout_s must be > 0"):
+        init_process_group("gloo", 1, 2, timeout_s=float("nan"))
+
+
+def test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline(tiny_corpus, tmp_path):
+    """Rank 0 dies before the rendezvous: rank 1 ends with one line when
+    parallel.init_timeout_s runs out (measured), instead of retrying without end."""
+    import signal
+    import time
+
+    from linformer_ds.dist_env import free_port
+
+    port, deadline = free_port(), 10.0
+    cmd = _rank_cmd(tiny_corpus, tmp_path / "run", [f"parallel.init_timeout_s={deadline}"])
+    r0 = subprocess.Popen(cmd, env=_rank_env(0, 2, port), cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    r1 = subprocess.Popen(cmd, env=_rank_env(1, 2, port), cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    time.sleep(1.0)  # rank 0 is importing torch: it never reaches the rendezvous
+    r0.send_signal(signal.SIGKILL)
+    r0.wait()
+    killed = time.monotonic()
+    _, err = r1.communicate(timeout=300)
+    after = time.monotonic() - killed
+    line = _one_error_line(err)
+    assert r1.returncode == 2, err
+    assert "rendezvous at MASTER_ADDR:MASTER_PORT" in line and "within 10 s" in line, line
+    assert after < deadline + 60, after  # imports + data + the deadline (x2 in torch's store)
+    print(f"rank 1 left {after:.1f} s after rank 0 was killed (init_timeout_s={deadline:g})")
+
+
+def test_sigterm_during_rendezvous_ends_the_rank_within_seconds(tiny_corpus, tmp_path):
+    """Alone at the rendezvous (deadline 600 s), a rank ends within seconds of SIGTERM: one
+    line, exit 75 (nothing to save: no step has run)."""
+    import signal
+    import time
+
+    from linformer_ds.dist_env import free_port
+
+    cmd = _rank_cmd(tiny_corpus, tmp_path / "run", ["parallel.init_timeout_s=600"])
+    proc = subprocess.Popen(cmd, env=_rank_env(1, 2, free_port()), cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    _wait_started(proc, 25.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    after = time.monotonic() - t0
+    assert proc.returncode == 75, err
+    line = _one_error_line(err)
+    assert "SIGTERM during start-up" in line, line
+    assert after < 5.0, after
+    print(f"SIGTERM during the rendezvous: exit 75 after {after:.2f} s")
+
+
+LAUNCHER = r"""
+import subprocess, sys, time
+child = subprocess.Popen(sys.argv[1:])
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def test_rank_leaves_when_its_launcher_dies(tiny_corpus, tmp_path):
+    """SIGKILL to the launcher (the rank's parent) while the rank waits at the rendezvous: the
+    rank notices within ~1 s and ends (exit 75: no step had run), not an orphan."""
+    import signal
+    import time
+
+    from linformer_ds.dist_env import free_port
+
+    cmd = _rank_cmd(tiny_corpus, tmp_path / "run", ["parallel.init_timeout_s=600"])
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *cmd], cwd=REPO, text=True,
+                                env=_rank_env(1, 2, free_port()), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+    rank_pid = int(launcher.stdout.readline())
+    _wait_started(launcher, 25.0)
+    t0 = time.monotonic()
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    while time.monotonic() - t0 < 30:
+        try:
+            os.kill(rank_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    after = time.monotonic() - t0
+    gone = True
+    try:
+        os.kill(rank_pid, 0)
+        gone = False
+        os.kill(rank_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    assert gone, "the rank outlived its launcher by 30 s"
+    assert after < 5.0, after
+    err = launcher.stderr.read()
+    assert "the launcher (pid" in err and "SIGTERM during start-up" in err, err
+    print(f"rank left {after:.2f} s after its launcher was killed")
