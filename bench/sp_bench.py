@@ -69,9 +69,14 @@ REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
+# The command line's default model: small enough for 1M-token rows on a CPU box.
+SMALL_MODEL = ModelSizes(hidden=64, heads=4, k=64, intermediate=128, vocab=512, dropout=0.0)
+
+
 @dataclass
 class SPBenchConfig(ModelSizes):
-    """Everything one run depends on (stored in results.json); a small model by default."""
+    """Everything one run depends on (stored in results.json). The model's sizes are those of
+    :class:`bench.common.ModelSizes`; the command line's defaults are :data:`SMALL_MODEL`."""
 
     phases: List[str] = field(default_factory=lambda: ["comm", "memory"])
     # comm: linear vs dense at each N, P ranks
@@ -89,16 +94,9 @@ class SPBenchConfig(ModelSizes):
     trainer_sp: int = 2
     trainer_zero: int = 2
     trainer_overrides: List[str] = field(default_factory=list)
-    # the model (sizes of bench.common.ModelSizes) and the step
+    # the step
     zero: int = 2
     precision: str = "fp32"
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    k: int = 64
-    intermediate: int = 128
-    vocab: int = 512
-    dropout: float = 0.0
     mlm_fraction: float = 0.15
     warmup: int = 1
     iters: int = 2
@@ -610,7 +608,7 @@ def run(bc: SPBenchConfig) -> Dict[str, Any]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
-    d = SPBenchConfig()
+    d = SPBenchConfig(**asdict(SMALL_MODEL))
     ap = argparse.ArgumentParser(
         prog="python -m bench.sp_bench", description=__doc__.split("\n")[0]
     )
@@ -642,7 +640,7 @@ def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
     ap.add_argument("--out", default=d.out)
     a = ap.parse_args(argv)
     kw = {k: v for k, v in vars(a).items() if k != "max_n"}
-    return SPBenchConfig(max_n=parse_max_n(a.max_n), **kw)
+    return SPBenchConfig(**{**asdict(SMALL_MODEL), **kw, "max_n": parse_max_n(a.max_n)})
 
 
 def main(argv: Optional[List[str]] = None) -> int:
