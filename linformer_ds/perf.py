@@ -1,9 +1,10 @@
-"""Throughput helpers shared by the trainer and the benchmark: call timing, GEMM peak, memory."""
+"""Throughput helpers shared by the trainer and the benchmark: call timing, GEMM peak (within a
+time budget), memory, and whether this machine multiplies bf16 natively."""
 
 import resource
 import time
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, Optional, Set, Union
 
 import torch
 
@@ -28,14 +29,68 @@ def measure_matmul_peak_tflops(
     device: Union[torch.device, str] = "cpu",
     size: int = 4096,
     repeats: int = 10,
+    budget_s: Optional[float] = None,
 ) -> float:
-    """Best-of-``repeats`` TFLOP/s of one ``size^3`` matmul: the achievable peak on this device."""
+    """Best-of-``repeats`` TFLOP/s of one ``size^3`` matmul: the achievable peak on this device.
+
+    With ``budget_s`` the size is at most ``size`` and small enough for the whole probe to take
+    about that long (:func:`matmul_probe_size`): a CPU without native bf16 multiplies bf16 some
+    1000x slower, where a 2048^3 probe alone took minutes."""
+    if budget_s is not None:
+        size = matmul_probe_size(dtype, device, size, budget_s / (repeats + 1))
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     c = torch.empty(size, size, device=device, dtype=dtype)
     torch.matmul(a, b, out=c)  # warm up kernels
     best = min(time_call(lambda: torch.matmul(a, b, out=c), device) for _ in range(repeats))
     return 2 * size**3 / best / 1e12
+
+
+def matmul_probe_size(
+    dtype: torch.dtype, device: Union[torch.device, str], max_size: int, per_call_s: float
+) -> int:
+    """The largest power-of-two size from 256 up to ``max_size`` whose ``size^3`` multiply takes
+    at most ``per_call_s`` (each doubling costs 8x: timed at the size below)."""
+    size = min(256, max_size)
+    while size * 2 <= max_size:
+        a = torch.randn(size, size, device=device).to(dtype)
+        torch.matmul(a, a)  # warm up kernels at this size
+        if time_call(lambda: torch.matmul(a, a), device) * 8 > per_call_s:
+            break
+        size *= 2
+    return size
+
+
+NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX / AVX-512, Arm (Features)
+
+
+def native_bf16(device_type: str, flags: Optional[Set[str]] = None) -> Optional[str]:
+    """Why bf16 matrix multiplies are native on this machine's ``device_type`` accelerator (the
+    CPU flag, e.g. ``amx_bf16``, or the CUDA architecture, ``sm_80`` and later), or None where
+    they are emulated. ``flags``: the CPU's feature flags (default: :func:`cpu_flags`)."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}" if major >= 8 else None
+    if device_type != "cpu":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    return next((f for f in NATIVE_BF16_CPU_FLAGS if f in flags), None)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Set[str]:
+    """The CPU's feature flags (the ``flags`` line on x86, ``Features`` on Arm); empty where
+    /proc/cpuinfo is missing."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
 
 
 def peak_memory_bytes(device: Union[torch.device, str]) -> int:
