@@ -1,6 +1,7 @@
 """Throughput helpers shared by the trainer and the benchmark: call timing, GEMM peak (within a
 time budget), memory, and whether this machine multiplies bf16 natively."""
 
+import functools
 import resource
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ def matmul_probe_size(
     while size * 2 <= max_size:
         a = torch.randn(size, size, device=device).to(dtype)
         torch.matmul(a, a)  # warm up kernels at this size
-        if time_call(lambda: torch.matmul(a, a), device) * 8 > per_call_s:
+        if time_call(functools.partial(torch.matmul, a, a), device) * 8 > per_call_s:
             break
         size *= 2
     return size
