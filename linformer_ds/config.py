@@ -268,7 +268,10 @@ DIST_BACKENDS = ("gloo", "nccl", "mpi", "ccl", "hccl")
 @dataclass
 class DeepSpeedConfig(Section):
     key: ClassVar[str] = "deepspeed"
-    precision: str = one_of("bf16", PRECISIONS)
+    precision: str = one_of(
+        "bf16", PRECISIONS, "or auto: bf16 where this machine multiplies bf16 natively, else fp32"
+    )
+    auto_precision: Optional[str] = None  # set at load when precision was auto: why (amx_bf16)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     gradient_clipping: float = bounded(1.0, 0, note="0: no clipping")
     fp32_grad_accum: bool = True  # accumulate gradients in fp32 under bf16/fp16
@@ -303,6 +306,10 @@ class DeepSpeedConfig(Section):
         check_owned_keys(extra)
         if world_size is not None:
             check_deepspeed_extra(job, world_size)
+
+    def precision_text(self) -> str:
+        """``bf16``, or ``bf16 (auto: amx_bf16)`` when ``auto`` chose it."""
+        return f"{self.precision} (auto: {self.auto_precision})" if self.auto_precision else self.precision
 
     def extra_dict(self) -> Dict[str, Any]:
         """``extra`` as plain containers."""
@@ -495,8 +502,26 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         raise ConfigError(f"the config cannot be resolved: {e}") from None
     assert isinstance(cfg, JobConfig)
     _check_required(path, overrides or [])
+    resolve_precision(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_precision(cfg: JobConfig) -> None:
+    """``deepspeed.precision: auto`` becomes bf16 where this machine's accelerator multiplies
+    bf16 natively (``linformer_ds.perf.native_bf16``) and fp32 elsewhere; ``auto_precision``
+    records why (the ``[setup]`` line shows it; checkpoints save the resolved precision)."""
+    ds = cfg.deepspeed
+    ds.auto_precision = None
+    if ds.precision != "auto":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    from linformer_ds.perf import native_bf16
+
+    why = native_bf16(get_accelerator().device_name())
+    ds.precision = "bf16" if why else "fp32"
+    ds.auto_precision = why or "no native bf16"
 
 
 # What a job config must set itself: the schema's defaults for these describe no real run (the
