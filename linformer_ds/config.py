@@ -309,7 +309,8 @@ class DeepSpeedConfig(Section):
 
     def precision_text(self) -> str:
         """``bf16``, or ``bf16 (auto: amx_bf16)`` when ``auto`` chose it."""
-        return f"{self.precision} (auto: {self.auto_precision})" if self.auto_precision else self.precision
+        why = self.auto_precision
+        return f"{self.precision} (auto: {why})" if why else self.precision
 
     def extra_dict(self) -> Dict[str, Any]:
         """``extra`` as plain containers."""
