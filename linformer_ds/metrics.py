@@ -401,7 +401,8 @@ class Metrics:
             self.cfg.deepspeed.precision, torch.float32
         )
         size = 2048 if self.device.type == "cpu" else 8192
-        return measure_matmul_peak_tflops(dtype, str(self.device), size=size, repeats=5)
+        # in the run's precision, within ~3 s (bf16 without native support is ~1000x slower)
+        return measure_matmul_peak_tflops(dtype, str(self.device), size, repeats=5, budget_s=3.0)
 
     def elapsed(self) -> float:
         """Training wall seconds: the resumed checkpoint's figure plus this process's time."""

@@ -222,7 +222,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         rank0_print(to_yaml(cfg))
     rank0_print(
         f"[setup] launcher={env.get('launcher')} ranks={world} device={w.device} backend={w.backend} "
-        f"zero={cfg.deepspeed.zero.stage} precision={cfg.deepspeed.precision} "
+        f"zero={cfg.deepspeed.zero.stage} precision={cfg.deepspeed.precision_text()} "
         f"params={model.num_parameters() / 1e6:.2f}M schedule={cfg.model.projection_schedule()} "
         f"train_rows={len(train_ds)} seq_len={seq_len}"
     )
