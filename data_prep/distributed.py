@@ -48,7 +48,8 @@ def detect_world(env: Optional[Dict[str, str]] = None) -> Optional[World]:
     """The launcher this process runs under, or None for a plain single-process run."""
     env = os.environ if env is None else env
     if any(k in env for k in MPI_ENV):
-        return World("mpi", -1, -1)  # rank and size come from mpi4py
+        rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMIX_RANK") or env.get("PMI_RANK")
+        return World("mpi", int(rank or 0), -1)  # the size (and the rank) come from mpi4py
     ntasks = env.get("SLURM_STEP_NUM_TASKS")  # set by srun for a job step, not in the batch script
     if ntasks is not None and "SLURM_PROCID" in env:
         size = int(ntasks)
@@ -65,10 +66,11 @@ def detect_world(env: Optional[Dict[str, str]] = None) -> Optional[World]:
 class PeerFailed(DataPrepError):
     """Another rank failed (``died``: stopped without a word); the message says which and why."""
 
-    def __init__(self, message: str, rank: int, died: bool) -> None:
+    def __init__(self, message: str, rank: int, died: bool, printed: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.died = died
+        self.printed = printed  # the failed rank printed its message itself
 
 
 class Transport:
@@ -120,8 +122,8 @@ class Transport:
             err = self._path(f"error.{r}")
             if r != self.rank and os.path.exists(err):
                 with open(err) as f:
-                    msg = f.read().strip()
-                raise PeerFailed(f"rank {r} failed: {msg}", r, False)
+                    printed, _, msg = f.read().partition("\t")
+                raise PeerFailed(f"rank {r} failed: {msg.strip()}", r, False, printed == "1")
         now = time.monotonic()
         for r in ranks:
             if r == self.rank:
@@ -151,12 +153,13 @@ class Transport:
             self._last_check = now
             self._check_alive([])
 
-    def report_failure(self, message: str) -> None:
-        """Tell the other ranks this one failed (they stop at their next wait or check)."""
+    def report_failure(self, message: str, printed: bool) -> None:
+        """Tell the other ranks this one failed (they stop at their next wait or check);
+        ``printed``: this rank prints the message itself."""
         try:
             tmp = self._path(f"error.{self.rank}.tmp")
             with open(tmp, "w") as f:
-                f.write(message)
+                f.write(f"{int(printed)}\t{message}")
             os.replace(tmp, self._path(f"error.{self.rank}"))
         except OSError:
             pass

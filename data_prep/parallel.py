@@ -267,6 +267,7 @@ class _Ctx:
         self.size = comm.size
         self.source = source
         self.units_dir = os.path.join(cfg.out, UNITS_DIR)
+        self.created: Optional[bool] = None  # rank 0: whether it made --out (until resumable)
         self.die = None
         spec = os.environ.get(DIE_ENV)
         if spec:
@@ -276,22 +277,41 @@ class _Ctx:
 
 
 def prepare_distributed(cfg: Any, world: World) -> Any:
-    """Run data_prep as one rank of ``world``; every rank returns (rank 0 with the manifest)."""
+    """Run data_prep as one rank of ``world``; every rank returns (rank 0 with the manifest).
+
+    Messages: an error every rank meets alike (options, missing inputs) is printed by rank 0
+    only; a rank's own later error by that rank (it may be killed by mpirun before rank 0 could
+    print it); a rank that died, by rank 0 (rank 1 if rank 0 died). The other ranks exit 2
+    without a message (:class:`Quiet`).
+    """
     from data_prep.pipeline import PrepResult
 
     t_start = time.time()
-    cfg.validate()  # the same on every rank, before anyone waits for anyone
+    try:
+        cfg.validate()  # the same on every rank, before anyone waits for anyone
+    except DataPrepError as e:
+        if world.rank > 0:
+            raise Quiet(str(e)) from None
+        raise
     comm = connect(world, cfg.out, cfg.rank_timeout)
+    ctx: Optional[_Ctx] = None
     ok = False
     try:
         try:
-            source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
-            result = _run(_Ctx(cfg, comm, source), t_start)
+            try:
+                source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
+            except DataPrepError as e:  # alike on every rank: rank 0 prints it
+                comm.report_failure(str(e), printed=comm.rank == 0)
+                if comm.rank == 0:
+                    raise
+                raise Quiet(str(e)) from None
+            ctx = _Ctx(cfg, comm, source)
+            result = _run(ctx, t_start)
             ok = True
             return result if result is not None else PrepResult({}, 0.0, 0.0, 0.0)
         except PeerFailed as e:
-            loud = comm.rank == 0 or (comm.rank == 1 and e.rank == 0 and e.died)
-            if loud:
+            loud = (comm.rank == 0 and e.rank != 0) or (comm.rank == 1 and e.rank == 0 and e.died)
+            if loud and not e.printed:
                 raise DataPrepError(
                     f"{e}; no manifest was written: fix the cause and rerun the same command "
                     "with --resume to continue"
@@ -299,25 +319,41 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
             raise Quiet(str(e)) from None
         except OSError as e:
             msg = (
-                f"rank {comm.rank} could not read or write: {e.strerror or e}"
+                f"could not read or write: {e.strerror or e}"
                 f"{' (' + e.filename + ')' if getattr(e, 'filename', None) else ''}"
             )
-            comm.report_failure(msg)
-            if comm.rank == 0:
-                raise DataPrepError(msg + "; rerun with --resume once fixed") from None
-            raise Quiet(msg) from None
+            comm.report_failure(msg, printed=True)
+            raise DataPrepError(_who(comm) + msg + "; rerun with --resume once fixed") from None
+        except Quiet:
+            raise
         except DataPrepError as e:
-            comm.report_failure(str(e))
+            comm.report_failure(str(e), printed=True)
             if comm.rank == 0:
                 raise
-            raise Quiet(str(e)) from None
+            raise DataPrepError(_who(comm) + str(e)) from None
         except KeyboardInterrupt:
-            comm.report_failure(f"rank {comm.rank} was interrupted")
+            comm.report_failure(f"rank {comm.rank} was interrupted", printed=True)
             raise
     finally:
         comm.close(ok)
         if ok and comm.rank == 0:
             remove_sync_root(cfg.out)
+        elif not ok and ctx is not None and ctx.rank == 0 and ctx.created is not None:
+            _clean_unstarted(cfg.out, ctx.created)
+
+
+def _who(comm: Transport) -> str:
+    return f"rank {comm.rank} of {comm.size}: " if comm.rank else ""
+
+
+def _clean_unstarted(out: str, created: bool) -> None:
+    """A run that failed before its tokenizer was saved leaves nothing (as one process does)."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 def _run(ctx: _Ctx, t_start: float) -> Any:
@@ -335,7 +371,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
     head: Dict[str, Any] = {}
     if ctx.rank == 0:
         try:
-            state, _created = _prepare_out_dir(cfg)
+            state, created = _prepare_out_dir(cfg)
         except OSError as e:
             raise DataPrepError(
                 f"--out {cfg.out}: cannot write there: {e.strerror or e}; choose a writable --out"
@@ -347,6 +383,8 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
             )
         if state is not None and "tokenizer" not in state:
             state = None  # stopped before the tokenizer was trained: start from the beginning
+        if state is None:
+            ctx.created = created
         unit_bytes = (state or {}).get("unit_bytes") or cfg.unit_bytes
         unit_bytes = unit_bytes or default_unit_bytes(source.total_bytes())
         head = {"state": state, "unit_bytes": unit_bytes}
@@ -383,6 +421,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
             )
         done: Dict[int, Dict[str, Any]] = {}
         comm.allgather(None, "tokenizer")  # progress.json is written: resumable from here
+        ctx.created = None
     else:
         if state.get("units") != len(units):
             raise DataPrepError(
