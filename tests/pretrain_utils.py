@@ -22,6 +22,7 @@ TEST_OVERRIDES = [
     "model.intermediate_size=128",
     "model.k=32",
     "model.dropout=0.0",
+    "deepspeed.precision=bf16",  # what the tests were written for (tiny_cpu.yaml says auto)
     "train.micro_batch_size=4",
     "train.log_interval=1",
     "train.eval_interval=0",
