@@ -256,7 +256,10 @@ def test_heads_attention_checkpointing_in_transformers_only_process(export, tmp_
         wrong = f"{rng.choice(WORDS)} {rng.choice(WORDS)}"
         label = rng.randrange(2)
         mc.append(("pick the number", [wrong, right] if label else [right, wrong], label))
-    tok_texts = ["KJV: (Uzziah) - Vashti! said the LORD.", "snow \u2603 and \u65e5\u672c, caf\u00e9"]
+    tok_texts = [
+        "KJV: (Uzziah) - Vashti! said the LORD.",
+        "snow \u2603 and \u65e5\u672c, caf\u00e9",
+    ]
     data = tmp_path / "data.json"
     data.write_text(json.dumps({"tagging": tagging, "qa": qa, "mc": mc, "tok_texts": tok_texts}))
     res = run_fresh(HEADS, [str(export), str(data), str(tmp_path)], cwd=tmp_path, timeout=900)
