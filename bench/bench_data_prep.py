@@ -14,13 +14,20 @@ In one run:
    sampled every 0.1 s, plus the kernel's exact peak of the largest single process
    (``RUSAGE_CHILDREN`` of a wrapper process).
 
+5. with ``--ranks 1 2``: the same job under ``mpirun -np R`` (data_prep/parallel.py) for each R:
+   wall time, every rank's own tokenize rate (its ``data_prep: rank r/R`` line) against raw
+   SentencePiece on one thread times the rank's ``--workers`` (the rate a rank could reach),
+   and a check that the shards equal step 4's.
+
 Usage: ``python bench/bench_data_prep.py --work /tmp/bench_dp --corpus-mb 1024 --workers 2``
+(``--ranks 1 2 --workers 1`` for the per-rank figures on a 2-core machine).
 """
 
 import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -58,8 +65,11 @@ def corpus_files(root: Path) -> List[str]:
     return sorted(str(p) for p in root.rglob("*") if p.is_file())
 
 
-def raw_sentencepiece(model: str, files: List[str], batch_bytes: int) -> Dict[str, float]:
-    """Tokens/s of SentencePiece alone: one encode(list of lines) per ~batch_bytes of text."""
+def raw_sentencepiece(
+    model: str, files: List[str], batch_bytes: int, threads: int = -1
+) -> Dict[str, float]:
+    """Tokens/s of SentencePiece alone: one encode(list of lines) per ~batch_bytes of text
+    (``threads``: SentencePiece's num_threads; -1 = all cores)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=model)
@@ -70,7 +80,7 @@ def raw_sentencepiece(model: str, files: List[str], batch_bytes: int) -> Dict[st
     def flush() -> None:
         nonlocal tokens, encode_s, lines_n, batch, size
         t0 = time.perf_counter()
-        out = sp.encode(batch)  # all cores (num_threads=-1)
+        out = sp.encode(batch, num_threads=threads)
         encode_s += time.perf_counter() - t0
         tokens += sum(map(len, out))
         lines_n += len(batch)
@@ -143,6 +153,41 @@ def run_measured(cmd: List[str]) -> Dict[str, float]:
     }
 
 
+def run_ranks(
+    cmd: List[str], ranks: int, tokens: int, raw1: Dict[str, float], workers: int
+) -> Dict[str, object]:
+    """``cmd`` under ``mpirun -np ranks``: wall time, and each rank's tokenize rate against raw
+    SentencePiece on one thread times ``workers``."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise SystemExit("--ranks needs mpirun (apt-get install openmpi-bin) and mpi4py")
+    pre = [mpirun, "--oversubscribe", "-np", str(ranks)]
+    if os.geteuid() == 0:
+        pre.insert(1, "--allow-run-as-root")
+    t0 = time.perf_counter()
+    proc = subprocess.run([*pre, *cmd], cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"mpirun failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    per_rank = {}
+    for m in re.finditer(r"rank (\d+)/\d+: (\d+) units, (\d+) tokens in ([\d.]+) s", proc.stderr):
+        rank, units, tok, secs = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+        tps = tok / max(secs, 1e-9)
+        per_rank[rank] = {
+            "units": units,
+            "tokens": tok,
+            "tokenize_s": secs,
+            "tokens_per_s": tps,
+            "vs_raw_sentencepiece": tps / (raw1["tokens_per_s"] * workers),
+        }
+    return {
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "per_rank": per_rank,
+        "workers_per_rank": workers,
+    }
+
+
 def main() -> None:
     """Run the benchmark and print a JSON report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -152,6 +197,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=8000)
+    ap.add_argument(
+        "--ranks", type=int, nargs="*", default=[], help="also run under mpirun -np R for each R"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = ap.parse_args()
     work = Path(args.work)
@@ -202,6 +250,19 @@ def main() -> None:
     report["ratio_vs_raw"] = big["tokens_per_s"] / raw["tokens_per_s"]
     report["commands"] = {"stdlib": " ".join(std_cmd[1:]), "big": " ".join(big_cmd[1:])}
     assert big["tokens"] == raw["tokens"], (big["tokens"], raw["tokens"])
+
+    # 5. The same job on R ranks.
+    if args.ranks:
+        raw1 = raw_sentencepiece(model, files, args.batch_mb << 20, threads=1)
+        report["raw_sentencepiece_1_thread"] = raw1
+        report["ranks"] = {}
+        for r in args.ranks:
+            out = work / f"mpi_{r}"
+            cmd = [*big_cmd[:6], str(out), *big_cmd[7:]]
+            report["ranks"][r] = run_ranks(cmd, r, big["tokens"], raw1, max(args.workers, 1))
+            got = json.loads((out / "manifest.json").read_text())
+            assert got["splits"] == m["splits"], f"{r} ranks wrote other shards than one process"
+        report["commands"]["ranks"] = "mpirun -np R " + " ".join(big_cmd[1:])
     print(json.dumps(report, indent=2))
     if not args.keep:
         shutil.rmtree(work)
