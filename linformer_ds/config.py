@@ -975,8 +975,12 @@ def check_deepspeed_extra(cfg: JobConfig, world_size: int) -> None:
     changed however it is spelled. One :class:`ConfigError` naming the key."""
     extra = cfg.deepspeed.extra_dict()
     check_owned_keys(extra)
-    # Without a process group DeepSpeed assumes one rank: check the batch arithmetic for that.
-    one_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    # Without a process group DeepSpeed assumes one rank, with one (a trainer built in a
+    # process that already trained) all of its ranks: check the batch arithmetic for those.
+    import torch.distributed as dist
+
+    seen = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    one_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * seen
     base = deepspeed_config(cfg, world_size, with_extra=False) | {"train_batch_size": one_rank}
     full = deepspeed_config(cfg, world_size) | {"train_batch_size": one_rank}
     log: set = set()
