@@ -134,9 +134,34 @@ class Section:
 
 # ===================================================================================== sections
 @dataclass
+class SourceConfig:
+    """One corpus of a mixture (``data.sources``): a data_prep output and its relative weight
+    (>= 0; 0: evaluated, never trained on). Checked by ``linformer_ds.mixture.resolve_stages``."""
+
+    name: str = ""  # a short name for logs and metrics (share/NAME, eval loss/NAME)
+    path: str = ""  # a data_prep output directory
+    weight: float = 1.0
+
+
+@dataclass
+class StageConfig:
+    """One sequence-length stage (``train.stages``): steps up to ``end_step`` train on
+    ``sources`` (names from data.sources, re-weighted by ``weights`` if given) or on ``path``
+    (one source), ``micro_batch_size`` rows per rank (null: train.micro_batch_size)."""
+
+    end_step: Optional[int] = None  # null only for the last stage: train.max_steps
+    sources: List[str] = field(default_factory=list)
+    weights: Optional[List[float]] = None
+    path: Optional[str] = None
+    micro_batch_size: Optional[int] = None
+
+
+@dataclass
 class DataConfig(Section):
     key: ClassVar[str] = "data"
     path: str = nonempty("data/stdlib")  # a data_prep output directory
+    # a weighted mixture of data_prep outputs (same tokenizer and N); when set, path is unused
+    sources: List[SourceConfig] = field(default_factory=list)
     train_split: str = nonempty("train")
     valid_split: str = nonempty("valid")
     mlm_probability: float = bounded(0.15, 0, 1, lo_open=True, hi_open=True, text="in (0, 1)")
@@ -144,6 +169,11 @@ class DataConfig(Section):
     # BERT/RoBERTa-style short inputs: this fraction of training rows is cut to a random length
     # in [2, N-1] (the tail becomes unlabelled padding); a function of (seed, epoch, row)
     short_seq_prob: float = bounded(0.0, 0, 1, hi_open=True, text="in [0, 1)")
+
+    def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
+        from linformer_ds.mixture import resolve_stages
+
+        resolve_stages(job)  # data.sources and train.stages: names, weights, end steps
 
 
 @dataclass
@@ -192,6 +222,8 @@ class TrainConfig(Section):
     save_on_signal: bool = True  # SIGUSR1/SIGTERM: checkpoint, then exit with EXIT_PREEMPTED
     # non-finite loss: "stop" (keep last good checkpoint) or "skip"
     nonfinite: str = one_of("stop", ("stop", "skip"))
+    # sequence-length stages in step order (see docs/data.md); empty: one stage, all of data
+    stages: List[StageConfig] = field(default_factory=list)
 
     def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
         ds = job.deepspeed
@@ -546,10 +578,11 @@ def _check_required(path: Optional[str], overrides: List[str]) -> None:
             "no job config: pass --config FILE (see configs/, e.g. configs/tiny_cpu.yaml) "
             "and/or key=value overrides that set data.path and model.*"
         )
-    if OmegaConf.select(user, "data.path") is None:
+    has_sources = OmegaConf.select(user, "data.sources") or OmegaConf.select(user, "train.stages")
+    if OmegaConf.select(user, "data.path") is None and not has_sources:
         raise ConfigError(
             "data.path: not set; name a data_prep output directory (data.path=DIR in the YAML "
-            "file or as an override)"
+            "file or as an override), or a mixture in data.sources"
         )
     model = OmegaConf.select(user, "model")
     if not isinstance(model, DictConfig) or len(model) == 0:
