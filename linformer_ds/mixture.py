@@ -460,8 +460,8 @@ def resolve_stages(cfg: Any) -> List[Stage]:
             unknown = [n for n in names if n not in cat]
             if unknown:
                 _fail(
-                    f"{key}.sources: unknown source {unknown[0]!r}; data.sources names "
-                    f"{', '.join(order)}"
+                    f"{key}.sources: unknown source {unknown[0]!r}; the sources (data.sources) "
+                    f"are {', '.join(order)}"
                 )
             if len(set(names)) != len(names):
                 _fail(f"{key}.sources: a source is listed twice: {names}")
@@ -496,6 +496,11 @@ def resolve_stages(cfg: Any) -> List[Stage]:
         mb = mb0 if st.micro_batch_size is None else int(st.micro_batch_size)
         if mb < 1:
             _fail(f"{key}.micro_batch_size: must be >= 1 (or null: train.micro_batch_size)")
+        if mb != mb0 and getattr(t, "global_batch_size", None) is not None:
+            _fail(
+                f"{key}.micro_batch_size: {mb} changes the global batch, which "
+                "train.global_batch_size fixes; unset one of them"
+            )
         stages.append(Stage(end, names, paths, weights, mb))
         prev = end
     return stages
