@@ -113,9 +113,9 @@ class ShardDataset(torch.utils.data.Dataset):
             )
             raise DataError(f"{self.path}: no manifest.json ({hint})")
         try:
-            m = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{mpath}: corrupt manifest ({e})") from e
+            m = json.loads(mpath.read_bytes().decode("utf-8"))
+        except (ValueError, OSError) as e:  # not JSON, not UTF-8 (e.g. UTF-16), unreadable
+            raise DataError(f"{mpath}: corrupt manifest ({e}); rerun data_prep") from None
         if not isinstance(m, dict):
             raise DataError(f"{mpath}: corrupt manifest (not a JSON object)")
         if m.get("format_version") != MANIFEST_FORMAT_VERSION:
