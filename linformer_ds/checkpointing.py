@@ -43,7 +43,7 @@ FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
 COMPLETE_FILE = "COMPLETE"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO 0-2: one file, written by rank 0
-ZERO3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
+ZERO3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"  # ZeRO-3: per rank
 UNIVERSAL_DIR = "universal"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
 META_KEYS = ("format_version", "step", "epoch", "sampler", "world_size", "zero_stage", "model")
@@ -131,7 +131,8 @@ def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
             return f"{name} has {os.path.getsize(path)} bytes, {size} when saved (truncated)"
     saved_ranks = int(meta["world_size"])
     if int(meta.get("zero_stage", 0)) == 3:  # ZeRO-3: one model-states file per rank
-        ranks = [ZERO3_MODEL_STATES.format(rank=r) for r in range(saved_ranks)]
+        p = sharded_sp_size(meta)  # sharded SP: DeepSpeed numbers SP ranks as model-parallel
+        ranks = [ZERO3_MODEL_STATES.format(rank=r // p, mp=r % p) for r in range(saved_ranks)]
         missing = [name for name in ranks if not os.path.isfile(os.path.join(d, name))]
         if missing:
             return f"{missing[0]} is missing ({len(missing)} of {saved_ranks} rank files)"
@@ -491,6 +492,41 @@ def check_engine_config(
     )
 
 
+def sharded_sp_size(layout: Dict[str, Any]) -> int:
+    """P when a checkpoint's (or a config's) E/F columns and position rows are sharded over P
+    sequence-parallel ranks (DeepSpeed writes one model-parallel file per SP rank), else 1."""
+    p = int(layout.get("sequence_parallel_size", 1) or 1)
+    return p if p > 1 and layout.get("shard_sequence_parameters") else 1
+
+
+def config_layout(cfg: JobConfig) -> Dict[str, Any]:
+    """The parallel layout recorded in a checkpoint's metadata."""
+    p = cfg.parallel.sequence_parallel_size
+    return {
+        "sequence_parallel_size": p,
+        "shard_sequence_parameters": bool(p > 1 and cfg.parallel.shard_sequence_parameters),
+    }
+
+
+def check_shard_layout(ckpt_dir: str, tag: str, meta: Dict[str, Any], cfg: JobConfig) -> bool:
+    """True if the E/F / position sharding differs between the checkpoint and the config (it
+    then loads through a universal checkpoint); a :class:`CheckpointError` when DeepSpeed cannot
+    re-shard it (ZeRO-0 and ZeRO-3 checkpoints have no universal form here)."""
+    saved, now = sharded_sp_size(meta), sharded_sp_size(config_layout(cfg))
+    if saved == now:
+        return False
+    shards = glob.glob(os.path.join(ckpt_dir, tag, "*_optim_states.pt"))
+    stage = int(meta.get("zero_stage", 0))
+    if shards and stage in UNIVERSAL_STAGES and cfg.deepspeed.zero.stage in UNIVERSAL_STAGES:
+        return True
+    raise CheckpointError(
+        f"{os.path.join(ckpt_dir, tag)} holds E/F and positions sharded over {saved} rank(s), "
+        f"this config over {now} (parallel.sequence_parallel_size / "
+        "parallel.shard_sequence_parameters); only ZeRO-1/2 checkpoints re-shard (universal "
+        f"checkpoint). Resume with the saved layout, or export the weights and start a new run"
+    )
+
+
 def needs_universal(ckpt_dir: str, tag: str, meta: Dict[str, Any], world_size: int) -> bool:
     """True if the tag holds ZeRO optimizer shards for another number of ranks."""
     shards = glob.glob(os.path.join(ckpt_dir, tag, "*_optim_states.pt"))
@@ -558,6 +594,9 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             ds_to_universal.main(args)
+        from linformer_ds.sequence_parallel import mark_universal_sequence_dims
+
+        mark_universal_sequence_dims(out)  # loadable with E/F and positions sharded, any P
     except Exception as e:
         shutil.rmtree(out, ignore_errors=True)
         raise CheckpointError(
@@ -689,6 +728,16 @@ class CheckpointManager:
             self.universal = notice is not None or needs_universal(
                 self.dir, self.tag, self.meta, self.world
             )
+            if check_shard_layout(self.dir, self.tag, self.meta, self.cfg):
+                self.universal = True
+                if self.rank == 0 and int(self.meta["world_size"]) == self.world:
+                    print(
+                        f"[resume] {where}: E/F and positions were sharded over "
+                        f"{sharded_sp_size(self.meta)} rank(s), now "
+                        f"{sharded_sp_size(config_layout(self.cfg))}: loading it through a "
+                        "universal checkpoint",
+                        flush=True,
+                    )
             if notice and self.rank == 0 and int(self.meta["world_size"]) == self.world:
                 print(f"[resume] {notice}", flush=True)
             self.last_saved_step = int(self.meta["step"])
@@ -733,7 +782,7 @@ class CheckpointManager:
         client_extra: Optional[Dict[str, Any]] = None,
     ) -> str:
         """Collective: write ``step``'s checkpoint (see :func:`save`); returns the tag."""
-        layout = {"sequence_parallel_size": self.cfg.parallel.sequence_parallel_size}
+        layout = config_layout(self.cfg)
         tag = save(
             engine, self.cfg, self.dir, step, epoch, sampler_state, train_ds, client_extra, layout
         )

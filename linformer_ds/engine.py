@@ -145,17 +145,23 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
     """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine.
 
     With sequence-parallel ``groups`` the model's layers exchange their key/value summaries
-    over the group, ZeRO-3 partitions over all DP x P ranks, and DeepSpeed reduces gradients
-    through the groups' ``mpu`` (see linformer_ds.sequence_parallel)."""
+    over the group and DeepSpeed reduces gradients through the groups' ``mpu`` (see
+    linformer_ds.sequence_parallel): sharded (default), each rank holds its E/F columns and
+    position rows and the SP group is DeepSpeed's model-parallel group; unsharded, ZeRO-3
+    partitions over all DP x P ranks."""
     import deepspeed
 
     kwargs: Dict[str, Any] = {}
     if groups is not None:
         from linformer_ds import sequence_parallel as sp
 
+        if cfg.parallel.shard_sequence_parameters:  # E/F columns, position rows per SP rank
+            sp.shard_for_deepspeed(model, groups)
+            kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
+        else:
+            sp.partition_for_zero3(model, groups, ds_config)
+            kwargs["mpu"] = sp.SequenceParallelMPU(groups)
         sp.parallelize(model, groups.sp_group)
-        sp.partition_for_zero3(model, groups, ds_config)
-        kwargs["mpu"] = sp.SequenceParallelMPU(groups)
     apply_activation_checkpointing(model, cfg, ds_config)
     s = cfg.scheduler
     engine, _, _, _ = deepspeed.initialize(
@@ -172,8 +178,10 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
 
 
 def backward_scale(cfg: JobConfig) -> float:
-    """The factor on the loss before ``engine.backward`` (1 except ZeRO-3 with P > 1, where
-    DeepSpeed divides the summed gradients by DP x P instead of DP)."""
+    """The factor on the loss before ``engine.backward`` (1 except ZeRO-3 with P > 1 unsharded,
+    where DeepSpeed divides the summed gradients by DP x P instead of DP)."""
     from linformer_ds.sequence_parallel import backward_loss_scale
 
+    if cfg.parallel.shard_sequence_parameters:  # gradients are reduced over DP only
+        return 1.0
     return backward_loss_scale(cfg.deepspeed.zero.stage, cfg.parallel.sequence_parallel_size)

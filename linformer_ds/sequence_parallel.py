@@ -42,6 +42,7 @@ from torch import nn
 from linformer_ds.model import ModelConfig
 
 KEY = "parallel.sequence_parallel_size"
+SHARD_KEY = "parallel.shard_sequence_parameters"
 
 
 class SequenceParallelConfigError(ValueError):
@@ -57,11 +58,13 @@ def config_errors(
     model: ModelConfig,
     zero_stage: int = 0,
     zero_reduce_scatter: bool = True,
+    shard: bool = False,
 ) -> List[str]:
     """Every reason ``sp_size`` cannot run, as one-line messages (empty: it can).
 
     ``seq_len`` is the data's sequence length N (every row is N tokens, right-padded);
-    ``zero_reduce_scatter`` is ``zero_optimization.reduce_scatter`` of the DeepSpeed config.
+    ``zero_reduce_scatter`` is ``zero_optimization.reduce_scatter`` of the DeepSpeed config;
+    ``shard``: ``parallel.shard_sequence_parameters`` (E/F columns and position rows sharded).
     """
     p = int(sp_size)
     if p < 1:
@@ -92,7 +95,15 @@ def config_errors(
             f"{KEY}: dense layers (DeepSpeed-Ulysses) need num_heads divisible by P, got "
             f"num_heads={model.num_heads}, P={p}"
         )
-    if zero_stage == 3 and not zero_reduce_scatter:
+    if shard and seq_len != model.max_seq_len:
+        errors.append(
+            f"{SHARD_KEY}: sharding needs model.max_seq_len == N (got max_seq_len="
+            f"{model.max_seq_len}, N={seq_len}): each rank holds the E/F columns and position "
+            f"rows of its slice; set model.max_seq_len={seq_len} or {SHARD_KEY}=false"
+        )
+    if shard and model.max_seq_len % p:
+        errors.append(f"{SHARD_KEY}: {p} does not divide model.max_seq_len={model.max_seq_len}")
+    if zero_stage == 3 and not zero_reduce_scatter and not shard:
         errors.append(
             f"{KEY}: {p} > 1 with zero.stage=3 needs zero_optimization.reduce_scatter=true: with "
             "it off, DeepSpeed 0.19 divides the gradients of parameters that fit a reduce bucket "
@@ -592,6 +603,7 @@ def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> Lis
     data-parallel reduction). Use with :class:`ShardedSequenceParallelMPU` and a backward loss
     scale of 1 at every ZeRO stage. Returns the sharded parameter names."""
     names = shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
+    model.universal_checkpoint_info = universal_checkpoint_info(model, groups.sp_size)
     seen = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
@@ -602,3 +614,73 @@ def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> Lis
         elif p.requires_grad:
             p.register_hook(_sum_over(groups.sp_group))
     return names
+
+
+def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
+    """How DeepSpeed's ``ds_to_universal`` merges the SP ranks' pieces (they are its "tensor
+    parallel" slices under :class:`ShardedSequenceParallelMPU`): every sharded parameter is one
+    sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
+    position table: dim 0), every other parameter is replicated. Loading cuts the whole
+    tensor again for any P (``tp_world_size`` = P), or keeps it whole at P = 1."""
+    import re
+
+    from deepspeed.checkpoint import constants as c
+
+    shards, shard_widths, replicated = [], {}, []
+    for name, p in model.named_parameters():
+        pattern = f"^{re.escape(name)}$"
+        if not hasattr(p, SHARD_ATTR):
+            replicated.append(pattern)
+            continue
+        dim, size = getattr(p, SHARD_ATTR)
+        shape: List[Any] = list(p.shape)
+        shape[dim] = (size,)
+        shards.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
+        shard_widths[pattern] = [[size // sp_size] * sp_size]
+    return {
+        c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+        c.PARAMETER_WITH_SUB_PARAMS: shards,
+        c.SUB_PARAM_SHARD_WIDTHS: shard_widths,
+    }
+
+
+def sequence_dim(name: str, ndim: int) -> Optional[int]:
+    """The sequence dim of a parameter of the Linformer models by its name and rank: 2 for a
+    linear projection's E/F ``[H, k, N_max]``, 0 for the position table, None otherwise."""
+    if name.endswith("position_embeddings.weight") and ndim == 2:
+        return 0
+    if ndim == 3 and name.endswith(("proj_k.weight", "proj_v.weight", "shared_linear.weight")):
+        return 2
+    return None
+
+
+def mark_universal_sequence_dims(universal_tag_dir: str) -> List[str]:
+    """Make a universal checkpoint written from an unsharded run loadable by a sharded one:
+    each E/F and position-table state file gets ``cat_dim`` = its sequence dim, along which
+    DeepSpeed's universal loading cuts the rank's piece (``chunk(P, cat_dim)[sp_rank]``).
+    Files with a sub-parameter shape (written from a sharded run) already say it. Returns the
+    parameter names marked."""
+    import glob
+    import os
+
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM, SUB_PARAM_SHAPE
+
+    marked = []
+    for folder in sorted(glob.glob(os.path.join(universal_tag_dir, "zero", "*"))):
+        name = os.path.basename(folder)
+        for path in sorted(glob.glob(os.path.join(folder, "*.pt"))):
+            if os.path.basename(path) == "step.pt":
+                continue
+            # a file ds_to_universal has just written (it holds DeepSpeed's own classes)
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or PARAM not in state or SUB_PARAM_SHAPE in state:
+                continue
+            dim = sequence_dim(name, state[PARAM].dim())
+            if dim is None:
+                continue
+            state[CAT_DIM] = dim
+            torch.save(state, path)
+            if name not in marked:
+                marked.append(name)
+    return marked
