@@ -522,8 +522,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     merged = OmegaConf.structured(JobConfig)
     if path:
         merged = _merge(merged, _load_yaml(path), path)
-    for item in overrides or []:
-        merged = _merge(merged, _parse_override(item), f"override {item!r}")
+    if overrides:
+        for item in overrides:  # each parses, and puts no list or value in place of a section
+            mismatch = _shape_mismatch(merged, _parse_override(item))
+            if mismatch:
+                raise ConfigError(f"override {item!r}: {mismatch}")
+        try:  # one merge (each merge copies the whole config)
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        except _LOAD_ERRORS:  # name the override that fails
+            for item in overrides:
+                merged = _merge(merged, _parse_override(item), f"override {item!r}")
     try:
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
@@ -571,8 +579,7 @@ def _check_required(path: Optional[str], overrides: List[str]) -> None:
             f"{path}: the config file sets nothing; start from one in configs/ (e.g. "
             "configs/tiny_cpu.yaml)"
         )
-    for item in overrides:
-        user = OmegaConf.merge(user, _parse_override(item))
+    user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(overrides)))
     if not path and not overrides:
         raise ConfigError(
             "no job config: pass --config FILE (see configs/, e.g. configs/tiny_cpu.yaml) "

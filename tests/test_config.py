@@ -1,0 +1,360 @@
+"""The job config's error contract over generated inputs (in-process, no training).
+
+Any override value of any type for any key, any YAML document, any ``deepspeed.extra``: the
+config either loads or raises one :class:`ConfigError` of one line naming the key; never another
+exception. Every number of the schema declares its range, so the class of "huge value builds an
+index list / allocates a tensor" cannot come back. ``deepspeed.extra`` never changes what the job
+config owns, however it is spelled.
+"""
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from linformer_ds import config as config_mod
+from linformer_ds.config import (
+    OWNED_DS_KEYS,
+    ConfigError,
+    JobConfig,
+    deepspeed_config,
+    from_dict,
+    load_config,
+    to_dict,
+    validate,
+)
+from linformer_ds.model import ModelConfig, ModelConfigError
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+
+# CONFIG_FUZZ_EXAMPLES=2000 for a long run (the suite runs 60 per generated test)
+FAST = settings(
+    max_examples=int(os.environ.get("CONFIG_FUZZ_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+)
+
+
+def _leaf_keys(cls: Any = JobConfig, prefix: str = "") -> Dict[str, Any]:
+    """``{dotted key: field type}`` of every leaf field of the schema."""
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(f.type):
+            out.update(_leaf_keys(f.type, key))
+        else:
+            out[key] = f.type
+    return out
+
+
+LEAF_KEYS = _leaf_keys()
+
+
+def _number_kind(tp: Any) -> Any:
+    """int or float if ``tp`` is (Optional) int/float, else None."""
+    if typing.get_origin(tp) not in (None, typing.Union):
+        return None  # a list of numbers (optimizer.betas, model.layer_k): checked by code
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return args[0] if len(args) == 1 and args[0] in (int, float) else None
+
+
+def _load(*overrides: str, path: str = TINY_CONFIG, world_size: int = 2):
+    cfg = load_config(path, [*TEST_OVERRIDES, "data.path=/nonexistent", *overrides])
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def _refused(*overrides: str, **kw: Any) -> str:
+    with pytest.raises(ConfigError) as e:
+        _load(*overrides, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.strip() == msg and "Traceback" not in msg, msg
+    return msg
+
+
+# ------------------------------------------------------------------------- declarations
+def test_every_number_of_the_schema_declares_its_range():
+    """Every int/float field of every section carries a Range (caps included), every model
+    number is in ModelConfig's range tables: a value outside is refused by type, not by case."""
+    from linformer_ds import model as model_mod
+
+    undeclared = []
+    for cls in {type(s) for s in _sections(JobConfig())}:
+        for f in dataclasses.fields(cls):
+            if _number_kind(f.type) and "range" not in f.metadata:
+                undeclared.append(f"{cls.__name__}.{f.name}")
+            rng = f.metadata.get("range")
+            if _number_kind(f.type) is int and rng is not None:
+                assert rng.hi is not None, f"{cls.__name__}.{f.name} has no upper bound"
+    model_ranges = set(model_mod._INT_RANGES) | set(model_mod._FLOAT_RANGES)
+    for f in dataclasses.fields(ModelConfig):
+        if _number_kind(f.type) and f.name not in model_ranges:
+            undeclared.append(f"ModelConfig.{f.name}")
+    assert undeclared == []
+
+
+def _sections(obj: Any) -> List[Any]:
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, config_mod.Section):
+            out += [value, *_sections(value)]
+    return out
+
+
+# ------------------------------------------------------------------------- generated overrides
+YAML_ODDITIES = [
+    "[1", "{a: 1}", "[1, 2]", "{", "}", "]", "null", "~", "''", '""', "true", "yes", "off",
+    "${name}", "${nope}", "${oc.env:HOME}", "${eval:1}", "${train.max_steps}", "!!binary aGk=",
+    "!!python/object/apply:os.system ['true']", "&a [*a]", "*a", "- 1", "a: b", "1e400",
+    "-1e400", ".nan", ".inf", "0x10", "0o7", "1_000", "2^34", "${", "\\x00", "a\x00b", "é",
+    "\u202e", "🙂", "'unterminated", "# comment", "1:2", "[[[[[[[[[[1]]]]]]]]]]", "{a: {b: {c: 1}}}",
+]  # fmt: skip
+
+values = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.sampled_from([str(2**62), str(2**34), str(2**31), str(-(2**63)), "0", "-1", "1"]),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(YAML_ODDITIES),
+    st.text(max_size=20),
+)
+keys = st.one_of(
+    st.sampled_from(sorted(LEAF_KEYS)),
+    st.sampled_from(sorted(LEAF_KEYS)).map(lambda k: k + ".sub"),
+    st.sampled_from(["model.nope", "nope", "train", "deepspeed", "deepspeed.zero", "model"]),
+    st.builds(
+        lambda a, b: f"deepspeed.extra.{a}.{b}",
+        st.sampled_from(["zero_optimization", "flops_profiler", "data_types", "bf16", "x"]),
+        st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12),
+    ),
+)
+
+
+@FAST
+@given(key=keys, value=values)
+@example(key="train.max_steps", value="[1")
+@example(key="optimizer.betas", value="{a: 1}")
+@example(key="deepspeed.extra", value="[1]")
+@example(key="model.vocab_size", value=str(2**34))
+@example(key="train.micro_batch_size", value=str(2**62))
+@example(key="deepspeed.extra.zero_optimization.stage", value="3")
+@example(key="deepspeed.extra.activation_checkpointing.partition_activation", value="true")
+@example(key="deepspeed.extra.flops_profiler.enabeld", value="true")
+@example(key="deepspeed.extra.data_types.grad_accum_dtpye", value="fp32")
+def test_any_override_loads_or_is_one_config_error(key, value):
+    try:
+        cfg = _load(f"{key}={value}")
+    except ConfigError as e:
+        msg = str(e)
+        assert msg and "\n" not in msg and "Traceback" not in msg, msg
+        return
+    # accepted: the derived DeepSpeed config still says what the job config says, and the
+    # config saved into checkpoints reads back as itself
+    _assert_owned_unchanged(cfg)
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def _assert_owned_unchanged(cfg: JobConfig) -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = deepspeed_config(cfg, 1)
+    base = deepspeed_config(cfg, 1, with_extra=False)
+    for c in (ds, base):
+        c["train_batch_size"] = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    parsed, reference = DeepSpeedConfig(ds), DeepSpeedConfig(base)
+    assert parsed.zero_optimization_stage == cfg.deepspeed.zero.stage
+    for what, (read, _) in config_mod._OWNED_SETTINGS.items():
+        assert read(parsed) == read(reference), what
+
+
+# ------------------------------------------------------------------------- generated YAML files
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(), st.text(max_size=8), st.sampled_from(YAML_ODDITIES),
+)  # fmt: skip
+names = st.sampled_from(sorted({p for k in LEAF_KEYS for p in k.split(".")} | {"zz", "defaults"}))
+documents = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(names, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+SECTION_KEYS = sorted({k.rsplit(".", 1)[0] for k in LEAF_KEYS if "." in k})
+
+
+def _nest(pairs: List[Any]) -> Dict[str, Any]:
+    """``[(dotted key, value)]`` -> a nested mapping (a later key replaces an earlier one)."""
+    doc: Dict[str, Any] = {}
+    for key, value in pairs:
+        node = doc
+        *parents, last = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = value
+    return doc
+
+
+@FAST
+@given(
+    doc=st.one_of(
+        st.dictionaries(names, documents, max_size=5),
+        st.lists(
+            st.tuples(st.sampled_from(sorted(LEAF_KEYS) + SECTION_KEYS), documents), max_size=6
+        ).map(_nest),
+    )
+)
+def test_any_yaml_document_loads_or_is_one_config_error(doc, tmp_path_factory):
+    import yaml
+
+    path = tmp_path_factory.mktemp("yaml") / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    try:
+        load_config(str(path), ["data.path=/nonexistent", "model.hidden_size=64"])
+    except ConfigError as e:
+        assert "\n" not in str(e), str(e)
+
+
+@FAST
+@given(doc=st.text(max_size=60))
+@example(doc="deepspeed: {zero: [2]}")
+@example(doc="\ufeffname: x\n")
+@example(doc="a: [1\n")
+@example(doc="- 1\n- 2\n")
+def test_any_yaml_text_loads_or_is_one_config_error(doc, tmp_path_factory):
+    path = tmp_path_factory.mktemp("yaml") / "job.yaml"
+    path.write_text(doc)
+    try:
+        load_config(str(path), ["data.path=/nonexistent", "model.hidden_size=64"])
+    except ConfigError as e:
+        assert "\n" not in str(e), str(e)
+
+
+def test_yaml_section_given_a_list_names_the_key(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("deepspeed: {zero: [2]}\n")
+    msg = _refused(path=str(path))
+    assert msg == f"{path}: deepspeed.zero: must be a mapping (a config section), got [2]"
+
+
+@pytest.mark.parametrize(
+    "chain", [["a.yaml"], ["a.yaml", "b.yaml"], ["a.yaml", "b.yaml", "c.yaml"]]
+)
+def test_defaults_cycle_is_named(chain, tmp_path):
+    for this, parent in zip(chain, chain[1:] + chain[:1]):
+        (tmp_path / this).write_text(f"defaults: {parent}\nname: {this}\n")
+    msg = _refused(path=str(tmp_path / chain[0]))
+    assert "includes itself (" + " -> ".join(chain + chain[:1]) + ")" in msg, msg
+    assert "recursion" not in msg
+
+
+# ------------------------------------------------------------------------- the issue's cases
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.max_steps=[1", "override 'train.max_steps=[1': the value is not valid YAML"),
+        ("optimizer.betas={a: 1}", "optimizer.betas: must be a list, got {'a': 1}"),
+        ("deepspeed.extra=[1]", "deepspeed.extra: must be a mapping (a config section), got [1]"),
+        ("model.vocab_size=17179869184", "model.vocab_size: must be <= 16777216"),
+        ("train.micro_batch_size=4611686018427387904", "train.micro_batch_size: must be <= "),
+        (
+            "deepspeed.extra.zero_optimization.stage=3",
+            "deepspeed.extra.zero_optimization.stage: the job config sets it; use "
+            "deepspeed.zero.stage instead",
+        ),
+        (
+            "deepspeed.extra.activation_checkpointing.partition_activation=true",
+            "use deepspeed.activation_checkpointing.partition_activations instead",
+        ),
+        (
+            "deepspeed.extra.flops_profiler.enabeld=true",
+            "deepspeed.extra.flops_profiler.enabeld: DeepSpeed does not read this key; did you "
+            "mean 'enabled'?",
+        ),
+        (
+            "deepspeed.extra.data_types.grad_accum_dtpye=fp32",
+            "did you mean 'grad_accum_dtype'? (set by deepspeed.fp32_grad_accum)",
+        ),
+        ("deepspeed.extra.bf16.enabled=false", "use deepspeed.precision instead"),
+        ("deepspeed.extra.fp16.enabled=true", "use deepspeed.precision instead"),
+        ("deepspeed.extra.gradient_clipping=5", "use deepspeed.gradient_clipping instead"),
+        ("deepspeed.extra.optimizer.params.lr=1", "use optimizer.lr instead"),
+        ("deepspeed.extra.scheduler.type=WarmupLR", "use scheduler.* ("),
+        ("deepspeed.extra.train_micro_batch_size_per_gpu=3", "use train.micro_batch_size"),
+        ("deepspeed.extra.zero_optimization.cpu_offload=true", "deepspeed.zero.offload_optimizer"),
+        (
+            "deepspeed.extra.zero_optimization=true",  # the deprecated spelling of ZeRO-1
+            "deepspeed.extra changes the ZeRO stage (2 -> 1), which the job config sets; use "
+            "deepspeed.zero.stage instead",
+        ),
+    ],
+)
+def test_issue_cases(override, message):
+    msg = _refused(override)
+    assert message in msg, msg
+
+
+def test_extra_keeps_what_the_job_config_does_not_own():
+    """Tuning knobs DeepSpeed reads and the job config does not set still pass through."""
+    cfg = _load(
+        "deepspeed.extra.optimizer.params.fused=true",
+        "deepspeed.extra.zero_optimization.reduce_scatter=false",
+        "deepspeed.extra.flops_profiler.enabled=false",
+        "deepspeed.extra.steps_per_print=5",
+    )
+    ds = deepspeed_config(cfg, 2)
+    assert ds["optimizer"]["params"]["fused"] is True and ds["steps_per_print"] == 5
+    assert ds["zero_optimization"]["reduce_scatter"] is False
+    _assert_owned_unchanged(cfg)
+
+
+def test_every_owned_key_is_refused():
+    for key in OWNED_DS_KEYS:
+        msg = _refused(f"deepspeed.extra.{key}=1")
+        assert f"deepspeed.extra.{key}: the job config sets it; use " in msg, msg
+
+
+# ------------------------------------------------------------------------- the model on its own
+model_values = {
+    int: st.integers(min_value=-(2**70), max_value=2**70),
+    float: st.floats(allow_nan=True, allow_infinity=True),
+}
+model_numbers = {
+    f.name: model_values[_number_kind(f.type)]
+    for f in dataclasses.fields(ModelConfig)
+    if _number_kind(f.type)
+}
+
+
+@FAST
+@given(kwargs=st.fixed_dictionaries({}, optional=model_numbers))
+def test_standalone_model_config_validates_itself(kwargs):
+    """ModelConfig without the job config: any numbers either make a valid config or one
+    ModelConfigError naming ``model.<field>``."""
+    try:
+        cfg = ModelConfig(**kwargs)
+    except ModelConfigError as e:
+        assert str(e).startswith("model.") and "\n" not in str(e)
+        return
+    assert 1 <= cfg.vocab_size <= 2**24 and cfg.hidden_size % cfg.num_heads == 0
+
+
+def test_job_and_model_agree_on_model_errors():
+    """One home for model checks: the job config reports ModelConfig's own message."""
+    with pytest.raises(ModelConfigError) as e:
+        ModelConfig(layer_norm_eps=0.0)
+    assert _refused("model.layer_norm_eps=0") == str(e.value)
+
+
+def test_shipped_configs_validate(tmp_path):
+    for path in sorted(Path(TINY_CONFIG).parent.glob("*.yaml")):
+        if "sources" in path.read_text():  # data mixtures: another section's schema
+            continue
+        validate(load_config(str(path)), world_size=8)
