@@ -531,7 +531,13 @@ def check_stage_lengths(
         if sp > 1:
             from linformer_ds.sequence_parallel import config_errors
 
-            errors = config_errors(sp, world_size=world_size, seq_len=n, model=model)
+            extra = cfg.deepspeed.extra_dict() if hasattr(cfg.deepspeed, "extra_dict") else {}
+            scatter = extra.get("zero_optimization", {}).get("reduce_scatter", True)
+            errors = config_errors(
+                sp, world_size=world_size, seq_len=n, model=model,
+                zero_stage=cfg.deepspeed.zero.stage, zero_reduce_scatter=bool(scatter),
+                shard=bool(getattr(cfg.parallel, "shard_sequence_parameters", False)),
+            )  # fmt: skip
             if errors:
                 _fail(f"{where}: {errors[0]}")
 
@@ -667,6 +673,7 @@ class TrainData:
         self.mixture = self._open(k)
         mix = s.get("mixture")
         single = self.mixture.sampler.legacy
+        name = self.stage.names[0]
         if mix is None:  # a TrainBatches state: one source
             if not single:
                 raise ValueError(
@@ -674,12 +681,13 @@ class TrainData:
                     f"{len(self.stage.names)} sources; start a new run for the mixture"
                 )
             c = int(s["consumed"])
-            name = self.stage.names[0]
-            mix = {"position": c, "sources": {name: {"epoch": int(state["epoch"]),
-                                                    "consumed": c, "count": c}}}  # fmt: skip
+            position = {"epoch": int(state["epoch"]), "consumed": c, "count": c}
+            mix = {"position": c, "sources": {name: position}}
         elif single and len(mix["sources"]) == 1:  # one source: its name may change (a path)
-            mix = {"position": mix["position"],
-                   "sources": {self.stage.names[0]: next(iter(mix["sources"].values()))}}  # fmt: skip
+            mix = {
+                "position": mix["position"],
+                "sources": {name: next(iter(mix["sources"].values()))},
+            }
         self.mixture.load_state_dict(mix)
 
 
