@@ -285,6 +285,14 @@ def _free_space(path: str) -> str:
 
 def _reason(e: BaseException, path: str) -> str:
     """One line for a write failure; torch.save reports a full disk only as a stream error."""
+    import errno
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and (
+        not isinstance(e, OSError) or e.errno == errno.EFBIG
+    ):  # torch.save says only "unexpected pos" when a write stops at `ulimit -f`
+        return f"a file reached this process's file-size limit (ulimit -f: {limit} bytes)"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -501,6 +501,8 @@ def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
                    grace_s: float = DEFAULT_INIT_TIMEOUT_S) -> Watchdog:  # fmt: skip
     """The process's one :class:`Watchdog`, (re)armed for start-up. Call from the main thread."""
     global _WATCHDOG
+    if hasattr(signal, "SIGXFSZ"):  # a write past `ulimit -f` fails (EFBIG), not kills the rank
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if _WATCHDOG is None:
         _WATCHDOG = Watchdog(exit_code, watch_launcher, grace_s)
     else:

@@ -52,6 +52,7 @@ def _load(
     or a Hub name. A ``.txt`` file gives the columns ``columns`` (text, label)."""
     import datasets
 
+    datasets.disable_progress_bars()  # stderr holds errors (one line each), not progress bars
     ext = os.path.splitext(source)[1].lower()
     if ext in LOCAL_FORMATS:
         if not os.path.isfile(source):
@@ -84,19 +85,23 @@ def _load_txt(path: str, columns: Tuple[str, str]) -> Any:
     import datasets
 
     texts, labels = [], []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            label, tab, text = line.partition("\t")
-            if not tab or not label.strip():
-                raise FinetuneError(
-                    f"{path} line {i}: expected 'label<TAB>text' (a .txt file holds one labelled "
-                    "example per line)"
-                )
-            labels.append(label.strip())
-            texts.append(text)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise FinetuneError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from None
+    for i, line in enumerate(lines, 1):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        label, tab, text = line.partition("\t")
+        if not tab or not label.strip():
+            raise FinetuneError(
+                f"{path} line {i}: expected 'label<TAB>text' (a .txt file holds one labelled "
+                "example per line)"
+            )
+        labels.append(label.strip())
+        texts.append(text)
     return datasets.Dataset.from_dict({columns[0]: texts, columns[1]: labels})
 
 
@@ -286,16 +291,23 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     tr_l = [label_ids[str(v)] for v in tr_y]
     va_l = [label_ids[str(v)] for v in va_y]
 
+    from transformers.utils import logging as hf_logging
+
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model,
-        trust_remote_code=True,
-        num_labels=len(labels),
-        id2label={i: str(v) for i, v in enumerate(labels)},
-        label2id={str(v): i for i, v in enumerate(labels)},
-        ignore_mismatched_sizes=True,
-        dtype=torch.float32,
-    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the new head's "MISSING" load report is expected
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            args.model,
+            trust_remote_code=True,
+            num_labels=len(labels),
+            id2label={i: str(v) for i, v in enumerate(labels)},
+            label2id={str(v): i for i, v in enumerate(labels)},
+            ignore_mismatched_sizes=True,
+            dtype=torch.float32,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     n_max = int(model.config.max_seq_len)
     max_length = args.max_length or n_max
     if not 3 <= max_length <= n_max:

@@ -9,6 +9,7 @@ real training run (a full disk, pickled code in a checkpoint) are in test_reliab
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -835,3 +836,73 @@ def test_finetune_bad_flags(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("finetune failed: ") and len(err.splitlines()) == 1, err
     assert message.format(root=tmp_path) in err, err
+
+
+# ----------------------------------------------------------------------- checkpoint pointers
+@pytest.mark.parametrize(
+    "setup,override,message",
+    [
+        (lambda c: (c / "latest").mkdir(parents=True), [],
+         r"latest is not a regular file \(the trainer writes the newest tag's name there\)"),
+        (lambda c: c.mkdir(parents=True), ["checkpoint.resume=../.."],
+         r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)"),
+        (lambda c: c.mkdir(parents=True), ["checkpoint.resume=../../other/step_00000004"],
+         r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)"),
+    ],
+    ids=["latest-is-a-directory", "resume-dotdot", "resume-other-run"],
+)
+def test_checkpoint_pointer_problems_fail_at_start(tiny_corpus, tmp_path, capsys, setup,
+                                                   override, message):  # fmt: skip
+    """issue 21: a `latest` that is a directory was reported only after training ("could not
+    write step_8"); a tag that is a path could name another run's checkpoint. Both fail at
+    start, before any process group, in one line."""
+    setup(tmp_path / "run" / "checkpoints")
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
+            f"logging.dir={tmp_path / 'run'}", *override]  # fmt: skip
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_latest_that_is_not_a_tag_name_is_never_followed(tmp_path):
+    """`latest` holding a path to another run's tag, or bytes ff fe: not followed; the newest
+    valid tag of this directory is used, with a warning naming the problem."""
+    model = _model_dict()
+    other = _tag(tmp_path / "other", "step_00000004", model)
+    _tag(tmp_path, "step_00000002", model)
+    d = tmp_path / "checkpoints"
+    for content in (b"../../other/checkpoints/step_00000004", b"\xff\xfe", str(other).encode()):
+        (d / "latest").write_bytes(content)
+        with pytest.warns(UserWarning, match=r"'latest' names '\(not a tag name\)'"):
+            assert ckpt.latest_tag(str(d)) == "step_00000002"
+    assert ckpt.tag_problem(str(d), "../../other/checkpoints/step_00000004").startswith(
+        "'../../other/checkpoints/step_00000004' is not a tag name"
+    )
+    os.symlink(other, d / "step_00000009")  # a tag directory that links elsewhere
+    assert "outside" in ckpt.tag_problem(str(d), "step_00000009")
+
+
+def test_checkpoint_past_ulimit_f_is_one_line(tiny_corpus, tmp_path):
+    """issue 21: a checkpoint write stopped by `ulimit -f` said "unexpected pos" (torch.save);
+    now one line that names the limit, exit 2, no traceback."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.pretrain_utils import PRETRAIN, REPO
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *TEST_OVERRIDES,
+           f"data.path={tiny_corpus}", f"logging.dir={tmp_path / 'run'}", "train.max_steps=1",
+           "deepspeed.precision=fp32"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "could not write checkpoint" in errors[0] and "ulimit -f" in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
