@@ -107,9 +107,15 @@ def check_fields(section: Any, prefix: str) -> None:
     """Raise a :class:`ConfigError` for the first field of ``section`` outside its declaration
     (nested sections are checked by their own ``validate``)."""
     for f in dataclasses.fields(section):
-        problem = field_problem(f, getattr(section, f.name))
+        value = getattr(section, f.name)
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        problem = field_problem(f, value)
         if problem:
-            raise ConfigError(f"{prefix}.{f.name}: {problem}" if prefix else f"{f.name}: {problem}")
+            raise ConfigError(f"{key}: {problem}")
+        if isinstance(value, list):  # lists of records (data.sources, train.stages)
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    check_fields(item, f"{key}[{i}]")
 
 
 class Section:
@@ -140,7 +146,7 @@ class SourceConfig:
 
     name: str = ""  # a short name for logs and metrics (share/NAME, eval loss/NAME)
     path: str = ""  # a data_prep output directory
-    weight: float = 1.0
+    weight: float = bounded(1.0, 0, note="weights are relative: any numbers >= 0")
 
 
 @dataclass
@@ -149,11 +155,14 @@ class StageConfig:
     ``sources`` (names from data.sources, re-weighted by ``weights`` if given) or on ``path``
     (one source), ``micro_batch_size`` rows per rank (null: train.micro_batch_size)."""
 
-    end_step: Optional[int] = None  # null only for the last stage: train.max_steps
+    # null only for the last stage: train.max_steps
+    end_step: Optional[int] = bounded(None, 1, MAX_STEPS)
     sources: List[str] = field(default_factory=list)
     weights: Optional[List[float]] = None
     path: Optional[str] = None
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = bounded(
+        None, 1, MAX_BATCH, note="or null: train.micro_batch_size"
+    )
 
 
 @dataclass

@@ -84,7 +84,7 @@ def test_every_number_of_the_schema_declares_its_range():
     from linformer_ds import model as model_mod
 
     undeclared = []
-    for cls in {type(s) for s in _sections(JobConfig())}:
+    for cls in set(_record_types(JobConfig)):
         for f in dataclasses.fields(cls):
             if _number_kind(f.type) and "range" not in f.metadata:
                 undeclared.append(f"{cls.__name__}.{f.name}")
@@ -98,12 +98,14 @@ def test_every_number_of_the_schema_declares_its_range():
     assert undeclared == []
 
 
-def _sections(obj: Any) -> List[Any]:
+def _record_types(cls: Any) -> List[Any]:
+    """Every dataclass reachable from ``cls`` through its fields' types (lists included)."""
     out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, config_mod.Section):
-            out += [value, *_sections(value)]
+    for f in dataclasses.fields(cls):
+        for tp in (f.type, *typing.get_args(f.type)):
+            for inner in (tp, *typing.get_args(tp)):
+                if dataclasses.is_dataclass(inner) and inner is not ModelConfig:
+                    out += [inner, *_record_types(inner)]
     return out
 
 
@@ -264,6 +266,10 @@ def test_defaults_cycle_is_named(chain, tmp_path):
         ("deepspeed.extra=[1]", "deepspeed.extra: must be a mapping (a config section), got [1]"),
         ("model.vocab_size=17179869184", "model.vocab_size: must be <= 16777216"),
         ("train.micro_batch_size=4611686018427387904", "train.micro_batch_size: must be <= "),
+        (
+            "train.stages=[{path: x, micro_batch_size: 4611686018427387904}]",
+            "train.stages[0].micro_batch_size: must be <= 1048576",
+        ),
         (
             "deepspeed.extra.zero_optimization.stage=3",
             "deepspeed.extra.zero_optimization.stage: the job config sets it; use "
