@@ -528,33 +528,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
     a = p.parse_args(argv)
     if a.replot:
         return Path(a.replot)
-    bc = BenchConfig(
-        seq_lens=a.seq_lens,
-        variants=a.variants,
-        layers=a.layers,
-        hidden=a.hidden,
-        heads=a.heads,
-        k=a.k,
-        intermediate=a.intermediate,
-        vocab=a.vocab,
-        batch=a.batch,
-        tokens=a.tokens,
-        warmup=a.warmup,
-        iters=a.iters,
-        precision=a.precision,
-        compile=a.compile,
-        mlm_fraction=a.mlm_fraction,
-        dropout=a.dropout,
-        attention_dropout=a.attention_dropout,
-        max_n=parse_max_n(a.max_n),
-        step_budget_s=a.step_budget_s,
-        device=a.device,
-        gemm_n=a.gemm_n,
-        gemm_reps=a.gemm_reps,
-        seed=a.seed,
-        out=a.out,
-        plots=not a.no_plots,
-    )
+    given = {k: v for k, v in vars(a).items() if k not in ("max_n", "no_plots", "replot")}
+    bc = BenchConfig(**given, max_n=parse_max_n(a.max_n), plots=not a.no_plots)
     bc.validate()
     return bc
 
