@@ -634,6 +634,33 @@ class TrainData:
     def next_batch(self) -> Dict[str, torch.Tensor]:
         return self.mixture.next_batch()
 
+    def log_values(self) -> Dict[str, float]:
+        """What the ``[train]`` record adds: ``stage`` and ``seq_len`` (a staged run), the
+        realized ``share/NAME`` and ``epochs/NAME`` of each source (a run on several sources);
+        nothing for a one-source run."""
+        out: Dict[str, float] = {}
+        if len(self.stages) > 1:
+            out.update(stage=self.stage_index, seq_len=self.seq_len)
+        if not self.legacy:
+            out.update({f"share/{n}": v for n, v in self.shares().items()})
+            out.update({f"epochs/{n}": v for n, v in self.epochs().items()})
+        return out
+
+    def tokens_per_step(self, gradient_accumulation_steps: int) -> int:
+        """Tokens of one optimizer step of the current stage, all replicas together."""
+        mb, n = self.stage.micro_batch_size, self.seq_len
+        return mb * int(gradient_accumulation_steps) * int(self._args["world_size"]) * n
+
+    def describe(self) -> str:
+        """The ``[stage]`` line of the current stage's start."""
+        k, s = self.stage_index, self.stage
+        first = self.stages[k - 1].end_step + 1 if k else 1
+        mix = " ".join(f"{n}={w:.3g}" for n, w in zip(s.names, s.weights))
+        return (
+            f"[stage] {k} start: steps {first}-{s.end_step}, N={self.seq_len}, "
+            f"micro_batch_size={s.micro_batch_size}, sources {mix}"
+        )
+
     def shares(self) -> Dict[str, float]:
         return self.mixture.shares()
 
@@ -722,3 +749,44 @@ class StageMeter:
             "mfu": tflops / peak_tflops,
             "peak_mem_gb": MemoryProbe(self.device).peak() / 2**30,
         }
+
+
+def combine_eval(
+    stage: Stage, figures: Dict[str, Dict[str, float]], legacy: bool
+) -> Dict[str, float]:
+    """The ``[eval]`` record of a stage from each source's figures (``loss``, ``perplexity``,
+    ``mlm_accuracy``): the mixture's ``loss`` and ``mlm_accuracy`` are the means weighted by the
+    training weights (``perplexity`` = exp(loss)), plus ``loss/NAME`` etc. per source (not for
+    a one-source run, whose record is the source's)."""
+    if legacy:
+        return dict(next(iter(figures.values())))
+    loss = sum(w * figures[n]["loss"] for n, w in zip(stage.names, stage.weights))
+    acc = sum(w * figures[n]["mlm_accuracy"] for n, w in zip(stage.names, stage.weights))
+    out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "mlm_accuracy": acc}
+    for n in stage.names:
+        out.update({f"{k}/{n}": v for k, v in figures[n].items()})
+    return out
+
+
+def open_stages(
+    cfg: Any, world_size: int, with_valid: bool
+) -> Tuple[List[Stage], Dict[str, ShardDataset], Dict[str, ShardDataset]]:
+    """The run's stages and the train (and, ``with_valid``, valid) split of every source they
+    use, checked: same tokenizer everywhere, one N per stage, each stage's N against the model
+    (:func:`check_stage_lengths`). :class:`DataError` / ``ConfigError`` name the problem."""
+    stages = resolve_stages(cfg)
+    names = list(dict.fromkeys(n for s in stages for n in s.names))
+    paths = {n: p for s in stages for n, p in zip(s.names, s.paths)}
+    d = cfg.data
+    opened = open_sources(names, [paths[n] for n in names], d.train_split, cfg.model,
+                          d.verify_checksums, same_seq_len=False)  # fmt: skip
+    train = dict(zip(names, opened))
+    for s in stages:
+        check_same_tokenizer(s.names, [train[n] for n in s.names])
+    check_stage_lengths(cfg, stages, [train[s.names[0]].seq_len for s in stages], world_size)
+    valid: Dict[str, ShardDataset] = {}
+    if with_valid:
+        opened = open_sources(names, [paths[n] for n in names], d.valid_split, cfg.model,
+                              d.verify_checksums, same_seq_len=False)  # fmt: skip
+        valid = dict(zip(names, opened))
+    return stages, train, valid
