@@ -84,9 +84,11 @@ def corpus(tmp_path_factory) -> Dict:
     for name, extra in (
         ("default", []),
         ("limited", ["--max-bytes", "150000", "--packing", "pad"]),
+        ("local", []),  # the files only (the kill tests: fewer processes loading datasets)
     ):
         out = tmp / f"ref_{name}"
-        argv = ["--source", *sources, "--out", str(out), *FLAGS, *extra, "--workers", "0"]
+        srcs = sources[:2] if name == "local" else sources
+        argv = ["--source", *srcs, "--out", str(out), *FLAGS, *extra, "--workers", "0"]
         old = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(LAUNCH_VARS)}
         try:
             assert data_prep_main(argv) == 0
@@ -96,8 +98,9 @@ def corpus(tmp_path_factory) -> Dict:
     return {"tmp": tmp, "sources": sources, "refs": refs}
 
 
-def args(corpus: Dict, out: Path) -> List[str]:
-    return ["-m", "data_prep", "--source", *corpus["sources"], "--out", str(out), *FLAGS]
+def args(corpus: Dict, out: Path, local: bool = False) -> List[str]:
+    sources = corpus["sources"][:2] if local else corpus["sources"]
+    return ["-m", "data_prep", "--source", *sources, "--out", str(out), *FLAGS]
 
 
 def launch(cmd: List[str], env: Dict[str, str], timeout: float = 120):
@@ -145,7 +148,7 @@ def test_mpirun_equals_one_process(corpus, tmp_path, ranks, name):
 
 def test_mpirun_rank_killed_then_resumed_on_other_ranks(corpus, tmp_path):
     out = tmp_path / "out"
-    base = [sys.executable, *args(corpus, out), *RANK_FLAGS]
+    base = [sys.executable, *args(corpus, out, local=True), *RANK_FLAGS]
     proc = launch([*mpirun_cmd(2), *base], clean_env(**{DIE_ENV: "1:1"}))
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "signal 9" in proc.stderr, proc.stderr[-2000:]
@@ -154,7 +157,7 @@ def test_mpirun_rank_killed_then_resumed_on_other_ranks(corpus, tmp_path):
     assert done >= 1
     proc = launch([*mpirun_cmd(4), *base, "--resume"], clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert tree(out) == corpus["refs"]["default"]
+    assert tree(out) == corpus["refs"]["local"]
 
 
 # ------------------------------------------------------------------- srun's file transport
@@ -174,7 +177,7 @@ def test_srun_transport_dead_rank_fails_the_run_in_time_then_resumes(corpus, tmp
     """Without MPI (srun's ranks meet through files), a rank that dies stops the others within
     --rank-timeout with one clear line and no manifest; --resume on 2 ranks ends identical."""
     out = tmp_path / "out"
-    cmd = [sys.executable, *args(corpus, out), *RANK_FLAGS]
+    cmd = [sys.executable, *args(corpus, out, local=True), *RANK_FLAGS]
     t0 = time.monotonic()
     procs = start_tasks(cmd, 3, 0, **{DIE_ENV: "2:1"})
     errs = [p.communicate(timeout=120)[1] for p in procs]
@@ -187,7 +190,7 @@ def test_srun_transport_dead_rank_fails_the_run_in_time_then_resumes(corpus, tmp
     procs = start_tasks([*cmd, "--resume"], 2, 1)
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
-    assert tree(out) == corpus["refs"]["default"]
+    assert tree(out) == corpus["refs"]["local"]
 
 
 # --------------------------------------------------------------------- srun on a real cluster
@@ -200,9 +203,9 @@ def slurm():
 def test_sbatch_srun_equals_one_process(corpus, tmp_path, slurm):
     """launch/slurm/data_prep.sbatch on the local cluster: 2 tasks of srun, same bytes."""
     out = tmp_path / "out"
-    flags = [a for a in args(corpus, out)[2:]] + RANK_FLAGS
+    flags = [a for a in args(corpus, out)[2:] if a != "--quiet"] + RANK_FLAGS
     sbatch_args = [
-        "--nodes=1", "--ntasks=2", "--cpus-per-task=1", "--time=5", "--partition=ci",
+        "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=5", "--partition=ci",
         f"--output={tmp_path}/%x-%j.out", str(REPO / "launch" / "slurm" / "data_prep.sbatch"),
         *flags,
     ]  # fmt: skip
@@ -210,5 +213,5 @@ def test_sbatch_srun_equals_one_process(corpus, tmp_path, slurm):
     info = slurm.wait(job, timeout=180)
     log = "\n".join(p.read_text() for p in tmp_path.glob("*.out"))
     assert info.state == "COMPLETED" and info.exit_code == "0:0", (info.fields, log[-3000:])
-    assert "2 ranks on 1 node(s)" in log
+    assert "2 ranks on 1 node(s)" in log and "rank 1/2:" in log and "on 2 ranks" in log, log
     assert tree(out) == corpus["refs"]["default"]
