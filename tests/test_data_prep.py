@@ -568,3 +568,17 @@ def test_hf_sources_from_local_datasets_equal_the_same_documents_as_jsonl(tmp_pa
     with pytest.raises(DataPrepError, match=r"no split 'validation' \(splits: test, train\)"):
         run(tmp_path, "bad_split", [f"hf:{saved}::validation"])
     assert not (tmp_path / "bad_split" / "manifest.json").exists()
+
+
+def test_bytes_after_the_last_document_are_counted_whatever_task_bytes(corpus, tmp_path):
+    """Input after the last document (blank lines, a record without text) is read and counted
+    the same for any task size: the manifest's byte count is the inputs' size."""
+    jsonl = tmp_path / "tail.jsonl"
+    body = "".join(json.dumps({"text": d}) + "\n" for d in make_docs(5, seed=9))
+    jsonl.write_text(body + "\n\n" + json.dumps({"text": None}) + "\n")
+    got = [
+        run(tmp_path, f"t{tb}", [str(jsonl)], tokenizer=corpus["model"], task_bytes=tb)
+        for tb in (1, 1 << 20)
+    ]
+    assert got[0]["source"]["bytes"] == got[1]["source"]["bytes"] == jsonl.stat().st_size
+    assert got[0]["splits"] == got[1]["splits"]

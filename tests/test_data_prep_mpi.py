@@ -155,6 +155,9 @@ def test_mpirun_rank_killed_then_resumed_on_other_ranks(corpus, tmp_path):
     assert not (out / "manifest.json").exists() and (out / "progress.json").exists()
     done = len(list((out / ".units").glob("u*.json")))
     assert done >= 1
+    one_process = [*args(corpus, out, local=True)[2:], "--workers", "0", "--resume"]
+    assert data_prep_main(one_process) == 2  # resumed the way it was started, or not at all
+    assert not (out / "manifest.json").exists()
     proc = launch([*mpirun_cmd(4), *base, "--resume"], clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tree(out) == corpus["refs"]["local"]
