@@ -342,6 +342,11 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
             _clean_unstarted(cfg.out, ctx.created)
 
 
+def _alike(ctx: "_Ctx", message: str) -> DataPrepError:
+    """An error every rank meets at the same point: rank 0 prints it, the others exit quietly."""
+    return DataPrepError(message) if ctx.rank == 0 else Quiet(message)
+
+
 def _who(comm: Transport) -> str:
     return f"rank {comm.rank} of {comm.size}: " if comm.rank else ""
 
@@ -424,13 +429,14 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
         ctx.created = None
     else:
         if state.get("units") != len(units):
-            raise DataPrepError(
+            raise _alike(
+                ctx,
                 f"cannot --resume: the sources now make {len(units)} work units, the "
-                f"interrupted run had {state.get('units')}; rerun with --overwrite"
+                f"interrupted run had {state.get('units')}; rerun with --overwrite",
             )
         plan, tok_info, proto, done = state["plan"], state["tokenizer"], head["proto"], head["done"]
         if hashlib.sha256(proto).hexdigest() != tok_info["sha256"]:
-            raise DataPrepError(f"cannot --resume: {TOKENIZER} changed since the interrupted run")
+            raise _alike(ctx, f"cannot --resume: {TOKENIZER} changed since the interrupted run")
         _log(cfg, f"resuming: {len(done)} of {plan['units']} work units are done")
     import sentencepiece as spm
 
@@ -772,9 +778,10 @@ def _assemble(
         for k in range(-(-rows // shard_rows)):
             jobs.append((s, k, k * shard_rows, min(rows, (k + 1) * shard_rows), offsets))
     if counters["splits"]["train"]["content"] + counters["splits"]["valid"]["content"] == 0:
-        raise DataPrepError(
+        raise _alike(
+            ctx,
             f"the corpus is empty: {counters['documents_read']} documents from {cfg.sources} "
-            "produced no tokens"
+            "produced no tokens",
         )
     entries = []
     for j, (s, k, r0, r1, offsets) in enumerate(jobs):
