@@ -206,9 +206,12 @@ def write_error(e: BaseException, what: str) -> str:
     """One line for a failed write of ``what``: the OS's reason (ENOSPC, EFBIG from a file-size
     limit such as ``ulimit -f``, EROFS, ...) and the file, never a library's internal message."""
     import errno
+    import resource
 
-    if isinstance(e, OSError) and e.errno == errno.EFBIG:
-        reason = "file too large for this process's file-size limit (ulimit -f)"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    efbig = isinstance(e, OSError) and e.errno == errno.EFBIG
+    if efbig or (limit != resource.RLIM_INFINITY and "too large" in str(e).lower()):
+        reason = f"a file reached this process's file-size limit (ulimit -f: {limit} bytes)"
     elif isinstance(e, OSError) and e.strerror:
         reason = e.strerror
     else:

@@ -645,5 +645,5 @@ def test_export_past_ulimit_f_is_one_line(base):
         )  # fmt: skip
         lines = [line for line in proc.stderr.splitlines() if "export failed" in line]
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert "file-size limit (ulimit -f)" in lines[0], lines[0]
+        assert "file-size limit (ulimit -f: 65536 bytes)" in lines[0], lines[0]
         assert not (ws / "out" / "e").exists() and "Traceback" not in proc.stderr
