@@ -111,8 +111,7 @@ def test_dry_run_main_job(dry) -> None:
     for rec in s["train_records"]:
         assert rec["tokens_per_s"] > 0 and math.isfinite(rec["loss"])
     assert s["model_tflops"] == pytest.approx(s["tokens_per_s"] * fpt / 1e12, rel=1e-6)
-    assert s["gemm_peak_tflops"] == pytest.approx(1.0)  # given in the dry run
-    assert s["gemm_peak_source"] == "given"
+    assert s["gemm_peak_tflops"] > 0 and s["gemm_peak_source"] == "measured by the trainer"
     assert 0 < s["peak_mem_gib"] < 8
     assert abs(s["first_loss"] - math.log(1000)) < 0.5
 
