@@ -2,9 +2,10 @@
 
 ``bash scripts/test.sh`` runs every test (CI). ``bash scripts/test.sh --quick`` runs
 ``-m "not slow"``: the tests that run in one process (or start one trainer rank). A test is
-``slow`` when it is marked so (``slow``, ``slurm``), or when it, or a fixture it uses, starts
-ranks in other processes; that is decided here at collection, by the rule below, so that a new
-test that launches ranks leaves the quick tier without anyone having to remember a marker.
+``slow`` when it is marked so (``slow``, ``slurm``), when it, or a fixture it uses, starts
+ranks in other processes, or when it is one of the few measured single-process heavyweights
+(SLOW_TESTS); that is decided here at collection, so that a new test that launches ranks leaves
+the quick tier without anyone having to remember a marker.
 """
 
 import functools
@@ -33,13 +34,20 @@ SLOW_FIXTURES = {
     "tests.test_sweep.swept",  # a three-point quality sweep of real trainer runs
 }
 
+# Single-process tests measured as the heaviest of the quick tier (--durations on 2 cores):
+# each alone took a fifth to a tenth of the tier.
+SLOW_TESTS = {
+    "tests/test_reliability.py::test_logged_metrics_after_resume_equal_uninterrupted",  # 4 runs
+    "tests/test_hf.py::test_trainer_save_model_keeps_tokenizer_and_accuracy",  # HF Trainer
+}
+
 
 def _functions(item: pytest.Item) -> Iterator[Callable]:
     """The test function and every fixture function it depends on (transitively)."""
     if getattr(item, "function", None) is not None:
         yield item.function
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info else ()):
+    for defs in info.name2fixturedefs.values() if info else ():
         for d in defs:
             yield d.func
 
@@ -59,7 +67,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  
     for item in items:
         if item.get_closest_marker("slow"):
             continue
-        if item.get_closest_marker("slurm") or any(_starts_ranks(f) for f in _functions(item)):
+        if (
+            item.get_closest_marker("slurm")
+            or item.nodeid.split("[")[0] in SLOW_TESTS
+            or any(_starts_ranks(f) for f in _functions(item))
+        ):
             item.add_marker(slow)
 
 
