@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 from data_prep.errors import DataPrepError
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+DONE = "done"  # the heartbeat of a rank that finished its part
 POLL_S = 0.05
 MAX_POLL_S = 0.5
 
@@ -96,11 +97,11 @@ class Transport:
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _write_heartbeat(self) -> None:
+    def _write_heartbeat(self, value: Optional[str] = None) -> None:
         self._beat += 1
         tmp = self._path(f"hb.{self.rank}.tmp")
         with open(tmp, "w") as f:
-            f.write(str(self._beat))
+            f.write(value or str(self._beat))
         os.replace(tmp, self._path(f"hb.{self.rank}"))
 
     def _heartbeat_loop(self) -> None:
@@ -112,9 +113,16 @@ class Transport:
                 pass  # the directory went away at the end of the run
 
     def stop_heartbeat(self) -> None:
-        """Stop beating (before this rank exits)."""
+        """Stop beating for good: the heartbeat file says ``done`` (this rank's part is over and
+        it waits no more than for the last collective, or it exits)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=10)
+        try:
+            self._write_heartbeat(DONE)
+        except OSError:
+            pass
 
     def _check_alive(self, ranks: List[int]) -> None:
         """Raise :class:`PeerFailed` if any rank reported an error, or one of ``ranks`` stopped."""
@@ -133,6 +141,8 @@ class Transport:
                     beat = f.read()
             except OSError:
                 beat = None
+            if beat == DONE:
+                continue
             last = self._seen.get(r)
             if last is None or last[0] != beat:  # changed: alive (a first look counts from start)
                 self._seen[r] = (beat, self.started if last is None and beat is None else now)

@@ -381,7 +381,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
             raise DataPrepError(
                 f"--out {cfg.out}: cannot write there: {e.strerror or e}; choose a writable --out"
             ) from None
-        if state is not None and state.get("mode", "units") != "units":
+        if state is not None and "tokenizer" in state and state.get("mode") != "units":
             raise DataPrepError(
                 f"cannot --resume {cfg.out!r} under mpirun/srun: that run was started as one "
                 "process; resume it the same way (or --overwrite)"
@@ -461,6 +461,8 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
 
     # ---- assemble
     entries, counters = _assemble(ctx, metas_list, dtype, shard_rows)
+    if ctx.rank != 0:  # nothing more from this rank: after this, rank 0 removes the sync files
+        comm.stop_heartbeat()
     gathered = comm.gather(entries, "shards")
     if ctx.rank != 0:
         return None

@@ -486,6 +486,11 @@ def prepare(cfg: PrepConfig) -> PrepResult:
             f"--out {cfg.out}: cannot write there: {e.strerror or e}"
             f"{' (' + e.filename + ')' if e.filename else ''}; choose a writable --out"
         ) from None
+    if state is not None and state.get("mode") == "units":  # (before the clean-up below)
+        raise DataPrepError(
+            f"cannot --resume {cfg.out!r} as one process: that run was started under mpirun/srun; "
+            "resume it the same way, on any number of ranks (or --overwrite)"
+        )
     try:
         try:
             return _run(cfg, source, state, t_start)
@@ -522,11 +527,6 @@ def _documents_done(out: str) -> int:
 def _run(
     cfg: PrepConfig, source: Source, state: Optional[Dict[str, Any]], t_start: float
 ) -> PrepResult:
-    if state is not None and state.get("mode") == "units":
-        raise DataPrepError(
-            f"cannot --resume {cfg.out!r} as one process: that run was started under mpirun/srun; "
-            "resume it the same way, on any number of ranks (or --overwrite)"
-        )
     if state is not None and "tokenizer" not in state:
         state = None  # interrupted before the tokenizer was done: start from the beginning
     sp, tok_info = _get_tokenizer(cfg, state)
