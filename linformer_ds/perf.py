@@ -2,6 +2,7 @@
 time budget), memory, and whether this machine multiplies bf16 natively."""
 
 import functools
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -72,7 +73,9 @@ def native_bf16(device_type: str, flags: Optional[Set[str]] = None) -> Optional[
     if device_type == "cuda":
         if not torch.cuda.is_available():
             return None
-        major, minor = torch.cuda.get_device_capability()
+        # this rank's own GPU: a context the query may create is one the rank makes anyway
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        major, minor = torch.cuda.get_device_capability(local)
         return f"sm_{major}{minor}" if major >= 8 else None
     if device_type != "cpu":
         return None
