@@ -34,9 +34,14 @@ def single_rank_reference(tiny_corpus, tmp_path_factory):
     return _metrics(run)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_sequence_parallel_2_matches_one_rank(tiny_corpus, tmp_path, single_rank_reference, stage):
+@pytest.mark.parametrize("stage,shard", [(2, True), (3, True), (2, False), (3, False)])
+def test_sequence_parallel_2_matches_one_rank(
+    tiny_corpus, tmp_path, single_rank_reference, stage, shard
+):
+    """Sharded (each rank holds half of E/F and the positions) and unsharded P = 2 log what one
+    rank does: loss, accuracy, gradient norm, evaluation loss."""
     over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
+    over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
     proc = run_pretrain(tiny_corpus, tmp_path, over, nproc=2)
     assert "ranks=2" in proc.stdout
     train, evals = _metrics(tmp_path)
@@ -70,21 +75,25 @@ def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
     assert [a[s]["grad_norm"] for s in range(4, 7)] == [b[s]["grad_norm"] for s in range(4, 7)]
 
 
-def test_resume_across_sequence_parallel_sizes_and_ranks(tiny_corpus, tmp_path):
-    """P=2 on 2 ranks -> P=1 on 2 ranks (native load: ZeRO partitions over all ranks either way)
-    -> one rank (universal checkpoint): every step's loss equals a one-rank run to 1e-4 (the
-    layouts sum gradients in different orders; Adam carries those last-bit differences on:
-    measured 2e-5 at step 5)."""
+@pytest.mark.parametrize("shard", [True, False])
+def test_resume_across_sequence_parallel_sizes_and_ranks(tiny_corpus, tmp_path, shard):
+    """P=2 on 2 ranks -> P=1 on 2 ranks (unsharded: native load, ZeRO partitions over all ranks
+    either way; sharded: the halves of E/F and the positions are joined through the universal
+    checkpoint) -> one rank (universal checkpoint): every step's loss equals a one-rank run to
+    1e-4 (the layouts sum gradients in different orders; Adam carries those last-bit
+    differences on: measured 2e-5 at step 5)."""
     over = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=6", "train.eval_interval=0"]
+    over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_pretrain(tiny_corpus, ref, over, nproc=1)
     sp2 = ["parallel.sequence_parallel_size=2", "train.stop_at_step=2"]
     run_pretrain(tiny_corpus, run, over + sp2, nproc=2)
     meta = (run / "checkpoints" / "step_00000002" / "linformer_meta.json").read_text()
     assert '"sequence_parallel_size": 2' in meta
+    assert f'"shard_sequence_parameters": {str(shard).lower()}' in meta
     dp2 = ["train.micro_batch_size=2", "train.stop_at_step=4"]
     proc = run_pretrain(tiny_corpus, run, over + dp2, nproc=2)
-    assert "[resume]" in proc.stdout and "universal" not in proc.stdout
+    assert "[resume]" in proc.stdout and ("universal" in proc.stdout) == shard
     proc = run_pretrain(tiny_corpus, run, over, nproc=1)
     assert "universal checkpoint" in proc.stdout
     a, b = read_metrics(ref), read_metrics(run)
