@@ -381,6 +381,9 @@ class CheckpointConfig(Section):
     # Resume although train.seed differs from the checkpoint's (the rest of the epoch is then
     # drawn from the new seed's order: rows may repeat or be skipped; masks change).
     allow_seed_change: bool = False
+    # Resume although the data differs from the checkpoint's (another tokenizer, N or manifest:
+    # the rest of the epoch then runs over other rows).
+    allow_data_change: bool = False
 
     def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
         if self.resume not in ("auto", "never") and "/" in self.resume:
