@@ -250,6 +250,42 @@ def check_compatible(dataset: ShardDataset, model_config: Any) -> None:
         raise DataError(
             f"{dataset.path}: dataset pad id {dataset.pad_id} != model pad_token_id {pad}"
         )
+    check_tokenizer(dataset, vocab)
+
+
+def file_sha256(path: Union[str, os.PathLike]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
+    """The data's tokenizer.model is the file data_prep recorded (size, sha256) and fits the
+    model's vocabulary: a tokenizer swapped in later would be copied into every checkpoint and
+    export, and would decode the ids as other tokens. Cheap (one small file), always run."""
+    tok = dataset.manifest.get("tokenizer")
+    if not isinstance(tok, dict):
+        return  # a manifest without a tokenizer record: nothing recorded to compare with
+    path = dataset.path / str(tok.get("file", "tokenizer.model"))
+    redo = "restore the data_prep output's tokenizer.model or re-run data_prep"
+    if not path.is_file():
+        raise DataError(f"{path}: not found; the manifest records the tokenizer the data was "
+                        f"made with ({redo})")  # fmt: skip
+    size = tok.get("size")
+    if size is not None and path.stat().st_size != int(size):
+        raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest records {size}: not "
+                        f"the tokenizer this data was made with ({redo})")  # fmt: skip
+    want = tok.get("sha256")
+    got = file_sha256(path) if want else None
+    if want and got != want:
+        raise DataError(f"{path}: not the tokenizer this data was made with (sha256 {got[:16]} "
+                        f"vs the manifest's {str(want)[:16]}); {redo}")  # fmt: skip
+    pieces = tok.get("vocab_size")
+    if pieces is not None and int(pieces) > model_vocab:
+        raise DataError(f"{path}: {pieces} pieces, more than model vocab_size {model_vocab}; set "
+                        f"model.vocab_size >= {pieces}")  # fmt: skip
 
 
 def _row_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
