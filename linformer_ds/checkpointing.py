@@ -389,6 +389,7 @@ def save(
                 "config": to_dict(cfg),
                 "tokenizer": "tokenizer.model",
                 "special_ids": dict(getattr(train_ds, "manifest", {}).get("special_ids", {})),
+                "data": data_identity(cfg),  # resuming on other data is refused
                 **(extra_meta or {}),
             }
             tok = os.path.join(str(train_ds.path), "tokenizer.model")
@@ -442,14 +443,73 @@ def check_run_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
     ``checkpoint.allow_seed_change``)."""
     saved = (meta.get("config") or {}).get("train", {}).get("seed")
     now = cfg.train.seed
-    if saved is None or int(saved) == now or cfg.checkpoint.allow_seed_change:
+    if not (saved is None or int(saved) == now or cfg.checkpoint.allow_seed_change):
+        raise CheckpointError(
+            f"train.seed: {where} was trained with seed {saved}, this config has {now}; another "
+            "seed reshuffles the rest of the epoch mid-way (rows repeat or are skipped) and "
+            f"changes the masks. Set train.seed={saved} to resume exactly, or "
+            "checkpoint.allow_seed_change=true to continue with the new seed"
+        )
+    check_data_change(meta, cfg, where)
+
+
+def data_identity(cfg: JobConfig) -> List[Dict[str, Any]]:
+    """What the run trains on, recorded in each checkpoint's metadata (``data``): per data_prep
+    output its path, N, vocabulary, tokenizer sha256 and a digest of every shard's sha256 (the
+    manifest's content, not its timings: the same data copied elsewhere is the same data)."""
+    import hashlib
+
+    d, stages = cfg.data, list(getattr(cfg.train, "stages", None) or [])
+    sources = [s.path for s in (getattr(d, "sources", None) or [])]
+    paths = sources + [st.path for st in stages if st.path] or [d.path]
+    out = []
+    for path in dict.fromkeys(paths):
+        try:
+            with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+                m = json.load(f)
+            shards = {k: [s.get("sha256") for s in v["shards"]] for k, v in m["splits"].items()}
+            out.append({
+                "path": os.path.abspath(path),
+                "seq_len": int(m["seq_len"]),
+                "vocab_size": int(m["vocab_size"]),
+                "tokenizer_sha256": (m.get("tokenizer") or {}).get("sha256"),
+                "shards_sha256": hashlib.sha256(json.dumps(shards, sort_keys=True).encode())
+                .hexdigest(),
+            })  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # unreadable data is reported when it is opened
+    return out
+
+
+def check_data_change(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
+    """A :class:`CheckpointError` naming what differs if the checkpoint was trained on other data
+    (another tokenizer, N or manifest) than the config's, unless checkpoint.allow_data_change."""
+    saved, now = meta.get("data"), data_identity(cfg)
+    if not saved or not now or cfg.checkpoint.allow_data_change:
+        return
+    what = (("tokenizer_sha256", "the tokenizer (ids would mean other tokens)"),
+            ("seq_len", "N (the row length)"), ("vocab_size", "the vocabulary size"),
+            ("shards_sha256", "the data (manifest shards)"))  # fmt: skip
+    if len(saved) != len(now):
+        diff = f"the number of data sources ({len(saved)} vs {len(now)})"
+    else:
+        diff = next(
+            (f"{text}: checkpoint {_short_value(a[k])} ({a['path']}) vs now "
+             f"{_short_value(b[k])} ({b['path']})"
+             for k, text in what for a, b in zip(saved, now) if a.get(k) != b.get(k)),
+            None,
+        )  # fmt: skip
+    if diff is None:
         return
     raise CheckpointError(
-        f"train.seed: {where} was trained with seed {saved}, this config has {now}; another "
-        "seed reshuffles the rest of the epoch mid-way (rows repeat or are skipped) and changes "
-        f"the masks. Set train.seed={saved} to resume exactly, or checkpoint.allow_seed_change="
-        "true to continue with the new seed"
+        f"checkpoint.allow_data_change: {where} was trained on other data; {diff}. Resuming "
+        "would continue its epoch over other rows. Point data.path at the checkpoint's data, or "
+        "set checkpoint.allow_data_change=true to continue on this data"
     )
+
+
+def _short_value(v: Any) -> str:
+    return f"{v[:12]}..." if isinstance(v, str) and len(v) > 16 else str(v)
 
 
 # Engine changes a universal checkpoint carries (measured, deepspeed 0.19.8, 1 CPU rank, see
