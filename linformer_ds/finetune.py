@@ -294,8 +294,9 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the new head's "MISSING" load report is expected
+    hf_logging.disable_progress_bar()  # stderr holds errors, one line each
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
             args.model,
@@ -308,6 +309,8 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     n_max = int(model.config.max_seq_len)
     max_length = args.max_length or n_max
     if not 3 <= max_length <= n_max:
