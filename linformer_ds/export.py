@@ -117,7 +117,20 @@ def _listing(d: str, n: int = 8) -> str:
 
 
 def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
-    """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation."""
+    """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation (E/F
+    and positions sharded over sequence-parallel ranks are joined whole)."""
+    try:
+        p = ckpt.sharded_sp_size(ckpt.read_meta(checkpoint_dir, tag))
+    except ckpt.CheckpointError:
+        p = 1
+    if p > 1:
+        from linformer_ds.sequence_parallel import consolidate_sharded
+
+        return consolidate_sharded(checkpoint_dir, tag, p, _consolidate_one)
+    return _consolidate_one(checkpoint_dir, tag)
+
+
+def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
         with ckpt.weights_only_torch_load():

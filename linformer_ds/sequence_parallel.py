@@ -32,7 +32,7 @@ The trainer's calls, in order::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -684,3 +684,41 @@ def mark_universal_sequence_dims(universal_tag_dir: str) -> List[str]:
             if name not in marked:
                 marked.append(name)
     return marked
+
+
+def consolidate_sharded(
+    checkpoint_dir: str,
+    tag: str,
+    sp_size: int,
+    consolidate_one: Callable[[str, str], Dict[str, torch.Tensor]],
+) -> Dict[str, torch.Tensor]:
+    """The whole fp32 state dict of a checkpoint saved with E/F and positions sharded over
+    ``sp_size`` ranks. DeepSpeed wrote each SP rank's files as model-parallel rank ``r``; each
+    rank's files are linked, as rank 00, into a temporary directory and consolidated there by
+    ``consolidate_one(dir, tag)`` (DeepSpeed's own, ZeRO 0-3), then the sharded parameters are
+    concatenated in rank order along their sequence dim (the rest is the same on every rank)."""
+    import glob
+    import os
+    import tempfile
+
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    parts = []
+    with tempfile.TemporaryDirectory(prefix="linformer_sp_consolidate_") as tmp:
+        for r in range(sp_size):
+            root = os.path.join(tmp, f"sp{r}")
+            os.makedirs(os.path.join(root, tag))
+            mine = f"mp_rank_{r:02d}"
+            for path in glob.glob(os.path.join(tag_dir, "*")):
+                name = os.path.basename(path)
+                if "mp_rank_" in name:
+                    if mine not in name:
+                        continue
+                    name = name.replace(mine, "mp_rank_00")
+                os.symlink(os.path.abspath(path), os.path.join(root, tag, name))
+            parts.append(consolidate_one(root, tag))  # materialised before tmp goes away
+    out = dict(parts[0])
+    for name, t in parts[0].items():
+        dim = sequence_dim(name, t.dim())
+        if dim is not None:
+            out[name] = torch.cat([p[name] for p in parts], dim=dim)
+    return out

@@ -3,6 +3,7 @@ sequence split over P ranks trains like one rank holding it whole, under ZeRO 2 
 DP 2 x SP 2 run on 4 ranks resumes exactly."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,33 @@ def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(tiny_corpus, tmp_path)
         for s in (3, 4):
             for key in ("loss", "grad_norm"):
                 assert math.isclose(got[s][key], want[s][key], rel_tol=1e-4), (name, s, key)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_export_of_sharded_checkpoint_holds_whole_matrices(tiny_corpus, tmp_path, stage):
+    """A checkpoint whose E/F and positions are sharded over P = 2 exports the whole matrices,
+    equal to what one rank trained (same steps) to fp32 rounding carried by Adam."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "train.max_steps=2", "train.eval_interval=0"]
+    exported = {}
+    for name, extra, nproc in (("one", [], 1), ("sp2", ["parallel.sequence_parallel_size=2"], 2)):
+        run_pretrain(tiny_corpus, tmp_path / name, over + extra, nproc=nproc)
+        out = tmp_path / f"{name}_export"
+        cmd = [sys.executable, "launch/export.py", "--checkpoint", str(tmp_path / name / "checkpoints"),
+               "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        exported[name] = load_file(str(out / "model.safetensors"))
+    meta = (tmp_path / "sp2" / "checkpoints" / "step_00000002" / "linformer_meta.json").read_text()
+    assert '"shard_sequence_parameters": true' in meta
+    one, sp2 = exported["one"], exported["sp2"]
+    assert one.keys() == sp2.keys()
+    assert sp2["encoder.position_embeddings.weight"].shape == (128, 64)
+    assert sp2["encoder.layers.0.attention.proj_k.weight"].shape == (1, 32, 128)
+    for k in one:
+        assert one[k].shape == sp2[k].shape, k
+        assert (one[k] - sp2[k]).abs().max().item() <= 1e-5 * max(1.0, one[k].abs().max()), k
