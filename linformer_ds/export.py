@@ -254,6 +254,38 @@ def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
     return size
 
 
+def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]) -> None:
+    """``--tokenizer`` must hold the vocabulary the checkpoint was trained with (the tag's own
+    tokenizer.model, else the vocabulary size its metadata records): another one would map the
+    model's ids to other tokens."""
+    import sentencepiece as spm
+
+    def pieces(path: str) -> List[str]:
+        sp = spm.SentencePieceProcessor(model_file=path)
+        return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+    given = pieces(sp_model_path)
+    own = os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
+    hint = "; omit --tokenizer to export the checkpoint's own"
+    if os.path.isfile(own):
+        want = pieces(own)
+        if given != want:
+            first = next((i for i, (a, b) in enumerate(zip(given, want)) if a != b), None)
+            where = f"id {first}: {given[first]!r} vs {want[first]!r}" if first is not None else ""
+            raise ExportError(
+                f"--tokenizer {sp_model_path}: another vocabulary than the checkpoint was trained "
+                f"with ({len(given)} pieces vs {len(want)}{'; ' + where if where else ''}){hint}"
+            )
+        return
+    sizes = {d.get("vocab_size") for d in meta.get("data") or [] if isinstance(d, dict)}
+    sizes.discard(None)
+    if sizes and len(given) not in sizes:
+        raise ExportError(
+            f"--tokenizer {sp_model_path}: {len(given)} pieces, the checkpoint was trained on "
+            f"data with a vocabulary of {sorted(sizes)[0]}{hint}"
+        )
+
+
 def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None:
     """Copy the SentencePiece model and write the fast tokenizer ``AutoTokenizer`` loads.
 
@@ -459,6 +491,8 @@ def export_checkpoint(
             "pass --tokenizer PATH/tokenizer.model"
         )
     check_tokenizer(sp_path, model_config)
+    if tokenizer:
+        check_same_vocabulary(sp_path, tag_dir, meta)
     out = os.path.abspath(out)
     if os.path.exists(os.path.dirname(out)) and not os.path.isdir(os.path.dirname(out)):
         raise ExportError(f"--out {out}: {os.path.dirname(out)} is not a directory")
