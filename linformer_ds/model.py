@@ -709,8 +709,14 @@ class LinformerPreTrainedModel(nn.Module):
 
 
 def _numel(p: torch.Tensor) -> int:
-    """Full size, also for a ZeRO-3 partitioned parameter (whose local numel is 0)."""
-    return int(getattr(p, "ds_numel", p.numel()))
+    """Full size, also for a ZeRO-3 partitioned parameter (whose local numel is 0) and for one
+    sharded over sequence-parallel ranks (``sequence_shard = (dim, full size)``)."""
+    n = int(getattr(p, "ds_numel", p.numel()))
+    shard = getattr(p, "sequence_shard", None)
+    if shard is not None:
+        dim, size = shard
+        n = n // int(getattr(p, "ds_shape", p.shape)[dim]) * int(size)
+    return n
 
 
 class MLMHead(nn.Module):

@@ -379,6 +379,13 @@ def test_config_errors_one_line_each():
         assert "\n" not in errors[0]
         with pytest.raises(SequenceParallelConfigError, match="sequence_parallel_size"):
             check_config(p, **kw)
+    # sharded E/F and positions: N must be max_seq_len (each rank holds its slice's columns);
+    # ZeRO-3 needs no reduce-scatter setting then (every reduction is over DP only)
+    shard = config_errors(2, **ok, shard=True)
+    assert len(shard) == 1 and "max_seq_len == N" in shard[0]
+    assert shard[0].startswith("parallel.shard_sequence_parameters: ") and "\n" not in shard[0]
+    exact = dict(ok, seq_len=N_MAX)
+    assert config_errors(2, **exact, shard=True, zero_stage=3, zero_reduce_scatter=False) == []
     # conv aligned at P = 2 (slices of 12, stride 4); ZeRO-3 with reduce-scatter on is fine
     assert config_errors(2, **dict(ok, model=_cfg(projection="conv")), zero_stage=3) == []
 
@@ -501,3 +508,37 @@ def test_deepspeed_reduction_scale_exact_fp32_bf16(tmp_path):
 
 if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+@pytest.mark.parametrize("sharing", SHARING)
+def test_shards_of_every_rank_rebuild_the_model(sharing):
+    """Single process: the P shards of E/F (every sharing mode; linear, conv and dense layers)
+    and of the position table, taken for each rank, concatenate to the whole parameters; conv
+    kernels and everything else stay whole; the parameter count is the whole model's."""
+    import copy
+
+    from linformer_ds.model import LinformerForMaskedLM
+    from linformer_ds.sequence_parallel import sequence_dim, shard_sequence_parameters
+
+    torch.manual_seed(0)
+    cfg = _cfg(**SCHEDULES["mixed"], sharing=sharing)
+    ref = LinformerForMaskedLM(cfg)
+    full = dict(ref.named_parameters())
+    world = 4
+    shards = []
+    for r in range(world):
+        model = copy.deepcopy(ref)
+        names = shard_sequence_parameters(model, r, world)
+        assert model.num_parameters() == ref.num_parameters()
+        shards.append(dict(model.named_parameters()))
+    # the linear layer's E (and F) and the positions, nothing else (conv kernels stay whole)
+    want = {n for n, p in full.items() if sequence_dim(n, p.dim()) is not None}
+    assert set(names) == want and "encoder.position_embeddings.weight" in want
+    assert len(want) == 1 + {"none": 2, "headwise": 2, "kv": 1, "layerwise": 1}[sharing]
+    for name, p in full.items():
+        if name in want:
+            dim = shards[0][name].sequence_shard[0]
+            assert shards[0][name].shape[dim] * world == p.shape[dim]
+            assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), p)
+        else:
+            assert all(torch.equal(s[name], p) for s in shards)
