@@ -364,3 +364,125 @@ def test_shipped_configs_validate(tmp_path):
         if "sources" in path.read_text():  # data mixtures: another section's schema
             continue
         validate(load_config(str(path)), world_size=8)
+
+
+# ------------------------------------------------------------------------- the data a run uses
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> Path:
+    """A real SentencePiece model with data_prep's special ids and 500 pieces (the data's has
+    2000): trained on this repository's README."""
+    from data_prep.tokenizer import train_tokenizer
+
+    text = (Path(TINY_CONFIG).parents[1] / "README.md").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("tok500") / "tokenizer.model"
+    train_tokenizer([ln for ln in text.splitlines() if ln.strip()], str(path), 500)
+    return path
+
+
+@pytest.fixture
+def corpus_copy(tiny_corpus, tmp_path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_corpus, tmp_path / "data"))
+
+
+def _train_main(capsys, data: Path, run: Path, *overrides: str) -> str:
+    from linformer_ds import train
+
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={data}", f"logging.dir={run}"]
+    rc = train.main([*argv, *overrides])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (rc, err)
+    return err
+
+
+@pytest.fixture
+def _no_rank_env(monkeypatch):
+    """train.main fills in one process's rank variables: undo that after the test."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_swapped_tokenizer_is_refused_at_start(
+    corpus_copy, other_tokenizer, tmp_path, capsys, _no_rank_env
+):
+    """A 500-piece tokenizer.model copied over the 2000-vocab data's: refused at start, without
+    verify_checksums (the sha256 data_prep recorded), before anything is written."""
+    import shutil
+
+    shutil.copyfile(other_tokenizer, corpus_copy / "tokenizer.model")
+    err = _train_main(capsys, corpus_copy, tmp_path / "run", "data.verify_checksums=false")
+    assert f"{corpus_copy / 'tokenizer.model'}: not the tokenizer this data was made with" in err
+    assert "re-run data_prep" in err and not (tmp_path / "run" / "checkpoints").exists()
+    (corpus_copy / "tokenizer.model").unlink()
+    err = _train_main(capsys, corpus_copy, tmp_path / "run")
+    assert "tokenizer.model: not found; the manifest records the tokenizer" in err
+
+
+def _fake_tag(run: Path, meta_extra: Dict[str, Any]) -> Path:
+    """A complete tag of the test model whose metadata says what ``meta_extra`` says."""
+    import json
+
+    from linformer_ds import checkpointing as ckpt
+
+    cfg = load_config(TINY_CONFIG, TEST_OVERRIDES)
+    d = run / "checkpoints" / "step_00000002"
+    d.mkdir(parents=True)
+    meta = {k: 0 for k in ckpt.META_KEYS} | {"format_version": 1, "world_size": 1}
+    meta.update(model=cfg.model.to_dict(), sampler={"epoch": 0, "consumed": 0})
+    meta.update(zero_stage=2, precision=cfg.deepspeed.precision, **meta_extra)
+    (d / ckpt.META_FILE).write_text(json.dumps(meta))
+    (d / ckpt.MODEL_STATES).write_bytes(b"")
+    (d / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {}}))
+    return d
+
+
+def test_resume_on_other_data_is_refused_unless_allowed(
+    tiny_corpus, tmp_path, capsys, _no_rank_env
+):
+    """The checkpoint records the data it was trained on (N, tokenizer, shards' digest);
+    resuming on other data names what differs and the flag that allows it."""
+    from linformer_ds import checkpointing as ckpt
+
+    here = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}"])
+    ident = ckpt.data_identity(here)
+    assert len(ident) == 1 and ident[0]["seq_len"] == 128 and ident[0]["vocab_size"] == 2000
+    cases = {
+        "seq_len": (64, "N (the row length): checkpoint 64"),
+        "tokenizer_sha256": ("0" * 64, "the tokenizer (ids would mean other tokens)"),
+        "shards_sha256": ("f" * 64, "the data (manifest shards)"),
+    }
+    for key, (value, message) in cases.items():
+        run = tmp_path / key
+        tag = _fake_tag(run, {"data": [ident[0] | {key: value}]})
+        err = _train_main(capsys, tiny_corpus, run)
+        assert f"checkpoint.allow_data_change: {tag} was trained on other data; {message}" in err
+        assert "set checkpoint.allow_data_change=true to continue on this data" in err
+        meta = {"data": [ident[0] | {key: value}]}
+        allowed = load_config(
+            TINY_CONFIG,
+            [*TEST_OVERRIDES, f"data.path={tiny_corpus}", "checkpoint.allow_data_change=true"],
+        )
+        ckpt.check_run_config(meta, allowed, str(tag))  # allowed: no error
+        ckpt.check_run_config({"data": ident}, here, str(tag))  # the same data: no error
+
+
+def test_export_refuses_a_tokenizer_of_another_vocabulary(
+    tiny_corpus, other_tokenizer, tmp_path, capsys
+):
+    import shutil
+
+    from linformer_ds import export as export_mod
+
+    tag = _fake_tag(tmp_path / "run", {})
+    shutil.copyfile(tiny_corpus / "tokenizer.model", tag / "tokenizer.model")
+    argv = ["--checkpoint", str(tag.parent), "--tag", tag.name, "--out", str(tmp_path / "out")]
+    rc = export_mod.main([*argv, "--tokenizer", str(other_tokenizer)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    want = f"--tokenizer {other_tokenizer}: another vocabulary than the checkpoint was trained "
+    assert want + "with (500 pieces vs 2000" in err, err
+    assert not (tmp_path / "out").exists()
