@@ -503,11 +503,18 @@ def _shape_mismatch(schema: Any, user: Any, prefix: str = "") -> Optional[str]:
     return None
 
 
-def _merge(base: DictConfig, user: Any, source: str) -> DictConfig:
-    """``base`` <- ``user`` (read from ``source``: a file or an override), one line on error."""
-    mismatch = _shape_mismatch(base, user)
+def _check_shape(base: DictConfig, user: Any, source: str) -> None:
+    try:
+        mismatch = _shape_mismatch(base, user)
+    except AttributeError:  # OmegaConf's node API changed: its own merge error still names it
+        mismatch = None
     if mismatch:
         raise ConfigError(f"{source}: {mismatch}")
+
+
+def _merge(base: DictConfig, user: Any, source: str) -> DictConfig:
+    """``base`` <- ``user`` (read from ``source``: a file or an override), one line on error."""
+    _check_shape(base, user, source)
     try:
         return OmegaConf.merge(base, user)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
@@ -536,9 +543,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         merged = _merge(merged, _load_yaml(path), path)
     if overrides:
         for item in overrides:  # each parses, and puts no list or value in place of a section
-            mismatch = _shape_mismatch(merged, _parse_override(item))
-            if mismatch:
-                raise ConfigError(f"override {item!r}: {mismatch}")
+            _check_shape(merged, _parse_override(item), f"override {item!r}")
         try:  # one merge (each merge copies the whole config)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         except _LOAD_ERRORS:  # name the override that fails
