@@ -923,6 +923,10 @@ def _unknown_key(extra: Dict[str, Any], log: set) -> Optional[Tuple[str, List[st
                 return path, sorted(top_known)
             continue
         siblings = {p[-1] for p in log if p[:-1] == parent}
+        if parent == ("pipeline",):  # merged whole into DeepSpeed's defaults: those are the keys
+            from deepspeed.runtime.config import get_pipeline_config
+
+            siblings = set(get_pipeline_config({}))
         if (
             WHOLE in siblings
             or not siblings
@@ -1025,6 +1029,32 @@ def _field_suggestion(model_name: str, loc: Tuple[Any, ...]) -> Optional[str]:
     return near[0] if near else None
 
 
+def _check_optimizer_options(cfg: JobConfig, params: Dict[str, Any]) -> None:
+    """``optimizer.params`` reach the optimizer class DeepSpeed picks (torch's AdamW with
+    torch_adam, else DeepSpeedCPUAdam under optimizer offload, else FusedAdam) as keywords: an
+    option it does not take is refused here instead of failing in the engine's constructor."""
+    import inspect
+
+    import torch
+
+    if params.get("torch_adam"):
+        cls: Any = torch.optim.AdamW
+    else:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+        cls = DeepSpeedCPUAdam if cfg.deepspeed.zero.offload_optimizer else FusedAdam
+    taken = set(inspect.signature(cls.__init__).parameters) - {"self", "params", "model_params"}
+    taken |= {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}  # DeepSpeed's own
+    for key in params:
+        if key not in taken:
+            near = difflib.get_close_matches(key, sorted(taken), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"deepspeed.extra.optimizer.params.{key}: {cls.__name__} (the optimizer DeepSpeed "
+                f"builds here) takes no such option{hint}"
+            )
+
+
 def check_deepspeed_extra(cfg: JobConfig, world_size: int) -> None:
     """Check ``deepspeed.extra`` with DeepSpeed's own config classes before any process group
     starts: owned keys refused (:data:`OWNED_DS_KEYS`), values checked by DeepSpeed's models,
@@ -1054,6 +1084,7 @@ def check_deepspeed_extra(cfg: JobConfig, world_size: int) -> None:
             f"deepspeed.extra.{path}: DeepSpeed does not read this key{hint} (see "
             "https://www.deepspeed.ai/docs/config-json/)"
         )
+    _check_optimizer_options(cfg, full["optimizer"]["params"])
     if extra:
         reference = _parse_deepspeed(base, {}, set())
         for what, (read, owner) in _OWNED_SETTINGS.items():

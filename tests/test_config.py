@@ -289,6 +289,12 @@ def test_defaults_cycle_is_named(chain, tmp_path):
             "did you mean 'grad_accum_dtype'? (set by deepspeed.fp32_grad_accum)",
         ),
         ("deepspeed.extra.bf16.enabled=false", "use deepspeed.precision instead"),
+        (
+            "deepspeed.extra.optimizer.params.fusd=true",
+            "deepspeed.extra.optimizer.params.fusd: AdamW (the optimizer DeepSpeed builds here) "
+            "takes no such option; did you mean 'fused'?",
+        ),
+        ("deepspeed.extra.pipeline.stagse=2", "does not read this key; did you mean 'stages'?"),
         ("deepspeed.extra.fp16.enabled=true", "use deepspeed.precision instead"),
         ("deepspeed.extra.gradient_clipping=5", "use deepspeed.gradient_clipping instead"),
         ("deepspeed.extra.optimizer.params.lr=1", "use optimizer.lr instead"),
