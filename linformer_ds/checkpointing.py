@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, Dict, List, Optional, Tuple
@@ -744,8 +743,8 @@ def resolve_checkpoint(checkpoint: str, tag: Optional[str] = None) -> Tuple[str,
         if tag is None:
             why = "; ".join(f"{t} ({tag_problem(ckpt, t)})" for t in reversed(tag_dirs(ckpt)))
             raise CheckpointError(f"{checkpoint}: no usable checkpoint: {why}")
-        for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr)
+        for w in caught:  # the caller shows them (export: after it succeeded)
+            warnings.warn(str(w.message), stacklevel=2)
         return ckpt, tag
     if not os.path.isdir(os.path.join(ckpt, tag)):
         raise CheckpointError(

@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -575,12 +576,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     """CLI entry point; returns the exit status."""
     args = parse_args(argv)
     outdir.ignore_file_size_signal()
-    try:
-        out = export_checkpoint(
-            args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite,
-            args.provenance,
-        )  # fmt: skip
-    except ExportError as e:
-        return outdir.fail("export failed", str(e))
+    with warnings.catch_warnings(record=True) as caught:  # shown after success: an error
+        warnings.simplefilter("default")  # is one line
+        try:
+            out = export_checkpoint(
+                args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite,
+                args.provenance,
+            )  # fmt: skip
+        except ExportError as e:
+            return outdir.fail("export failed", str(e))
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
     print(f"exported {args.checkpoint} -> {out} ({args.dtype})")
     return 0
