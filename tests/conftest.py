@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import re
+import types
 from typing import Callable, Iterator
 
 import pytest
@@ -20,11 +21,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # Calls that start ranks in other processes: tests/pretrain_utils.run_pretrain (two ranks
 # unless nproc=1 is passed in the call), a test's rank workers (_run_ranks, torch's
-# start_processes/spawn) and launcher command lines.
+# start_processes/spawn) and launcher command lines (deepspeed, torchrun, mpirun). Searched in
+# the test, its fixtures and the test module's own helpers they call.
 LAUNCHES = re.compile(
     r"\brun_pretrain\((?![^()]*\bnproc=1\b)"
     r"|\b_run_ranks\(|\bstart_processes\(|\bmp\.spawn\("
-    r"|\"--num_gpus\"|\"--nproc_per_node\"|\"mpirun\""
+    r"|\"--num_gpus\"|\"--nproc_per_node\"|torch\.distributed\.run|\"mpirun\""
 )
 # Fixtures that run a whole tool once per module (several trainer processes or rank workers):
 # module.name of the fixture function.
@@ -39,6 +41,11 @@ SLOW_FIXTURES = {
 SLOW_TESTS = {
     "tests/test_reliability.py::test_logged_metrics_after_resume_equal_uninterrupted",  # 4 runs
     "tests/test_hf.py::test_trainer_save_model_keeps_tokenizer_and_accuracy",  # HF Trainer
+    # ranks started by hand (2 trainer ranks waiting out real deadlines; 3 data_prep ranks)
+    "tests/test_data_prep_mpi.py::test_srun_transport_dead_rank_fails_the_run_in_time_then_resumes",
+    "tests/test_dist_env.py::test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline",
+    "tests/test_dist_env.py::test_rank_leaves_when_its_launcher_dies",
+    "tests/test_dist_env.py::test_sigterm_during_rendezvous_ends_the_rank_within_seconds",
 }
 
 
@@ -52,14 +59,34 @@ def _functions(item: pytest.Item) -> Iterator[Callable]:
             yield d.func
 
 
+def _names(code: types.CodeType) -> Iterator[str]:
+    """Global names that ``code`` and the functions defined inside it use."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
 @functools.cache
-def _starts_ranks(fn: Callable) -> bool:
+def _starts_ranks(fn: Callable, depth: int = 2) -> bool:
+    """Whether ``fn`` (or a helper of its own module that it calls, ``depth`` levels down)
+    starts ranks in other processes."""
     if f"{fn.__module__}.{fn.__name__}" in SLOW_FIXTURES:
         return True
     try:
-        return bool(LAUNCHES.search(inspect.getsource(fn)))
+        if LAUNCHES.search(inspect.getsource(fn)):
+            return True
     except (OSError, TypeError):
         return False
+    code = getattr(fn, "__code__", None)
+    if depth == 0 or code is None:
+        return False
+    helpers = (fn.__globals__.get(name) for name in set(_names(code)))
+    return any(
+        _starts_ranks(h, depth - 1)
+        for h in helpers
+        if inspect.isfunction(h) and h.__module__ == fn.__module__ and h is not fn
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  # noqa: ARG001
