@@ -29,9 +29,10 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
-from collections.abc import Iterator
-from typing import Any, Dict, List, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -340,13 +341,13 @@ def save(
     cfg: JobConfig,
     ckpt_dir: str,
     step: int,
-    epoch: int,
-    sampler_state: Dict[str, Any],
+    state: Dict[str, Any],
     train_ds,
-    client_extra: Optional[Dict[str, Any]] = None,
     extra_meta: Optional[Dict[str, Any]] = None,
 ) -> str:
-    """Collective: every rank calls it. Returns the tag; a :class:`CheckpointError` (naming the
+    """Collective: every rank calls it. ``state``: the components' entries of the client state
+    (``epoch`` and ``sampler`` among them, also recorded in the metadata; see
+    :class:`CheckpointManager`). Returns the tag; a :class:`CheckpointError` (naming the
     directory) if it cannot be written. Earlier tags and ``latest`` are untouched until the new
     tag is complete."""
     import deepspeed.comm as dist
@@ -365,13 +366,11 @@ def save(
         client = {
             "format_version": FORMAT_VERSION,
             "step": step,
-            "epoch": epoch,
-            "sampler": dict(sampler_state),
             "world_size": world,
             # Randomness is re-seeded from (seed, step, rank) every step: no RNG state to restore.
             "rng": {"scheme": "reseed(seed, step, rank)", "seed": cfg.train.seed},
             "tokenizer": os.path.join(str(train_ds.path), "tokenizer.model"),
-            **(client_extra or {}),
+            **state,
         }
         engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client, save_latest=False)
         dist.barrier()
@@ -379,8 +378,8 @@ def save(
             meta = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
-                "epoch": epoch,
-                "sampler": dict(sampler_state),
+                "epoch": state["epoch"],
+                "sampler": dict(state["sampler"]),
                 "world_size": world,
                 "zero_stage": cfg.deepspeed.zero.stage,
                 "precision": cfg.deepspeed.precision,
@@ -762,21 +761,65 @@ def _listing(d: str, n: int = 8) -> str:
 
 
 # ============================================================================ checkpoint manager
-class CheckpointManager:
-    """The trainer's checkpoints: resolve the tag to resume from, load it (converting to a
-    universal checkpoint when the number of ranks changed), save, prune.
+# Components whose state lies at the top level of the client state (and in the metadata), as
+# checkpoints of format 1 have always stored it: name -> its state_dict's keys.
+TOP_LEVEL_STATE = {"data": ("epoch", "sampler")}
 
+
+class Stateful(Protocol):
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+
+class CheckpointManager:
+    """The trainer's checkpoints: what is saved, when, and resuming.
+
+    Components :meth:`register` their state (symmetric ``state_dict`` / ``load_state_dict``);
+    the manager writes it into every checkpoint's client state and restores it on resume.
     Use: ``prepare()`` before any collective (writability, tag choice, metadata checks), then
-    ``ds_config_overrides`` for the engine, then ``load(engine)`` and ``save(...)`` (collective).
+    ``ds_config_overrides`` for the engine, then (collective) :meth:`resume`, and after each
+    step :meth:`after_step`; :meth:`on_signal` and :meth:`on_finish` at the end. A checkpoint
+    saved under another number of ranks is loaded through a universal checkpoint.
+    ``on_io(op, seconds)`` observes every save and load.
     """
 
-    def __init__(self, cfg: JobConfig, rank: int, world_size: int):
+    def __init__(self, cfg: JobConfig, rank: int, world_size: int, dataset: Any = None):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.dir = cfg.checkpoint.dir
+        self.dataset = dataset  # its tokenizer.model and special ids go into each checkpoint
         self.tag: Optional[str] = None
         self.meta: Optional[Dict[str, Any]] = None
         self.universal = False
         self.last_saved_step = -1
+        self.load_seconds = 0.0
+        self.components: Dict[str, Stateful] = {}
+        self.on_io: Optional[Callable[[str, float], None]] = None
+
+    def register(self, name: str, component: Stateful) -> None:
+        """Save ``component.state_dict()`` as ``name`` in every checkpoint; on resume give it
+        back to ``component.load_state_dict`` (a checkpoint without it leaves it as it is)."""
+        self.components[name] = component
+
+    def _state(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = {}
+        for name, component in self.components.items():
+            if name in TOP_LEVEL_STATE:
+                state.update(component.state_dict())
+            else:
+                state[name] = component.state_dict()
+        return state
+
+    def _restore(self, client: Dict[str, Any]) -> None:
+        for name, component in self.components.items():
+            keys = TOP_LEVEL_STATE.get(name)
+            sd = {k: client[k] for k in keys} if keys else client.get(name)
+            if sd is None:
+                continue
+            try:
+                component.load_state_dict(sd)
+            except ValueError as e:
+                raise CheckpointError(f"{self.dir}/{self.tag}: {e}") from None
 
     def prepare(self) -> Optional[str]:
         """Check the directories and choose the tag to resume from (None: a fresh start)."""
@@ -839,22 +882,57 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.dir, UNIVERSAL_DIR), ignore_errors=True)
         return client
 
-    def save(
-        self,
-        engine,
-        step: int,
-        epoch: int,
-        sampler_state: Dict[str, Any],
-        train_ds,
-        client_extra: Optional[Dict[str, Any]] = None,
-    ) -> str:
-        """Collective: write ``step``'s checkpoint (see :func:`save`); returns the tag."""
+    def resume(self, engine) -> int:
+        """Collective: load the prepared tag into ``engine`` and every registered component;
+        returns the step it was saved after (0: a fresh start, nothing loaded)."""
+        if self.tag is None:
+            return 0
+        t0 = time.perf_counter()
+        client = self.load(engine)
+        self._restore(client)
+        self.load_seconds = time.perf_counter() - t0
+        step = int(client["step"])
+        if self.rank == 0:
+            assert self.meta is not None
+            print(
+                f"[resume] {self.dir}/{self.tag}: step {step}, epoch {int(client['epoch'])}, "
+                f"sampler consumed {client['sampler']['consumed']} (saved by "
+                f"{self.meta['world_size']} rank(s), now {self.world})",
+                flush=True,
+            )
+        return step
+
+    def save(self, engine, step: int, reason: str) -> str:
+        """Collective: write ``step``'s checkpoint with every component's state (see
+        :func:`save`); returns the tag."""
+        t0 = time.perf_counter()
         layout = config_layout(self.cfg)
-        tag = save(
-            engine, self.cfg, self.dir, step, epoch, sampler_state, train_ds, client_extra, layout
-        )
+        tag = save(engine, self.cfg, self.dir, step, self._state(), self.dataset, layout)
         self.last_saved_step = step
+        if self.on_io is not None:
+            self.on_io("save", time.perf_counter() - t0)
+        if self.rank == 0:
+            print(
+                f"[checkpoint] {reason}: {self.dir}/{tag} ({time.perf_counter() - t0:.1f}s)",
+                flush=True,
+            )
         return tag
+
+    def after_step(self, engine, step: int) -> None:
+        """Collective: the interval save (``checkpoint.save_interval``) when ``step`` is due."""
+        interval = self.cfg.checkpoint.save_interval
+        if interval and step % interval == 0:
+            self.save(engine, step, "interval")
+
+    def on_signal(self, engine, step: int, signum: Optional[int]) -> None:
+        """Collective: a signal asked the run to stop after ``step``: save it (once)."""
+        if self.last_saved_step != step:
+            self.save(engine, step, f"signal {signum}")
+
+    def on_finish(self, engine, step: int) -> None:
+        """Collective: the end of training: the final save (``checkpoint.save_final``)."""
+        if self.cfg.checkpoint.save_final and self.last_saved_step != step:
+            self.save(engine, step, "final")
 
     def latest(self) -> Optional[str]:
         """Path of the newest complete checkpoint, or None."""

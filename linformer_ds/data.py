@@ -488,11 +488,13 @@ class TrainBatches:
         self.on_batch = None
 
     def state_dict(self) -> Dict[str, Any]:
+        """``{"epoch", "sampler": {"epoch", "consumed"}}``: the position, for any world size."""
         return {"epoch": self.epoch, "sampler": self.sampler.state_dict()}
 
-    def load_state_dict(self, epoch: int, sampler_state: Dict[str, int]) -> None:
-        self.epoch = int(epoch)
-        self.sampler.load_state_dict(sampler_state)
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result (a ``ValueError`` if it cannot apply)."""
+        self.sampler.load_state_dict(state["sampler"])
+        self.epoch = int(state["epoch"])
         self._it = None
 
     def _next_index(self) -> int:

@@ -83,17 +83,18 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum ``t`` (a small CPU statistics tensor) over all ranks, in place; returns it.
+    """Sum ``t`` (a small statistics tensor) over all ranks, in place; returns it.
 
-    It travels through ``device``: NCCL, the backend on CUDA, refuses CPU tensors."""
+    A tensor on another device than ``device`` travels through it: NCCL, the backend on CUDA,
+    refuses CPU tensors."""
     import deepspeed.comm as dist
 
-    if device.type == "cpu":
+    if t.device.type == torch.device(device).type:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
     buf = t.to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-    return t.copy_(buf.cpu())
+    return t.copy_(buf.to(t.device))
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict) -> None:

@@ -35,7 +35,7 @@ def evaluate(
     n_rows = min(len(valid_ds), cfg.train.eval_batches * mb * world)
     mine = list(range(rank, n_rows - (n_rows % world), world))
     engine.eval()
-    stats = torch.zeros(4, dtype=torch.float64)
+    stats = torch.zeros(4, dtype=torch.float64, device=device)
     for start in range(0, cfg.train.eval_batches * mb, mb):
         idx = mine[start : start + mb]
         if not idx:
@@ -53,7 +53,7 @@ def evaluate(
         )  # fmt: skip
         stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets, denom)
     engine.train()
-    all_reduce_sum(stats, torch.device(device))
+    stats = all_reduce_sum(stats, torch.device(device)).cpu()  # the one read to the host
     loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))
     return {
         "loss": loss,

@@ -97,8 +97,29 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Set[str]:
     return set()
 
 
-def peak_memory_bytes(device: Union[torch.device, str]) -> int:
-    """Peak memory of this process: CUDA max allocated on GPU, peak RSS on CPU."""
-    if str(device).startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+class MemoryProbe:
+    """Memory of this process: CUDA allocated on GPU, resident set (RSS) on CPU. The peak is
+    never below a current value reported before it (``ru_maxrss`` lags RSS by a few pages)."""
+
+    def __init__(self, device: Union[torch.device, str]):
+        self.device = torch.device(device)
+        self._max_seen = 0
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            value = int(torch.cuda.memory_allocated(self.device))
+        else:
+            try:
+                with open("/proc/self/statm") as f:
+                    value = int(f.read().split()[1]) * resource.getpagesize()
+            except (OSError, ValueError, IndexError):
+                value = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        self._max_seen = max(self._max_seen, value)
+        return value
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            value = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            value = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB
+        return max(value, self._max_seen)

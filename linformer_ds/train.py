@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -126,202 +126,262 @@ def run_and_exit(argv: Optional[List[str]] = None) -> None:
     sys.exit(code)
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
-    from linformer_ds import engine as eng
-    from linformer_ds.data import MLMMasking, ShardDataset, TrainBatches, check_compatible
-    from linformer_ds.debug import DebugHooks
-    from linformer_ds.dist_env import setup_distributed_env, start_watchdog
-    from linformer_ds.evaluate import evaluate
-    from linformer_ds.metrics import Metrics, step_stats
-    from linformer_ds.sequence_parallel import global_label_count
+class StopTraining(Exception):
+    """The run ends before ``train.max_steps`` with exit ``code`` (every rank raises it at the
+    same step); ``message``: why, for a stop by the non-finite policy."""
 
-    # ---- job config and world (the signal handler first: a preemption notice is never lost)
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    stop = SignalFlag(cfg.train.save_on_signal)
-    env = setup_distributed_env()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # start-up waits end on a signal at once; a rank leaves when its launcher dies
-    watchdog = start_watchdog(
-        EXIT_PREEMPTED, env["launcher"] != "single", getattr(cfg.parallel, "init_timeout_s", 300.0)
-    )
+    def __init__(self, code: int, message: Optional[str] = None):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def print_config(cfg: JobConfig) -> int:
+    """``--print-config``: the resolved job config and the DeepSpeed JSON derived from it."""
+    from linformer_ds.dist_env import setup_distributed_env
+    from linformer_ds.engine import final_deepspeed_config
+
+    setup_distributed_env()
+    world = int(os.environ["WORLD_SIZE"])
     validate(cfg, world_size=world)
-    if args.print_config:
-        rank0_print(to_yaml(cfg))
+    rank0_print(to_yaml(cfg))
+    ds = final_deepspeed_config(cfg, world)
+    rank0_print("# derived DeepSpeed config\n" + json.dumps(ds, indent=2))
+    return 0
+
+
+class Trainer:
+    """Pretraining as an object: construction builds the components from the job config
+    (world, data, checkpoints, model and engine, metrics) and resumes; :meth:`train_step` is one
+    optimizer step, :meth:`train` the loop, :meth:`close` releases the sinks and hooks.
+
+    The components own their state: the data stream and the metrics window register with the
+    checkpoint manager, which decides when to save (interval, final, signal) and restores them.
+    """
+
+    def __init__(self, cfg: JobConfig):
+        from linformer_ds.debug import DebugHooks
+        from linformer_ds.dist_env import setup_distributed_env, start_watchdog
+
+        self.cfg = cfg
+        # the signal handler first: a preemption notice is never lost
+        self.stop = SignalFlag(cfg.train.save_on_signal)
+        self.env = setup_distributed_env()
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # start-up waits end on a signal at once; a rank leaves when its launcher dies
+        self.watchdog = start_watchdog(
+            EXIT_PREEMPTED,
+            self.env["launcher"] != "single",
+            getattr(cfg.parallel, "init_timeout_s", 300.0),
+        )
+        validate(cfg, world_size=self.world)
+        self._build_data()  # data and checkpoints: checked before any collective starts
+        self._build_engine()
+        self._build_metrics()
+        self.step = self.checkpoints.resume(self.engine)
+        if self.checkpoints.tag is not None:
+            self.metrics.on_resume(self.step, self.checkpoints.load_seconds)
+        else:
+            rank0_print(to_yaml(cfg))
+        self._print_setup()
+        self.debug = DebugHooks(self.rank)
+        self.batches.on_batch = self.debug.sample_observer(lambda: self.step + 1)
+        self.end = cfg.train.max_steps
+        if cfg.train.stop_at_step is not None:
+            self.end = min(self.end, cfg.train.stop_at_step)
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------------- components
+    def _build_data(self) -> None:
+        from linformer_ds.data import ShardDataset, check_compatible
+
+        cfg, d = self.cfg, self.cfg.data
+        self.train_ds = ShardDataset(d.path, d.train_split, d.verify_checksums)
+        check_compatible(self.train_ds, cfg.model)
+        self.valid_ds = None
+        if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0:
+            self.valid_ds = ShardDataset(d.path, d.valid_split, d.verify_checksums)
+            check_compatible(self.valid_ds, cfg.model)
+        if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
+            validate(cfg, world_size=self.world, seq_len=self.train_ds.seq_len)
+        self.checkpoints = ckpt.CheckpointManager(cfg, self.rank, self.world, self.train_ds)
+        if self.rank == 0:
+            ckpt.check_writable(cfg.logging.dir, "logging.dir")
+        self.checkpoints.prepare()
+
+    def _build_engine(self) -> None:
+        from linformer_ds import engine as eng
+        from linformer_ds.data import MLMMasking, TrainBatches
+
+        cfg, ds = self.cfg, self.train_ds
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.w = eng.init_world(cfg, self.rank, self.world, local_rank)
+        self.device = self.w.device
+        overrides = self.checkpoints.ds_config_overrides()
+        self.ds_config = eng.final_deepspeed_config(cfg, self.world, overrides)
+        self.groups = eng.init_sequence_parallel(cfg)  # None unless sequence_parallel_size > 1
+        g = self.groups
+        self.sp_group = g.sp_group if g is not None else None
+        self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
+        self.model = eng.build_model(cfg)
+        self.engine = eng.build_engine(self.model, cfg, self.ds_config, g)
+        self.loss_scale = eng.backward_scale(cfg)
+        masker = MLMMasking(
+            ds.vocab_size, ds.mask_id, ds.special_ids,
+            mlm_probability=cfg.data.mlm_probability, seed=cfg.train.seed, pad_id=ds.pad_id,
+            short_seq_prob=cfg.data.short_seq_prob,
+        )  # fmt: skip
+        self.batches = TrainBatches(
+            ds, masker, self.replica, self.replicas, cfg.train.micro_batch_size, cfg.train.seed,
+            self.device, sp_rank=g.sp_rank if g is not None else 0,
+            sp_size=cfg.parallel.sequence_parallel_size,
+        )  # fmt: skip
+
+    def _build_metrics(self) -> None:
+        from linformer_ds.metrics import Metrics
+
+        cfg, n = self.cfg, self.train_ds.seq_len
+        self.metrics = Metrics(
+            cfg, self.rank, self.world, self.device,
+            flops_per_token=self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability),
+            tokens_per_step=self.ds_config["train_batch_size"] * n,
+        )  # fmt: skip
+        self.checkpoints.register("data", self.batches)
+        self.checkpoints.register("metrics", self.metrics)
+        self.checkpoints.on_io = self.metrics.checkpoint_done
+
+    def _print_setup(self) -> None:
+        cfg, w = self.cfg, self.w
         rank0_print(
-            "# derived DeepSpeed config\n"
-            + json.dumps(eng.final_deepspeed_config(cfg, world), indent=2)
+            f"[setup] launcher={self.env.get('launcher')} ranks={self.world} device={w.device} "
+            f"backend={w.backend} zero={cfg.deepspeed.zero.stage} "
+            f"precision={cfg.deepspeed.precision} "
+            f"params={self.model.num_parameters() / 1e6:.2f}M "
+            f"schedule={cfg.model.projection_schedule()} "
+            f"train_rows={len(self.train_ds)} seq_len={self.train_ds.seq_len}"
+        )
+
+    # ------------------------------------------------------------------------------- loop
+    def train_step(self) -> None:
+        """One optimizer step: ``gradient_accumulation_steps`` micro-batches, then the update.
+
+        Statistics stay on the device; one all-reduce per step (statistics, non-finite count
+        and the stop request together) is the only read to the host. Raises
+        :class:`StopTraining` when the non-finite policy stops the run."""
+        from linformer_ds.metrics import STAT_NONFINITE
+
+        cfg, step = self.cfg, self.step + 1
+        # Dropout randomness of this step depends only on (seed, step, rank): exact resume.
+        torch.manual_seed(cfg.train.seed * 1_000_003 + self.step * 1009 + self.rank)
+        t0 = time.perf_counter()
+        gas = cfg.train.gradient_accumulation_steps
+        stats = None
+        for micro in range(gas):
+            batch = self.metrics.timed_batch(self.batches.next_batch)
+            s = self._forward_backward(batch, step)
+            stats = s if stats is None else stats + s
+            if micro < gas - 1:
+                self.engine.step()
+        assert stats is not None
+        agreed = self._all_reduce_to_host(stats)
+        nonfinite = int(agreed[STAT_NONFINITE])
+        why = nonfinite_verdict(cfg, step, nonfinite, applied=None)
+        if why:  # before the boundary step applies the update: all ranks agree
+            raise StopTraining(EXIT_NONFINITE, why)
+        self.engine.step()
+        self.step = step
+        applied = self.engine.was_step_applied()
+        why = nonfinite_verdict(cfg, step, nonfinite, applied=applied)
+        if why:
+            raise StopTraining(EXIT_NONFINITE, why)
+        self.stop_requested = bool(agreed[-1])
+        self.metrics.step_done(step, agreed[:-1], time.perf_counter() - t0, skipped=not applied)
+
+    def _forward_backward(self, batch: Dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its ``[4]`` statistics (on the device)."""
+        from linformer_ds.metrics import step_stats
+        from linformer_ds.sequence_parallel import global_label_count
+
+        # P > 1: each rank's loss is its slice's share of the replica's mean
+        sp = self.sp_group
+        denom = global_label_count(batch["labels"], sp) if sp is not None else None
+        out = self.engine(
+            batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+            loss_denominator=denom,
+        )  # fmt: skip
+        loss = self.debug.poison(out.loss, step)
+        self.engine.backward(loss * self.loss_scale if self.loss_scale != 1.0 else loss)
+        return step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
+
+    def _all_reduce_to_host(self, stats: torch.Tensor) -> torch.Tensor:
+        """``stats`` and this rank's stop request, summed over all ranks: one small
+        all-reduce and one read to the host per optimizer step."""
+        from linformer_ds.engine import all_reduce_sum
+
+        flag = 1.0 if self.cfg.train.save_on_signal and self.stop.signum else 0.0
+        both = torch.cat([stats, stats.new_tensor([flag])])
+        return all_reduce_sum(both, self.device).cpu()
+
+    def _after_step(self) -> None:
+        """Log, evaluate and checkpoint as configured; stop (exit 75) when a rank was signalled."""
+        from linformer_ds.evaluate import evaluate
+
+        step, cfg = self.step, self.cfg
+        if self.metrics.should_log(step):
+            self.metrics.log_train(step, self.batches.epoch, self.engine)
+        if self.valid_ds is not None and step % cfg.train.eval_interval == 0:
+            figures = evaluate(
+                self.engine, self.valid_ds, cfg, self.replica, self.replicas, self.device,
+                self.sp_group,
+            )  # fmt: skip
+            self.metrics.log_eval(step, figures)
+        self.checkpoints.after_step(self.engine, step)
+        if self.stop_requested:
+            self.checkpoints.on_signal(self.engine, step, self.stop.signum)
+            rank0_print(f"[preempted] stopped at step {step}; resume continues here")
+            raise StopTraining(EXIT_PREEMPTED)
+
+    def train(self) -> int:
+        """Train to ``train.max_steps`` (or ``stop_at_step``); returns the exit code."""
+        self.engine.train()
+        self.watchdog.training_started()  # a signal now means: checkpoint at the next step
+        try:
+            while self.step < self.end:
+                self.train_step()
+                self._after_step()
+        except StopTraining as stop:
+            if stop.message is not None:
+                rank0_print(
+                    f"[error] {stop.message}; stopping (train.nonfinite=stop). Last good "
+                    f"checkpoint: {self.checkpoints.latest() or 'none'}"
+                )
+            return stop.code
+        self.checkpoints.on_finish(self.engine, self.step)
+        first, last = self.metrics.first_loss, self.metrics.last_loss
+        rank0_print(
+            f"[done] step {self.step}: first loss {first if first is None else round(first, 4)}"
+            f", last loss {last if last is None else round(last, 4)}\n"
+            f"[done] TensorBoard: tensorboard --logdir {self.cfg.logging.dir}\n"
+            f"[done] checkpoints: {self.checkpoints.dir} "
+            f"(latest: {ckpt.latest_tag(self.checkpoints.dir)})"
         )
         return 0
 
-    # ---- data and checkpoints: checked before any collective starts
-    train_ds = ShardDataset(cfg.data.path, cfg.data.train_split, cfg.data.verify_checksums)
-    check_compatible(train_ds, cfg.model)
-    valid_ds = None
-    if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0:
-        valid_ds = ShardDataset(cfg.data.path, cfg.data.valid_split, cfg.data.verify_checksums)
-        check_compatible(valid_ds, cfg.model)
-    if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
-        validate(cfg, world_size=world, seq_len=train_ds.seq_len)
-    checkpoints = ckpt.CheckpointManager(cfg, rank, world)
-    if rank == 0:
-        ckpt.check_writable(cfg.logging.dir, "logging.dir")
-    resume_tag = checkpoints.prepare()
+    def close(self) -> None:
+        """Flush and close the metrics sinks (a ``/metrics`` endpoint stops) and debug hooks."""
+        self.metrics.close()
+        self.debug.close()
 
-    # ---- world, model, engine
-    w = eng.init_world(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
-    ds_config = eng.final_deepspeed_config(cfg, world, checkpoints.ds_config_overrides())
-    groups = eng.init_sequence_parallel(cfg)  # None unless parallel.sequence_parallel_size > 1
-    sp_group = groups.sp_group if groups is not None else None
-    replica, replicas = (groups.dp_rank, groups.dp_size) if groups is not None else (rank, world)
-    model = eng.build_model(cfg)
-    engine = eng.build_engine(model, cfg, ds_config, groups)
-    loss_scale = eng.backward_scale(cfg)
-    masker = MLMMasking(
-        train_ds.vocab_size,
-        train_ds.mask_id,
-        train_ds.special_ids,
-        mlm_probability=cfg.data.mlm_probability,
-        seed=cfg.train.seed,
-        pad_id=train_ds.pad_id,
-        short_seq_prob=cfg.data.short_seq_prob,
-    )
-    batches = TrainBatches(
-        train_ds, masker, replica, replicas, cfg.train.micro_batch_size, cfg.train.seed, w.device,
-        sp_rank=groups.sp_rank if groups is not None else 0,
-        sp_size=cfg.parallel.sequence_parallel_size,
-    )  # fmt: skip
-    step = 0
 
-    # ---- metrics, then resume
-    seq_len = train_ds.seq_len
-    metrics = Metrics(
-        cfg,
-        rank,
-        world,
-        w.device,
-        flops_per_token=model.flops_per_token(seq_len, mlm_fraction=cfg.data.mlm_probability),
-        tokens_per_step=ds_config["train_batch_size"] * seq_len,
-    )
-    if resume_tag is not None:
-        t_load = time.perf_counter()
-        client = checkpoints.load(engine)
-        step = int(client["step"])
-        try:
-            batches.load_state_dict(int(client["epoch"]), client["sampler"])
-        except ValueError as e:
-            raise ckpt.CheckpointError(f"{checkpoints.dir}/{resume_tag}: {e}") from None
-        metrics.load_state_dict(client.get("metrics"))
-        metrics.on_resume(step, time.perf_counter() - t_load)
-        rank0_print(
-            f"[resume] {checkpoints.dir}/{resume_tag}: step {step}, epoch {batches.epoch}, "
-            f"sampler consumed {client['sampler']['consumed']} (saved by "
-            f"{checkpoints.meta['world_size']} rank(s), now {world})"
-        )
-    else:
-        rank0_print(to_yaml(cfg))
-    rank0_print(
-        f"[setup] launcher={env.get('launcher')} ranks={world} device={w.device} backend={w.backend} "
-        f"zero={cfg.deepspeed.zero.stage} precision={cfg.deepspeed.precision_text()} "
-        f"params={model.num_parameters() / 1e6:.2f}M schedule={cfg.model.projection_schedule()} "
-        f"train_rows={len(train_ds)} seq_len={seq_len}"
-    )
-    if cfg.deepspeed.zero.stage == 3:
-        for name, p in model.named_parameters():
-            if name.startswith("encoder.shared_"):
-                print(
-                    f"[zero3] rank {rank} holds {p.ds_tensor.numel()}/{p.ds_numel} of {name}",
-                    flush=True,
-                )
-
-    debug = DebugHooks(rank)
-    batches.on_batch = debug.sample_observer(lambda: step + 1)
-
-    def save(reason: str) -> None:
-        t0 = time.perf_counter()
-        checkpoints.save(
-            engine, step, batches.epoch, batches.sampler.state_dict(), train_ds,
-            client_extra={"metrics": metrics.state_dict()},
-        )  # fmt: skip
-        metrics.checkpoint_done("save", time.perf_counter() - t0)
-        rank0_print(
-            f"[checkpoint] {reason}: {checkpoints.dir}/{ckpt.tag_for(step)} ({time.perf_counter() - t0:.1f}s)"
-        )
-
-    def finish(code: int, msg: Optional[str] = None) -> int:
-        if msg is not None:
-            rank0_print(
-                f"[error] {msg}; stopping (train.nonfinite=stop). Last good checkpoint: "
-                f"{checkpoints.latest() or 'none'}"
-            )
-        metrics.close()
-        debug.close()
-        return code
-
-    # ---- the loop
-    engine.train()
-    watchdog.training_started()  # a signal now means: checkpoint at the next step
-    end = cfg.train.max_steps
-    if cfg.train.stop_at_step is not None:
-        end = min(end, cfg.train.stop_at_step)
-    gas = cfg.train.gradient_accumulation_steps
-    while step < end:
-        # Dropout randomness of this step depends only on (seed, step, rank): exact resume.
-        torch.manual_seed(cfg.train.seed * 1_000_003 + step * 1009 + rank)
-        t0 = time.perf_counter()
-        stats = torch.zeros(4, dtype=torch.float64)
-        for micro in range(gas):
-            batch = metrics.timed_batch(batches.next_batch)
-            # P > 1: each rank's loss is its slice's share of the replica's mean
-            denom = global_label_count(batch["labels"], sp_group) if sp_group else None
-            out = engine(
-                batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
-                loss_denominator=denom,
-            )  # fmt: skip
-            loss = debug.poison(out.loss, step + 1)
-            engine.backward(loss * loss_scale if loss_scale != 1.0 else loss)
-            stats += step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
-            if micro == gas - 1:  # before the boundary step applies the update: all ranks agree
-                why = nonfinite_verdict(
-                    cfg, step + 1, int(eng.all_reduce_sum(stats, w.device)[3]), applied=None
-                )
-                if why:
-                    return finish(EXIT_NONFINITE, why)
-            engine.step()
-        step += 1
-        why = nonfinite_verdict(cfg, step, int(stats[3]), applied=engine.was_step_applied())
-        if why:
-            return finish(EXIT_NONFINITE, why)
-        metrics.step_done(
-            step, stats, time.perf_counter() - t0, skipped=not engine.was_step_applied()
-        )
-        if metrics.should_log(step):
-            metrics.log_train(step, batches.epoch, engine)
-        if valid_ds is not None and step % cfg.train.eval_interval == 0:
-            metrics.log_eval(
-                step, evaluate(engine, valid_ds, cfg, replica, replicas, w.device, sp_group)
-            )
-        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-            save("interval")
-        if (
-            cfg.train.save_on_signal
-            and eng.all_reduce_sum(torch.tensor([1.0 if stop.signum else 0.0]), w.device).item()
-        ):
-            if checkpoints.last_saved_step != step:
-                save(f"signal {stop.signum}")
-            rank0_print(f"[preempted] stopped at step {step}; resume continues here")
-            return finish(EXIT_PREEMPTED)
-
-    if cfg.checkpoint.save_final and checkpoints.last_saved_step != step:
-        save("final")
-    first, last = metrics.first_loss, metrics.last_loss
-    rank0_print(
-        f"[done] step {step}: first loss {first if first is None else round(first, 4)}"
-        f", last loss {last if last is None else round(last, 4)}\n"
-        f"[done] TensorBoard: tensorboard --logdir {cfg.logging.dir}\n"
-        f"[done] checkpoints: {checkpoints.dir} (latest: {ckpt.latest_tag(checkpoints.dir)})"
-    )
-    return finish(0)
+def _main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        return print_config(cfg)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
 
 
 if __name__ == "__main__":

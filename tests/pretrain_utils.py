@@ -52,20 +52,22 @@ def run_pretrain(
     check: bool = True,
     timeout: int = 600,
     config: str = TINY_CONFIG,
+    script: str = PRETRAIN,
 ) -> subprocess.CompletedProcess:
-    """Run launch/pretrain.py with ``nproc`` CPU ranks; returns the completed process."""
+    """Run launch/pretrain.py (or ``script``) with ``nproc`` CPU ranks; returns the completed
+    process."""
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + list(overrides or [])
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     port = str(free_port())
     if launcher == "deepspeed":
-        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, PRETRAIN]
+        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, script]
     elif launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", port, PRETRAIN]  # fmt: skip
+               "--master_port", port, script]  # fmt: skip
     elif launcher == "python":
-        cmd = [sys.executable, PRETRAIN]
+        cmd = [sys.executable, script]
     else:
         raise ValueError(launcher)
     cmd += ["--config", config] + ov
