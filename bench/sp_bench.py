@@ -14,6 +14,10 @@ Phases (``--phases``):
   ``collective_bytes_per_layer``, and the time spent inside the collectives is measured.
 * ``memory``: linear at a fixed N for P = 1, 2, 4 (peak RSS per rank), and at P = 2 under
   ZeRO 0-3 (what each rank holds: parameters, optimizer state, E and position table).
+* ``frontier``: linear at N = 262,144 / 1,048,576 / 4,194,304 for P = 1, 2, 4, activation
+  checkpointing off and on: the time of the second step and each rank's peak RSS during it
+  (the optimizer state exists by then), with E/F and the position table sharded over the SP
+  ranks (default) or whole on every rank (``--no-shard``: the "before" rows).
 * ``trainer``: the real trainer (``launch/pretrain.py`` under the ``deepspeed`` launcher) on
   data made by ``data_prep`` (e.g. 1,048,576-token rows), one step; peak RSS of each rank
   sampled from /proc.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -63,7 +68,7 @@ from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
 from linformer_ds.fsio import read_jsonl
 
-PHASES = ("comm", "memory", "trainer")
+PHASES = ("comm", "memory", "frontier", "trainer")
 VARIANTS = ("linear", "dense")
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -89,6 +94,12 @@ class SPBenchConfig(ModelSizes):
     memory_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
     zero_sweep: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     zero_sweep_sp: int = 2
+    # frontier: the second step at long N, P sweep, activation checkpointing off/on
+    frontier_seq_lens: List[int] = field(default_factory=lambda: [262144, 1048576, 4194304])
+    frontier_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
+    frontier_ac: List[int] = field(default_factory=lambda: [0, 1])
+    # P > 1: E/F columns and position rows sharded over the SP ranks (False: --no-shard)
+    shard: bool = True
     # trainer: launch/pretrain.py on a data_prep corpus
     trainer_data: Optional[str] = None
     trainer_sp: int = 2
@@ -122,6 +133,7 @@ class SPBenchConfig(ModelSizes):
         if not 0.0 < self.mlm_fraction <= 1.0:
             raise BenchError(f"--mlm-fraction: must be in (0, 1], got {self.mlm_fraction}")
         sps = [self.sp, self.zero_sweep_sp, self.trainer_sp] + list(self.memory_sp)
+        sps += list(self.frontier_sp)
         if any(p < 1 for p in sps):
             raise BenchError(f"--sp/--memory-sp/--zero-sweep-sp/--trainer-sp: >= 1, got {sps}")
         if "dense" in self.variants and self.heads % self.sp:
@@ -129,7 +141,7 @@ class SPBenchConfig(ModelSizes):
         for z in [self.zero, self.trainer_zero] + list(self.zero_sweep):
             if z not in (0, 1, 2, 3):
                 raise BenchError(f"--zero/--zero-sweep/--trainer-zero: 0-3, got {z}")
-        lens = list(self.seq_lens) + [self.memory_seq_len]
+        lens = list(self.seq_lens) + [self.memory_seq_len] + list(self.frontier_seq_lens)
         for n in lens:
             for p in sps:
                 if n < self.k or n % p:
@@ -149,6 +161,9 @@ class Case:
     n: int
     p: int
     zero: int
+    ac: bool = False  # activation checkpointing (torch's non-reentrant, every layer)
+    shard: bool = True  # P > 1: E/F and positions sharded over the SP ranks
+    steps: int = 0  # steps to run (0: --warmup + --iters); the first is warmup
 
 
 # ============================================================================ the ranks' work
@@ -191,12 +206,38 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: VmHWM, by writing 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_since_reset() -> int:
+    """VmHWM (bytes): the peak RSS since the last :func:`_reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
     """Bytes this rank holds: model parameters (its ZeRO-3 partition), the optimizer's own
     tensors (fp32 master partitions and AdamW moments), and how much of E and the positions."""
 
     def local(p: torch.Tensor) -> torch.Tensor:
         return p.ds_tensor if hasattr(p, "ds_tensor") else p
+
+    def whole(p: torch.Tensor) -> int:  # the full matrix's size (ZeRO-3 or SP-sharded)
+        n = int(getattr(p, "ds_numel", p.numel()))
+        shard = getattr(p, "sequence_shard", None)
+        if shard is not None:
+            n = n // int(getattr(p, "ds_shape", p.shape)[shard[0]]) * int(shard[1])
+        return n
 
     seen, model_bytes, model_ptrs = set(), 0, set()
     for p in model.parameters():
@@ -225,9 +266,9 @@ def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
         "model_param_bytes": model_bytes,
         "optimizer_bytes": opt_bytes,
         "positions_local": local(pos).numel(),
-        "positions_full": int(getattr(pos, "ds_numel", pos.numel())),
+        "positions_full": whole(pos),
         "E_local": local(e).numel() if e is not None else 0,
-        "E_full": int(getattr(e, "ds_numel", e.numel())) if e is not None else 0,
+        "E_full": whole(e) if e is not None else 0,
     }
 
 
@@ -257,20 +298,39 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     model = LinformerForMaskedLMPretraining(job.model)
     cfg = deepspeed_json(job, world_size=p)  # the trainer's DeepSpeed JSON
     kwargs: Dict[str, Any] = {}
-    if groups is not None:
-        sp.parallelize(model, sp_group)
+    scale = 1.0
+    if groups is not None and case.shard:  # as the trainer: E/F and positions per SP rank
+        sp.shard_for_deepspeed(model, groups)
+        kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
+    elif groups is not None:
         sp.partition_for_zero3(model, groups, cfg)
         kwargs["mpu"] = sp.SequenceParallelMPU(groups)
+        scale = sp.backward_loss_scale(case.zero, p)
+    if groups is not None:
+        sp.parallelize(model, sp_group)
+    if case.ac:
+        from torch.utils.checkpoint import checkpoint
+
+        model.encoder.set_activation_checkpointing(
+            functools.partial(checkpoint, use_reentrant=False)
+        )
+    # sharded: the replicated parameters' gradients are summed over the SP group in backward
+    sp_grad_bytes = sum(
+        q.numel() * q.element_size() for q in model.parameters()
+        if q.requires_grad and not hasattr(q, sp.SHARD_ATTR)
+    ) if groups is not None and case.shard else 0  # fmt: skip
     params = param_groups(model, job.optimizer.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, **kwargs)
-    scale = sp.backward_loss_scale(case.zero, p)
     batch = mlm_batch(bc.vocab, 1, case.n, bc.mlm_fraction, bc.seed)
     if groups is not None:
         batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
     rss_init = _rss()
     steps: List[Dict[str, Any]] = []
-    for i in range(bc.warmup + bc.iters):
+    n_steps = case.steps or bc.warmup + bc.iters
+    warmup = 1 if case.steps else bc.warmup
+    for i in range(n_steps):
         torch.distributed.barrier()
+        hwm = _reset_peak_rss()
         t0 = time.perf_counter()
         denom = sp.global_label_count(batch["labels"], sp_group) if groups is not None else None
         with TimedCollectives(sp_group) as fwd:
@@ -282,8 +342,10 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
             engine.step()
         dt = time.perf_counter() - t0
         steps.append({
-            "step_s": dt, "warmup": i < bc.warmup, "loss": float(out.loss.detach()),
-            "sp_fwd_bytes": fwd.sp_bytes, "sp_bwd_bytes": bwd.sp_bytes,
+            "step_s": dt, "warmup": i < warmup, "loss": float(out.loss.detach()),
+            "peak_rss": _peak_rss_since_reset() if hwm else None,
+            "sp_fwd_bytes": fwd.sp_bytes, "sp_bwd_bytes": bwd.sp_bytes - sp_grad_bytes,
+            "sp_grad_bytes": sp_grad_bytes,
             "sp_comm_s": fwd.sp_seconds + bwd.sp_seconds + opt.sp_seconds,
             "other_bytes": fwd.other_bytes + bwd.other_bytes + opt.other_bytes,
             "other_comm_s": fwd.other_seconds + bwd.other_seconds + opt.other_seconds,
@@ -385,6 +447,8 @@ def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Di
         "linear" if case.variant == "linear" else "dense", seq_len=case.n, sp_size=case.p,
         batch_size=1, hidden_size=bc.hidden, k=bc.k, bytes_per_element=e,
     )  # fmt: skip
+    if case.ac:  # the recomputed forward exchanges its summaries again during backward
+        want["backward"] += want["forward"]
     # global_label_count (one float32 all-reduce) runs before the counted forward
     fwd_layer = s0["sp_fwd_bytes"] / bc.layers
     bwd_layer = s0["sp_bwd_bytes"] / bc.layers
@@ -399,6 +463,7 @@ def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Di
         bytes_match=fwd_layer == want["forward"] and bwd_layer == want["backward"],
         sp_comm_s=max(r["steps"][i]["sp_comm_s"] for r in ranks),
         grad_reduce_bytes=s0["other_bytes"],
+        sp_grad_bytes=s0["sp_grad_bytes"],  # sharded: replicated gradients summed over SP
         grad_reduce_s=max(r["steps"][i]["other_comm_s"] for r in ranks),
         loss=sum(r["steps"][i]["loss"] for r in ranks),
         loss_first=sum(r["steps"][0]["loss"] for r in ranks),  # before any update
@@ -406,6 +471,7 @@ def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Di
         rss_after_imports=[r["rss_after_imports"] for r in ranks],
         rss_after_init=[r["rss_after_init"] for r in ranks],
         threads_per_rank=ranks[0]["threads"],
+        step_peak_rss_per_rank=[r["steps"][i]["peak_rss"] for r in ranks],
     )
     for key in ("model_param_bytes", "optimizer_bytes", "positions_local", "positions_full",
                 "E_local", "E_full"):  # fmt: skip
@@ -435,7 +501,7 @@ def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
         "train.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.save_final=false",
         f"deepspeed.precision={bc.precision}", f"deepspeed.zero.stage={bc.trainer_zero}",
         f"parallel.sequence_parallel_size={p}", "logging.tensorboard=false",
-        "scheduler.warmup_steps=1",
+        "scheduler.warmup_steps=1", f"parallel.shard_sequence_parameters={str(bc.shard).lower()}",
     ] + list(bc.trainer_overrides)  # fmt: skip
     cmd = ["deepspeed", "--num_gpus", str(p), "--master_port", str(free_port()),
            str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
@@ -543,6 +609,27 @@ def markdown(results: Dict[str, Any]) -> str:
                 f"{r['E_local'] / max(r['E_full'], 1):.2f} |"
             )
         out.append("")
+    front = [r for r in rows if r["phase"] == "frontier"]
+    if front:
+        out += [
+            "| N | P | act. ckpt | E/positions | step 2 (s) | tokens/s | peak RSS in step 2 per "
+            "rank (MiB) | peak RSS per rank (MiB) | params held (MiB) | optimizer held (MiB) |",
+            "|---:|---:|---|---|---:|---:|---|---|---:|---:|",
+        ]
+        for r in front:
+            held = "sharded" if r["shard"] and r["p"] > 1 else "whole"
+            head = f"| {r['n']:,} | {r['p']} | {'on' if r['ac'] else 'off'} | {held} |"
+            if "failed" in r:
+                out.append(f"{head} {r['failed']} |||||")
+                continue
+            step2 = r["step_peak_rss_per_rank"]
+            out.append(
+                f"{head} {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                f"{' / '.join(_mib(x) for x in step2) if None not in step2 else 'n/a'} | "
+                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} | "
+                f"{_mib(r['model_param_bytes'])} | {_mib(r['optimizer_bytes'])} |"
+            )
+        out.append("")
     for r in rows:
         if r["phase"] == "trainer":
             m = r.get("metrics", {})
@@ -562,13 +649,20 @@ def plan(bc: SPBenchConfig) -> List[Case]:
     if "comm" in bc.phases:
         for n in bc.seq_lens:
             for v in bc.variants:
-                cases.append(Case("comm", v, n, bc.sp, bc.zero))
+                cases.append(Case("comm", v, n, bc.sp, bc.zero, shard=bc.shard))
     if "memory" in bc.phases:
         for p in bc.memory_sp:
-            cases.append(Case("memory", "linear", bc.memory_seq_len, p, bc.zero))
+            cases.append(Case("memory", "linear", bc.memory_seq_len, p, bc.zero, shard=bc.shard))
         for z in bc.zero_sweep:
             if z != bc.zero or bc.zero_sweep_sp not in bc.memory_sp:
-                cases.append(Case("memory", "linear", bc.memory_seq_len, bc.zero_sweep_sp, z))
+                cases.append(Case("memory", "linear", bc.memory_seq_len, bc.zero_sweep_sp, z,
+                                  shard=bc.shard))  # fmt: skip
+    if "frontier" in bc.phases:  # the second step: the optimizer state exists by then
+        for n in bc.frontier_seq_lens:
+            for p in bc.frontier_sp:
+                for ac in bc.frontier_ac:
+                    cases.append(Case("frontier", "linear", n, p, bc.zero, ac=bool(ac),
+                                      shard=bc.shard, steps=2))  # fmt: skip
     return cases
 
 
@@ -626,6 +720,13 @@ def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
     ap.add_argument("--memory-sp", nargs="+", type=int, default=d.memory_sp)
     ap.add_argument("--zero-sweep", nargs="*", type=int, default=d.zero_sweep)
     ap.add_argument("--zero-sweep-sp", type=int, default=d.zero_sweep_sp)
+    ap.add_argument("--frontier-seq-lens", nargs="+", type=int, default=d.frontier_seq_lens)
+    ap.add_argument("--frontier-sp", nargs="+", type=int, default=d.frontier_sp)
+    ap.add_argument("--frontier-ac", nargs="+", type=int, default=d.frontier_ac, choices=(0, 1),
+                    help="activation checkpointing off (0) and/or on (1)")  # fmt: skip
+    ap.add_argument("--no-shard", dest="shard", action="store_false",
+                    help="P > 1: every rank holds E/F and the position table whole (the "
+                    "'before' rows); default: sharded over the SP ranks, as the trainer")  # fmt: skip
     ap.add_argument("--trainer-data", default=d.trainer_data)
     ap.add_argument("--trainer-sp", type=int, default=d.trainer_sp)
     ap.add_argument("--trainer-zero", type=int, default=d.trainer_zero)

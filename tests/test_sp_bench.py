@@ -25,6 +25,7 @@ def tiny_run(tmp_path_factory, tiny_corpus):
         "--phases", "comm", "memory", "trainer", "--seq-lens", str(N), "--sp", "2",
         "--memory-seq-len", str(N), "--memory-sp", "1", "--zero-sweep", "3",
         "--trainer-data", str(tiny_corpus), "--trainer-sp", "2", "--out", str(out),
+        "--no-shard",  # E/F and positions whole on every rank (the sharded rows: frontier)
     ]  # fmt: skip
     assert sp_bench.main(argv) == 0
     res = json.loads((out / "results.json").read_text())
@@ -116,3 +117,32 @@ def test_bad_options_are_one_line_errors(capsys):
     assert "--trainer-data" in capsys.readouterr().err
     assert sp_bench.main(["--seq-lens", "100", "--sp", "3", "--variants", "linear"]) == 2
     assert "divisible by P=3" in capsys.readouterr().err
+
+
+def test_frontier_second_step_sharded(tmp_path):
+    """The frontier phase: the second step at P = 1 and 2 (sharded), activation checkpointing
+    off and on: its time and per-rank peak RSS; P = 2 holds half of E and the positions, its
+    loss equals one rank's, and the layers' exchange still equals the formula."""
+    argv = TINY + [
+        "--phases", "frontier", "--frontier-seq-lens", str(N), "--frontier-sp", "1", "2",
+        "--frontier-ac", "0", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert sp_bench.main(argv) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["p"], r["ac"]): r for r in res["rows"]}
+    assert set(rows) == {(1, False), (1, True), (2, False), (2, True)}
+    md = (tmp_path / "results.md").read_text()
+    assert "| 128 | 2 | on | sharded |" in md and "| 128 | 1 | off | whole |" in md
+    one = rows[(1, False)]
+    for (p, _ac), r in rows.items():
+        assert len(r["step_s_all"]) == 1 and r["step_s"] > 0  # the second step, timed
+        assert len(r["step_peak_rss_per_rank"]) == p
+        assert all(x > 50 * 2**20 for x in r["step_peak_rss_per_rank"])
+        assert r["loss_first"] == pytest.approx(one["loss_first"], rel=1e-5)
+        assert r["positions_full"] == N * H and r["E_full"] == K * N
+        assert r["positions_local"] * p == N * H and r["E_local"] * p == K * N
+        assert r["bytes_match"] is True
+        # sharded: the replicated gradients are summed over the SP group, E and positions not
+        assert (r["sp_grad_bytes"] > 0) == (p > 1)
+        if p > 1:
+            assert r["sp_grad_bytes"] == _param_bytes() - 4 * (N * H + K * N)
