@@ -611,7 +611,13 @@ class LinformerEncoder(nn.Module):
                 f"max_seq_len {self.config.max_seq_len}"
             )
         # sharded: the table holds rows [position_shard_start, ...) only
-        pos = torch.arange(off, off + n, device=tokens.device) - self.position_shard_start
+        start, rows = self.position_shard_start, self.position_embeddings.num_embeddings
+        if start and not start <= off <= off + n <= start + rows:
+            raise ValueError(
+                f"sequence-parallel slice [{off}, {off + n}) is outside the position rows this "
+                f"rank holds [{start}, {start + rows}): sharded positions need N = max_seq_len"
+            )
+        pos = torch.arange(off - start, off - start + n, device=tokens.device)
         x = tokens + self.position_embeddings(pos)[None]
         x = self.drop(self.embed_ln(x))
         for i, layer in enumerate(self.layers):

@@ -515,6 +515,8 @@ def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[s
         piece = full.detach().narrow(dim, rank * width, width).clone()
         module.weight = nn.Parameter(piece, requires_grad=full.requires_grad)
         setattr(module.weight, SHARD_ATTR, (dim, size))
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = width
         names.append(name)
     for module in model.modules():
         if isinstance(module, LinformerEncoder):
