@@ -596,7 +596,7 @@ def _check_required(path: Optional[str], overrides: List[str]) -> None:
             f"{path}: the config file sets nothing; start from one in configs/ (e.g. "
             "configs/tiny_cpu.yaml)"
         )
-    user = OmegaConf.merge(user, OmegaConf.from_dotlist(list(overrides)))
+    user = _merge(user, OmegaConf.from_dotlist(list(overrides)), "the overrides")
     if not path and not overrides:
         raise ConfigError(
             "no job config: pass --config FILE (see configs/, e.g. configs/tiny_cpu.yaml) "
@@ -630,7 +630,7 @@ def from_dict(d: Dict[str, Any]) -> JobConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), d))  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
-    except ModelConfigError as e:
+    except (ModelConfigError, *_LOAD_ERRORS) as e:
         raise ConfigError(str(e)) from None
 
 
