@@ -248,8 +248,11 @@ class Metrics:
     def should_log(self, step: int) -> bool:
         return step % self.cfg.train.log_interval == 0 or step == self.cfg.train.max_steps
 
-    def log_train(self, step: int, epoch: int, engine: Any) -> None:
-        """One ``[train]`` record for the window that ends at ``step``; resets the window."""
+    def log_train(
+        self, step: int, epoch: int, engine: Any, extra: Optional[Dict[str, float]] = None
+    ) -> None:
+        """One ``[train]`` record for the window that ends at ``step``; resets the window.
+        ``extra``: more values of the record (the data's stage, N, source shares and epochs)."""
         dt = self._busy
         tps = self._steps_since * self.tokens_per_step / max(dt, 1e-9)
         tflops = self.flops_per_token * tps / self.world / 1e12
@@ -271,6 +274,7 @@ class Metrics:
             "epoch": epoch,
             "elapsed_s": elapsed,
             "eta_s": self.eta,
+            **(extra or {}),
         }
         console = {"elapsed_s": format_duration(elapsed), "eta_s": format_duration(self.eta)}
         self._emit("record", step, "train", values, console)

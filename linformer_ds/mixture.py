@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from linformer_ds.data import DataError, MLMMasking, ShardDataset, check_compatible
+from linformer_ds.metrics import Sink
 
 
 def source_seed(seed: int, name: str, legacy: bool) -> int:
@@ -718,10 +719,10 @@ class TrainData:
         self.mixture.load_state_dict(mix)
 
 
-class StageMeter:
+class StageMeter(Sink):
     """Throughput, MFU and peak memory of the current stage, from this process's steps (after
-    a resume: the steps since it). On CUDA the peak is the stage's (reset at its start); on
-    CPU the process's resident-set peak so far."""
+    a resume: the steps since it): a metrics sink that counts the step times. On CUDA the peak
+    is the stage's (reset at its start); on CPU the process's resident-set peak so far."""
 
     def __init__(self, device: Union[str, torch.device]) -> None:
         self.device = torch.device(device)
@@ -734,7 +735,7 @@ class StageMeter:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def add(self, seconds: float) -> None:
+    def step_done(self, step: int, seconds: float, tokens: float, skipped: bool, eta: float):
         self.steps += 1
         self.seconds += seconds
 

@@ -125,6 +125,19 @@ class _Gauges:
         )
         self.info = Info("linformer_run", "Static facts about the run", names, registry=registry)
         self.info = self.info.labels(**lv)
+        # a mixture (data.sources): each source's figures of the last evaluation
+        self.eval_source = {
+            key: Gauge(f"linformer_eval_source_{key}", f"{doc} of one source at the last "
+                       "evaluation", names + ("source",), registry=registry)
+            for key, doc in (("loss", "Loss"), ("perplexity", "Perplexity"),
+                             ("mlm_accuracy", "MLM accuracy"))
+        }  # fmt: skip
+        self.share = Gauge(
+            "linformer_source_share",
+            "Realized share of one source in the current stage's stream",
+            names + ("source",),
+            registry=registry,
+        )
 
 
 class PrometheusSink:
@@ -250,7 +263,14 @@ class PrometheusSink:
             if split == "eval":
                 g.eval_loss.set(values["loss"])
                 g.eval_step.set(step)
+                for key, value in values.items():  # loss/NAME, perplexity/NAME, ...
+                    figure, _, source = key.partition("/")
+                    if source and figure in g.eval_source:
+                        g.eval_source[figure].labels(**g.labels, source=source).set(value)
                 return
+            for key, value in values.items():  # share/NAME of a mixture
+                if key.startswith("share/"):
+                    g.share.labels(**g.labels, source=key[len("share/") :]).set(value)
             g.last_log_step.set(step)
             g.loss.set(values["loss"])
             g.accuracy.set(values["mlm_accuracy"])

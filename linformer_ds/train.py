@@ -183,6 +183,7 @@ class Trainer:
         else:
             rank0_print(to_yaml(cfg))
         self._print_setup()
+        self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
         self.debug = DebugHooks(self.rank)
         self.batches.on_batch = self.debug.sample_observer(lambda: self.step + 1)
         self.end = cfg.train.max_steps
@@ -192,15 +193,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------- components
     def _build_data(self) -> None:
-        from linformer_ds.data import ShardDataset, check_compatible
+        from linformer_ds.mixture import open_stages
 
-        cfg, d = self.cfg, self.cfg.data
-        self.train_ds = ShardDataset(d.path, d.train_split, d.verify_checksums)
-        check_compatible(self.train_ds, cfg.model)
-        self.valid_ds = None
-        if cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0:
-            self.valid_ds = ShardDataset(d.path, d.valid_split, d.verify_checksums)
-            check_compatible(self.valid_ds, cfg.model)
+        cfg = self.cfg
+        # data.path or data.sources, in train.stages (one stage by default): every source opened
+        # and checked (tokenizer, N per stage, N against the model) before any collective
+        evaluating = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
+        self.stages, self.train_sets, self.valid_sets = open_stages(cfg, self.world, evaluating)
+        self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
         if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
             validate(cfg, world_size=self.world, seq_len=self.train_ds.seq_len)
         self.checkpoints = ckpt.CheckpointManager(cfg, self.rank, self.world, self.train_ds)
@@ -210,9 +210,9 @@ class Trainer:
 
     def _build_engine(self) -> None:
         from linformer_ds import engine as eng
-        from linformer_ds.data import MLMMasking, TrainBatches
+        from linformer_ds.mixture import TrainData
 
-        cfg, ds = self.cfg, self.train_ds
+        cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.w = eng.init_world(cfg, self.rank, self.world, local_rank)
         self.device = self.w.device
@@ -225,25 +225,21 @@ class Trainer:
         self.model = eng.build_model(cfg)
         self.engine = eng.build_engine(self.model, cfg, self.ds_config, g)
         self.loss_scale = eng.backward_scale(cfg)
-        masker = MLMMasking(
-            ds.vocab_size, ds.mask_id, ds.special_ids,
-            mlm_probability=cfg.data.mlm_probability, seed=cfg.train.seed, pad_id=ds.pad_id,
-            short_seq_prob=cfg.data.short_seq_prob,
-        )  # fmt: skip
-        self.batches = TrainBatches(
-            ds, masker, self.replica, self.replicas, cfg.train.micro_batch_size, cfg.train.seed,
-            self.device, sp_rank=g.sp_rank if g is not None else 0,
+        self.batches = TrainData(
+            self.stages, self.train_sets, self.replica, self.replicas, cfg.train.seed,
+            self.device, mlm_probability=cfg.data.mlm_probability,
+            short_seq_prob=cfg.data.short_seq_prob, sp_rank=g.sp_rank if g is not None else 0,
             sp_size=cfg.parallel.sequence_parallel_size,
         )  # fmt: skip
 
     def _build_metrics(self) -> None:
         from linformer_ds.metrics import Metrics
 
-        cfg, n = self.cfg, self.train_ds.seq_len
+        cfg, n = self.cfg, self.batches.seq_len
         self.metrics = Metrics(
             cfg, self.rank, self.world, self.device,
             flops_per_token=self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability),
-            tokens_per_step=self.ds_config["train_batch_size"] * n,
+            tokens_per_step=self.batches.tokens_per_step(cfg.train.gradient_accumulation_steps),
         )  # fmt: skip
         self.checkpoints.register("data", self.batches)
         self.checkpoints.register("metrics", self.metrics)
@@ -327,18 +323,66 @@ class Trainer:
 
         step, cfg = self.step, self.cfg
         if self.metrics.should_log(step):
-            self.metrics.log_train(step, self.batches.epoch, self.engine)
-        if self.valid_ds is not None and step % cfg.train.eval_interval == 0:
-            figures = evaluate(
-                self.engine, self.valid_ds, cfg, self.replica, self.replicas, self.device,
-                self.sp_group,
-            )  # fmt: skip
-            self.metrics.log_eval(step, figures)
+            extra = self.batches.log_values()  # stage, N, share and epochs of each source
+            self.metrics.log_train(step, self.batches.epoch, self.engine, extra=extra)
+        if self.valid_sets and step % cfg.train.eval_interval == 0:
+            self.metrics.log_eval(step, self._evaluate_sources(evaluate))
         self.checkpoints.after_step(self.engine, step)
+        self._leave_stage(step)
         if self.stop_requested:
             self.checkpoints.on_signal(self.engine, step, self.stop.signum)
             rank0_print(f"[preempted] stopped at step {step}; resume continues here")
             raise StopTraining(EXIT_PREEMPTED)
+
+    # ------------------------------------------------------ stages and mixtures (mixture.py)
+    def _enter_stage(self, step: int) -> None:
+        """Move the data to the stage of ``step``; throughput and MFU follow its N and batch;
+        the ``[stage]`` line says what it trains on."""
+        from linformer_ds.mixture import StageMeter
+
+        self.batches.begin_step(step)
+        cfg, m, n = self.cfg, self.metrics, self.batches.seq_len
+        m.flops_per_token = self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability)
+        m.tokens_per_step = self.batches.tokens_per_step(cfg.train.gradient_accumulation_steps)
+        if getattr(self, "stage_meter", None) is None:
+            self.stage_meter = StageMeter(self.device)
+            m.sinks.append(self.stage_meter)  # counts the stage's step times
+        self.stage_meter.start(self.batches.stage_index, m.tokens_per_step, m.flops_per_token)
+        if len(self.stages) > 1 or not self.batches.legacy:
+            rank0_print(self.batches.describe())
+
+    def _leave_stage(self, step: int) -> None:
+        """At the end of a stage (or of this process): its ``[stage]`` summary; then the next."""
+        stage_end = step == self.batches.stage.end_step
+        if len(self.stages) > 1 and (stage_end or step == self.end):
+            f = self.stage_meter.figures(self.world, self.metrics.peak_tflops)
+            rank0_print(
+                f"[stage] {self.batches.stage_index} {'done' if stage_end else 'so far'} at "
+                f"step {step}: "
+                f"steps={self.stage_meter.steps} N={self.batches.seq_len} "
+                f"tokens_per_s={f['tokens_per_s']:.1f} mfu={f['mfu']:.4f} "
+                f"peak_mem_gb={f['peak_mem_gb']:.3f}"
+            )
+        if stage_end and step < self.end:
+            self._enter_stage(step + 1)
+
+    def _evaluate_sources(self, evaluate) -> Dict[str, float]:
+        """Each source of the current stage on its valid split (at the stage's micro-batch);
+        the record holds the mixture's figures and each source's (see mixture.combine_eval)."""
+        import dataclasses
+
+        from linformer_ds.mixture import combine_eval
+
+        stage, cfg = self.batches.stage, self.cfg
+        if stage.micro_batch_size != cfg.train.micro_batch_size:
+            train = dataclasses.replace(cfg.train, micro_batch_size=stage.micro_batch_size)
+            cfg = dataclasses.replace(cfg, train=train)
+        figures = {
+            name: evaluate(self.engine, self.valid_sets[name], cfg, self.replica, self.replicas,
+                           self.device, self.sp_group)
+            for name in stage.names
+        }  # fmt: skip
+        return combine_eval(stage, figures, self.batches.legacy)
 
     def train(self) -> int:
         """Train to ``train.max_steps`` (or ``stop_at_step``); returns the exit code."""
