@@ -509,3 +509,47 @@ def test_rank_leaves_when_its_launcher_dies(tiny_corpus, tmp_path):
     err = launcher.stderr.read()
     assert "the launcher (pid" in err and "SIGTERM during start-up" in err, err
     print(f"rank left {after:.2f} s after its launcher was killed")
+
+
+def test_sigterm_to_the_deepspeed_runner_stops_its_ranks(tiny_corpus, tmp_path):
+    """issue 21: SIGTERM to the `deepspeed` runner left its ranks training as orphans (the
+    runner dies, deepspeed.launcher.launch and the ranks go on). The ranks watch the runner too:
+    they checkpoint at the next step and exit 75 within seconds."""
+    import contextlib
+    import signal
+    import time
+
+    from linformer_ds.dist_env import free_port
+
+    run = tmp_path / "run"
+    cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), PRETRAIN]
+    cmd += _rank_cmd(tiny_corpus, run, ["train.max_steps=100000", "checkpoint.save_interval=0"])[2:]
+    env = {k: v for k, v in _rank_env(0, 1, 0).items() if k not in REQUIRED_VARS}
+    runner = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        end = time.monotonic() + 300
+        while time.monotonic() < end and not (run / "metrics.jsonl").is_file():
+            assert runner.poll() is None, runner.communicate()[0][-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # a few steps into training
+        ranks = [int(p) for p in subprocess.run(
+            ["pgrep", "-f", f"logging.dir={run}"], capture_output=True, text=True
+        ).stdout.split() if int(p) != runner.pid]  # fmt: skip
+        rank = [p for p in ranks if "--local_rank" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert rank, ranks
+        t0 = time.monotonic()
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=60)
+        while time.monotonic() - t0 < 60 and Path(f"/proc/{rank[0]}").exists():
+            time.sleep(0.1)
+        after = time.monotonic() - t0
+        assert not Path(f"/proc/{rank[0]}").exists(), "the rank outlived its runner by 60 s"
+        out = runner.stdout.read()
+        assert "the launcher (pid" in out and "[checkpoint] signal 15" in out, out[-3000:]
+        print(f"the rank checkpointed and left {after:.1f} s after SIGTERM to the runner")
+    finally:
+        for p in subprocess.run(["pgrep", "-f", f"logging.dir={run}"], capture_output=True,
+                                text=True).stdout.split():  # fmt: skip
+            with contextlib.suppress(OSError):
+                os.kill(int(p), signal.SIGKILL)
