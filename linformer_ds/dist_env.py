@@ -493,7 +493,6 @@ class Watchdog:
                 )
 
 
-
 _WATCHDOG: Optional[Watchdog] = None
 
 

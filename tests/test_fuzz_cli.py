@@ -131,7 +131,9 @@ def base(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     for i in range(6):
         (src / f"doc{i}.txt").write_text(
-            "\n".join(" ".join(words[(i + j + k) % len(words)] for k in range(9)) for j in range(30))
+            "\n".join(
+                " ".join(words[(i + j + k) % len(words)] for k in range(9)) for j in range(30)
+            )
         )
     (src / "rows.jsonl").write_text(
         "".join(json.dumps({"text": " ".join(words[i:] + words[:i])}) + "\n" for i in range(12))
@@ -298,9 +300,17 @@ def export_case(ws: Path, damage: str, out: str, extra: List[str], tokenizer: Op
 @given(
     damage=st.sampled_from(sorted(CKPT_DAMAGE)),
     out=st.sampled_from(OUT_KINDS),
-    extra=st.lists(st.sampled_from([["--overwrite"], ["--dtype", "bfloat16"],
-                                    ["--dtype", "int3"], ["--provenance", "full"]]),
-                   max_size=2).map(lambda xs: [a for x in xs for a in x]),  # fmt: skip
+    extra=st.lists(
+        st.sampled_from(
+            [
+                ["--overwrite"],
+                ["--dtype", "bfloat16"],
+                ["--dtype", "int3"],
+                ["--provenance", "full"],
+            ]
+        ),
+        max_size=2,
+    ).map(lambda xs: [a for x in xs for a in x]),  # fmt: skip
     tokenizer=st.sampled_from([None, None, "good", "garbage", "missing"]),
     tag=st.sampled_from([None, None, "step_00000002", "../..", "step_9", "", "latest"])
     | st.text(max_size=12),
@@ -506,10 +516,31 @@ OVERRIDE_KEYS = ["train.max_steps", "train.micro_batch_size", "model.k", "model.
 OVERRIDE_VALUES = st.one_of(
     st.integers(-(2**70), 2**70).map(str),
     st.floats().map(repr),
-    st.sampled_from(["[1", "{a: 1}", "[1, 2]", "null", "~", "", "nan", "-inf", "1e400", "0x10",
-                     "!!python/object/apply:os.system ['true']", "${oc.env:HOME}", "${nope}",
-                     "'quoted", "true", "{zero: [2]}", "../..", "step_00000002", "\u00e9\u2603",
-                     "2**34", "17179869184"]),  # fmt: skip
+    st.sampled_from(
+        [
+            "[1",
+            "{a: 1}",
+            "[1, 2]",
+            "null",
+            "~",
+            "",
+            "nan",
+            "-inf",
+            "1e400",
+            "0x10",
+            "!!python/object/apply:os.system ['true']",
+            "${oc.env:HOME}",
+            "${nope}",
+            "'quoted",
+            "true",
+            "{zero: [2]}",
+            "../..",
+            "step_00000002",
+            "\u00e9\u2603",
+            "2**34",
+            "17179869184",
+        ]
+    ),  # fmt: skip
     st.text(max_size=8),
 )
 
@@ -562,10 +593,20 @@ def test_pretrain_on_damaged_data_dirs(base, damage):
 @pytest.mark.parametrize(
     "script,args",
     [
-        ("export.py", ["--checkpoint", "{ws}/run/checkpoints", "--out", "{ws}/run/checkpoints",
-                       "--overwrite"]),  # fmt: skip
-        ("finetune.py", ["--model", "{ws}/exported", "--train", "{ws}/ft/lists.jsonl",
-                         "--out", "{ws}/out/ft"]),  # fmt: skip
+        (
+            "export.py",
+            [
+                "--checkpoint",
+                "{ws}/run/checkpoints",
+                "--out",
+                "{ws}/run/checkpoints",
+                "--overwrite",
+            ],
+        ),  # fmt: skip
+        (
+            "finetune.py",
+            ["--model", "{ws}/exported", "--train", "{ws}/ft/lists.jsonl", "--out", "{ws}/out/ft"],
+        ),  # fmt: skip
         ("pretrain.py", ["--config", TINY_CONFIG, "--print-config", "train.max_steps=[1"]),
     ],
     ids=["export-over-checkpoints", "finetune-list-labels", "pretrain-bad-override"],
