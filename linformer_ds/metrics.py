@@ -8,6 +8,8 @@ The window's sums, the elapsed training time and the resume count travel in chec
 uninterrupted run would. See docs/observability.md for the Prometheus side.
 """
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -106,16 +108,36 @@ class JsonlSink(Sink):
 
     def __init__(self, cfg: JobConfig):
         os.makedirs(cfg.logging.dir, exist_ok=True)
-        self.file = open(os.path.join(cfg.logging.dir, "metrics.jsonl"), "a")
+        self.path = os.path.join(cfg.logging.dir, "metrics.jsonl")
+        self.fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         with open(os.path.join(cfg.logging.dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
 
     def record(self, step, split, values, console) -> None:
-        self.file.write(json.dumps({"step": step, "split": split, **values}) + "\n")
-        self.file.flush()
+        """One line per record, written whole: a write that fails (full disk, ``ulimit -f``)
+        is cut back to the last whole record, reported in one line, and the sink stops."""
+        if self.fd is None:
+            return
+        line = (json.dumps({"step": step, "split": split, **values}) + "\n").encode()
+        size = os.fstat(self.fd).st_size
+        try:
+            if os.write(self.fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write (No space left on device?)")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, size)
+            os.close(self.fd)
+            self.fd = None
+            print(
+                f"[warn] {self.path}: {e.strerror or e}; it ends with the last whole record "
+                f"(step {step} not written) and no further records are written",
+                flush=True,
+            )
 
     def close(self) -> None:
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class TensorBoardSink(Sink):
