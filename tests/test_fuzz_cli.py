@@ -688,3 +688,24 @@ def test_export_past_ulimit_f_is_one_line(base):
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert "file-size limit (ulimit -f: 65536 bytes)" in lines[0], lines[0]
         assert not (ws / "out" / "e").exists() and "Traceback" not in proc.stderr
+
+
+def test_metrics_jsonl_on_a_full_disk_ends_with_a_whole_record(small_tmpfs, capsys):
+    """issue 21: logging.dir filling up mid-run left metrics.jsonl ending mid-record. The sink
+    writes each record whole, cuts a failed write back and says so once; every line parses."""
+    from linformer_ds.config import load_config
+    from linformer_ds.metrics import JsonlSink
+
+    mnt = small_tmpfs(32 * 1024)
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"logging.dir={mnt / 'run'}"])
+    sink = JsonlSink(cfg)
+    values = {f"value_{i}": i * 0.1 for i in range(60)}  # ~1.2 KB a record
+    for step in range(1, 80):
+        sink.record(step, "train", values, {})
+    sink.close()
+    text = (mnt / "run" / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    assert text.endswith("\n") and 5 < len(records) < 79
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "[warn]" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
