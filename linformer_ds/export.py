@@ -526,7 +526,6 @@ def export_checkpoint(
             dtype=dtype,
             provenance=record if provenance == "full" else portable_paths(record),
         )
-        outdir.write_marker(tmp, "export", tag=tag, step=meta.get("step"))
         apply_umask(tmp)
         _verify_weights(tmp, state_dict, dtype)
         outdir.swap_in(tmp, out)

@@ -400,7 +400,6 @@ def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None
         )
         with open(os.path.join(tmp, "finetune_results.json"), "w") as f:
             json.dump({**results, "args": portable_paths(vars(args))}, f, indent=2)
-        outdir.write_marker(tmp, "finetune")
         apply_umask(tmp)
         outdir.swap_in(tmp, args.out)
     except (FinetuneError, ExportError):

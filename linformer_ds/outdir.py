@@ -8,29 +8,26 @@ work. ``--out`` is refused (:class:`OutDirError`, one line) when it
 - lies inside, or is, a directory another tool owns: a training run (``metrics.jsonl``), a
   checkpoint directory (``latest``, ``step_*`` tags), a checkpoint tag, a data_prep output, an
   export or a fine-tuned model;
-- is a non-empty directory without this command's marker file (``.linformer_ds-<command>.json``,
-  written when the command creates the directory): ``--overwrite`` replaces only a directory that
-  carries the same command's marker, and never one that contains any of the above.
+- is a non-empty directory without this command's own record file (:data:`OWN_FILES`: every
+  output of the command holds it): ``--overwrite`` replaces only a directory that carries the
+  same command's record, and never one that contains any of the above.
 
 Replacing goes through a sibling temporary directory and renames (:func:`swap_in`), so a failed
 write leaves the previous output whole. Standard library only (data_prep imports it).
 """
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import sys
-import time
 from typing import List, Optional, Sequence, Tuple
 
-MARKER_PREFIX = ".linformer_ds-"
-COMMANDS = ("data_prep", "export", "finetune")
-# Files by which the outputs of earlier versions (no marker yet) are recognised as their own.
-LEGACY_MARKERS = {
-    "export": ("linformer_export.json",),
+# The file every output of a command holds, by which it recognises its own earlier output
+# (checked in this order: a fine-tuned model also holds an export's linformer_export.json).
+OWN_FILES = {
     "finetune": ("finetune_results.json",),
+    "export": ("linformer_export.json",),
     "data_prep": ("manifest.json", "progress.json"),
 }
 _TAG_RE = re.compile(r"^step_\d{8,}$")
@@ -39,20 +36,6 @@ _WALK_LIMIT = 10_000  # entries looked at when checking what an --overwrite targ
 
 class OutDirError(ValueError):
     """``--out`` cannot be used; the message names what it is and what to do."""
-
-
-def marker_name(command: str) -> str:
-    """File name of ``command``'s marker inside a directory it created."""
-    return f"{MARKER_PREFIX}{command}.json"
-
-
-def write_marker(directory: str, command: str, **info: object) -> None:
-    """Mark ``directory`` as created by ``command`` (JSON: command, UTC time, ``info``)."""
-    record = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    record.update(info)
-    with open(os.path.join(directory, marker_name(command)), "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True, default=str)
-        f.write("\n")
 
 
 def _names(d: str) -> List[str]:
@@ -69,19 +52,16 @@ def identify(d: str) -> Optional[Tuple[str, Optional[str]]]:
     if not names:
         return None
     present = set(names)
-    for command in COMMANDS:
-        if marker_name(command) in present:
-            return f"a {command} output", command
     if "linformer_meta.json" in present:
         return "a checkpoint tag", None
     if any(_TAG_RE.match(n) for n in names) or os.path.isfile(os.path.join(d, "latest")):
         return "a checkpoint directory (step_* tags / latest)", None
     if "metrics.jsonl" in present:
         return "a training run directory (metrics.jsonl)", None
-    if "linformer_export.json" in present:
-        return "an exported model", "export"
     if "finetune_results.json" in present:
         return "a fine-tuned model", "finetune"
+    if "linformer_export.json" in present:
+        return "an exported model", "export"
     if "manifest.json" in present or "progress.json" in present:
         if "tokenizer.model" in present or "train" in present or "progress.json" in present:
             return "a data_prep output", "data_prep"
@@ -144,7 +124,7 @@ def check_out(
     found = identify(real)
     if found is None or found[1] != command:
         what = f"is {found[0]}" if found else "exists and is not empty"
-        made = f"{command} did not create it (no {marker_name(command)})"
+        made = f"{command} did not create it (no {OWN_FILES[command][0]})"
         if overwrite:
             raise OutDirError(
                 f"refusing to --overwrite {out}: it {what} and {made}; --overwrite replaces only "
