@@ -474,6 +474,22 @@ def test_resume_on_other_data_is_refused_unless_allowed(
         ckpt.check_run_config({"data": ident}, here, str(tag))  # the same data: no error
 
 
+def test_the_same_data_copied_elsewhere_resumes(tiny_corpus, corpus_copy):
+    """Identity is content, not place: a copy of the data dir (a new mount, a node-local copy)
+    resumes; its manifest's timings do not count, its shards do."""
+    from linformer_ds import checkpointing as ckpt
+
+    def at(path: Path) -> JobConfig:
+        return load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={path}"])
+
+    saved = ckpt.data_identity(at(tiny_corpus))
+    manifest = corpus_copy / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"seconds": ', '"seconds": 1'))
+    moved = ckpt.data_identity(at(corpus_copy))
+    assert [d | {"path": ""} for d in saved] == [d | {"path": ""} for d in moved]
+    ckpt.check_run_config({"data": saved}, at(corpus_copy), "step_00000002")
+
+
 def test_export_refuses_a_tokenizer_of_another_vocabulary(
     tiny_corpus, other_tokenizer, tmp_path, capsys
 ):
