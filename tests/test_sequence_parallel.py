@@ -4,6 +4,7 @@ hands to collectives. Multi-rank parts run this file as a script, one process pe
 """
 
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -292,7 +293,13 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
     groups = sp.build_groups(world)
     x = torch.arange(8, dtype=torch.float32).view(2, 4)[rank : rank + 1]
     results = {}
-    for precision, fp32_accum, stage in EXACT_CASES:
+    for (precision, fp32_accum, stage), shard in itertools.product(EXACT_CASES, (False, True)):
+        if shard and precision == "bf16" and (stage == 0 or (stage == 1 and fp32_accum)):
+            # DeepSpeed's BF16_Optimizer (bf16 ZeRO-0, and ZeRO-1 with fp32 accumulation) cannot
+            # take a model-parallel rank without a model-parallel parameter (torch.stack of an
+            # empty norm list); our model has one on every rank (its position rows), this
+            # one-weight probe does not
+            continue
         model = torch.nn.Linear(4, 1, bias=False)
         torch.nn.init.ones_(model.weight)
         cfg = {**_ds_config(stage), "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
@@ -300,18 +307,21 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
             cfg["bf16"] = {"enabled": True}
         if fp32_accum:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-        sp.partition_for_zero3(model, groups, cfg)
+        if shard:  # the sharded path: the replicated weight's gradient summed over SP by a hook
+            sp.shard_for_deepspeed(model, groups)
+            mpu, scale = sp.ShardedSequenceParallelMPU(groups), 1.0
+        else:
+            sp.partition_for_zero3(model, groups, cfg)
+            mpu, scale = sp.SequenceParallelMPU(groups), sp.backward_loss_scale(stage, world)
         engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            config=cfg,
-            mpu=sp.SequenceParallelMPU(groups),
+            model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu
         )
         loss = engine(x.to(next(model.parameters()).dtype)).float().sum()
-        engine.backward(loss * sp.backward_loss_scale(stage, world))
+        engine.backward(loss * scale)
         engine.step()
         with deepspeed.zero.GatheredParameters(model.weight, enabled=stage == 3):
-            results[f"{precision}/{fp32_accum}/z{stage}"] = model.weight.float().tolist()
+            key = f"{precision}/{fp32_accum}/z{stage}" + ("/sharded" if shard else "")
+            results[key] = model.weight.float().tolist()
         engine.destroy()
     return results
 
@@ -502,12 +512,8 @@ def test_deepspeed_reduction_scale_exact_fp32_bf16(tmp_path):
     fp32 and bf16 (with and without fp32 accumulation), ZeRO 0-3, exactly."""
     target = [[1.0 - (0 + 4), 1.0 - (1 + 5), 1.0 - (2 + 6), 1.0 - (3 + 7)]]
     for res in _run_ranks("exact", 2, tmp_path):
-        assert len(res) == len(EXACT_CASES)
+        assert len(res) == 2 * len(EXACT_CASES) - 2  # unsharded and sharded mpu
         assert all(w == target for w in res.values()), res
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
 
 
 @pytest.mark.parametrize("sharing", SHARING)
@@ -542,3 +548,7 @@ def test_shards_of_every_rank_rebuild_the_model(sharing):
             assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), p)
         else:
             assert all(torch.equal(s[name], p) for s in shards)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
