@@ -774,8 +774,6 @@ OWNED_DS_KEYS: Dict[str, str] = {
     "optimizer.params.maximize": "optimizer.* (the trainer's optimizer is AdamW)",
     "optimizer.params.bias_correction": "optimizer.* (the trainer's optimizer is AdamW)",
     "scheduler": "scheduler.* (warmup_steps, decay, min_lr_ratio)",
-    "zero_force_ds_cpu_optimizer": "optimizer.* (the trainer's optimizer is torch's AdamW)",
-    "zero_allow_untested_optimizer": "optimizer.* (the trainer's optimizer is torch's AdamW)",
     "bf16": "deepspeed.precision",
     "bfloat16": "deepspeed.precision",
     "fp16": "deepspeed.precision",
@@ -798,8 +796,17 @@ OWNED_DS_KEYS: Dict[str, str] = {
     "zero_optimization.reduce_bucket_size": "deepspeed.zero.reduce_bucket_size",
     "zero_optimization.allgather_bucket_size": "deepspeed.zero.allgather_bucket_size",
     "allgather_size": "deepspeed.zero.allgather_bucket_size",
-    "checkpoint.load_universal": "checkpoint.resume (a checkpoint saved under another world "
-    "size loads through a universal checkpoint by itself)",
+}
+
+
+# DeepSpeed keys the trainer itself sets, whatever the job config says: why.
+FIXED_DS_KEYS: Dict[str, str] = {
+    "zero_force_ds_cpu_optimizer": "the optimizer DeepSpeed builds is chosen by optimizer.*",
+    "zero_allow_untested_optimizer": "the optimizer DeepSpeed builds is chosen by optimizer.*",
+    "checkpoint.load_universal": "a checkpoint saved under another world size or layout is "
+    "loaded through a universal checkpoint by itself",
+    "gradient_allreduce_op": "the loss is normalized over the global batch, which relies on "
+    "DeepSpeed averaging gradients over the replicas",
 }
 
 
@@ -843,6 +850,11 @@ def _paths(d: Dict[str, Any], prefix: str = "", leaves: bool = False) -> List[st
 def check_owned_keys(extra: Dict[str, Any]) -> None:
     """Refuse any key of ``deepspeed.extra`` that the job config owns (:data:`OWNED_DS_KEYS`)."""
     for path in _paths(extra, leaves=True):
+        fixed = next(
+            (why for key, why in FIXED_DS_KEYS.items() if f"{path}.".startswith(f"{key}.")), None
+        )
+        if fixed:
+            raise ConfigError(f"deepspeed.extra.{path}: the trainer sets it ({fixed}); remove it")
         owner = _owner(path)
         if owner:
             raise ConfigError(

@@ -331,6 +331,9 @@ def test_every_owned_key_is_refused():
     for key in OWNED_DS_KEYS:
         msg = _refused(f"deepspeed.extra.{key}=1")
         assert f"deepspeed.extra.{key}: the job config sets it; use " in msg, msg
+    for key in config_mod.FIXED_DS_KEYS:
+        msg = _refused(f"deepspeed.extra.{key}=1")
+        assert f"deepspeed.extra.{key}: the trainer sets it (" in msg and "; remove it" in msg
 
 
 # ------------------------------------------------------------------------- the model on its own
