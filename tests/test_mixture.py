@@ -1,17 +1,24 @@
 """linformer_ds.mixture: the blended stream tracks its weights at every prefix, re-shards to any
 rank count, resumes exactly, and one source is today's TrainBatches stream bit for bit."""
 
+import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
+from typing import Dict, List
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linformer_ds.data import DataError, MLMMasking, ShardDataset, TrainBatches
+from linformer_ds.debug import SAMPLE_LOG_ENV
 from linformer_ds.mixture import (
     MixtureBatches,
     MixtureSampler,
@@ -19,7 +26,15 @@ from linformer_ds.mixture import (
     normalized_weights,
     open_sources,
 )
-from tests.pretrain_utils import REPO
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    free_port,
+    read_metrics,
+    run_pretrain,
+)
 
 weights_st = st.lists(
     st.one_of(st.integers(0, 20).map(float), st.floats(1e-3, 1.0)), min_size=1, max_size=6
@@ -224,15 +239,23 @@ def test_one_source_batches_equal_train_batches(tiny_corpus):
 
 
 # ================================================================== real sources, real checks
+DOCS = str(REPO / "docs" / "*.md")  # a second corpus: this repository's documentation
+
+
+def prepare(out, source, seq_len, *flags):
+    """``python -m data_prep`` into ``out`` (quiet); returns ``out``."""
+    cmd = [sys.executable, "-m", "data_prep", "--source", str(source), "--out", str(out),
+           "--seq-len", str(seq_len), "--quiet", *map(str, flags)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+    return out
+
+
 @pytest.fixture(scope="module")
 def second_source(tiny_corpus, tmp_path_factory):
     """A second corpus (this repo's docs) prepared with tiny_corpus's tokenizer, N = 128."""
     out = tmp_path_factory.mktemp("docs") / "docs_128"
-    cmd = [sys.executable, "-m", "data_prep", "--source", str(REPO / "docs" / "*.md"), "--out", str(out),
-           "--seq-len", "128", "--tokenizer", str(tiny_corpus / "tokenizer.model"),
-           "--valid-fraction", "0.2", "--max-docs", "12", "--quiet"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
-    return out
+    return prepare(out, DOCS, 128, "--tokenizer", tiny_corpus / "tokenizer.model",
+                   "--valid-fraction", "0.2", "--max-docs", "12")  # fmt: skip
 
 
 def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
@@ -255,19 +278,147 @@ def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
 
 
 def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path):
-    other = tmp_path / "other_tok"
-    cmd = [sys.executable, "-m", "data_prep", "--source", str(REPO / "docs" / "*.md"), "--out", str(other),
-           "--seq-len", "64", "--vocab-size", "300", "--max-docs", "6", "--quiet"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+    other = prepare(tmp_path / "other_tok", DOCS, 64, "--vocab-size", "300", "--max-docs", "6")
     a, b = ShardDataset(tiny_corpus), ShardDataset(other)
     with pytest.raises(DataError, match="different tokenizers"):
         check_same_tokenizer(["a", "b"], [a, b])
-    short = tmp_path / "short"
-    cmd = [sys.executable, "-m", "data_prep", "--source", str(REPO / "docs" / "*.md"), "--out", str(short),
-           "--seq-len", "64", "--tokenizer", str(tiny_corpus / "tokenizer.model"),
-           "--max-docs", "6", "--quiet"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+    short = prepare(tmp_path / "short", DOCS, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+                    "--max-docs", "6")  # fmt: skip
     with pytest.raises(DataError, match="different sequence lengths"):
         check_same_tokenizer(["a", "s"], [a, ShardDataset(short)])
     check_same_tokenizer(["a", "s"], [a, ShardDataset(short)], same_seq_len=False)
     check_same_tokenizer(["a", "d"], [a, ShardDataset(second_source)])
+
+
+# ============================================================================ the trainer
+def sources_override(*entries) -> str:
+    """``data.sources=[...]`` for the command line: entries of (name, path, weight)."""
+    items = ", ".join(f"{{name: {n}, path: '{p}', weight: {w}}}" for n, p, w in entries)
+    return f"data.sources=[{items}]"
+
+
+MIX_STEPS = 30  # 2 ranks x 4 rows = 8 samples a step: 200 samples at step 25
+
+
+def mix_overrides(tiny_corpus, second_source):
+    return [
+        sources_override(("code", tiny_corpus, 0.75), ("docs", second_source, 0.25)),
+        f"train.max_steps={MIX_STEPS}", "train.eval_interval=15", "train.eval_batches=2",
+        "checkpoint.save_interval=10",
+    ]  # fmt: skip
+
+
+def sample_picks(run_dir) -> Dict[int, List]:
+    """step -> the [source, row] pairs both ranks trained on (the trainer's sample log; a step
+    replayed after a resume counts once, as its last record)."""
+    last: Dict[tuple, List] = {}
+    for path in sorted((run_dir / "samples").glob("samples.rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            last[rec["step"], rec["rank"]] = [tuple(x) for x in rec["indices"]]
+    out: Dict[int, List] = {}
+    for (step, _), picks in sorted(last.items()):
+        out.setdefault(step, []).extend(picks)
+    return out
+
+
+def launch(run_dir, overrides) -> subprocess.Popen:
+    ov = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + list(overrides)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env[SAMPLE_LOG_ENV] = str(run_dir / "samples")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN,
+           "--config", TINY_CONFIG, *ov]  # fmt: skip
+    log = open(run_dir / "launch.log", "a")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def logged_steps(run_dir) -> set:
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return set()
+    steps = set()
+    for line in text.splitlines():
+        try:
+            steps.add(json.loads(line)["step"])
+        except ValueError:
+            pass  # a line being written
+    return steps
+
+
+def rank_processes(proc: subprocess.Popen, timeout: float = 180) -> List[psutil.Process]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if PRETRAIN in p.cmdline() and "RANK" in p.environ():
+                    found.append(p)
+            except psutil.Error:
+                continue
+        if len(found) == 2:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("the training ranks did not start")
+
+
+@pytest.fixture(scope="module")
+def mixture_runs(tiny_corpus, second_source, tmp_path_factory):
+    """Two 2-rank runs of the same 0.75 / 0.25 mixture: uninterrupted, and SIGKILLed (rank 1,
+    a few steps after the step-10 checkpoint) then restarted to the end."""
+    ov = mix_overrides(tiny_corpus, second_source)
+    ref = tmp_path_factory.mktemp("mix_ref")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(ref / "samples"))
+        run_pretrain(tiny_corpus, ref, ov)  # data.path is ignored when data.sources is set
+    crashed = tmp_path_factory.mktemp("mix_crash")
+    proc = launch(crashed, ov)
+    ranks = rank_processes(proc)
+    deadline = time.time() + 300
+    while not logged_steps(crashed) & set(range(12, MIX_STEPS)):
+        assert time.time() < deadline and proc.poll() is None, "no step 12 before the kill"
+        time.sleep(0.005)
+    ranks[1].send_signal(signal.SIGKILL)
+    rc = proc.wait(timeout=120)
+    killed_after = max(logged_steps(crashed))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SAMPLE_LOG_ENV, str(crashed / "samples"))
+        final = run_pretrain(tiny_corpus, crashed, ov)
+    return ref, crashed, final, rc, killed_after, tiny_corpus, second_source
+
+
+def test_two_rank_mixture_shares_eval_and_exact_resume_after_kill(mixture_runs):
+    ref, crashed, final, rc, killed_after, code, docs = mixture_runs
+    # realized shares after 200 samples (step 25): the trainer's figure and the rows it read
+    rec = read_metrics(ref)[25]
+    assert abs(rec["share/code"] - 0.75) <= 0.01 and abs(rec["share/docs"] - 0.25) <= 0.01
+    picks = sample_picks(ref)
+    first_200 = [src for s in range(1, 26) for src, _ in picks[s]]
+    assert len(first_200) == 200
+    assert (first_200.count(0), first_200.count(1)) == (150, 50)
+    assert rec["share/code"] == 150 / 200
+    # per-source epochs: the rows each source gave so far over its train rows
+    rows = {"code": len(ShardDataset(code, "train")), "docs": len(ShardDataset(docs, "train"))}
+    assert rec["epochs/code"] == pytest.approx(150 / rows["code"])
+    assert rec["epochs/docs"] == pytest.approx(50 / rows["docs"])
+    # per-source evaluation: loss, perplexity and accuracy of each source; the mixture's figures
+    # are the weighted means
+    for step in (15, 30):
+        ev = read_metrics(ref, "eval")[step]
+        for name in ("code", "docs"):
+            assert ev[f"perplexity/{name}"] == pytest.approx(math.exp(ev[f"loss/{name}"]))
+            assert 0.0 <= ev[f"mlm_accuracy/{name}"] <= 1.0
+        assert ev["loss"] == pytest.approx(0.75 * ev["loss/code"] + 0.25 * ev["loss/docs"])
+        assert ev["loss/code"] != ev["loss/docs"]
+    # the kill: a non-zero exit after step 12; the restart resumed from a checkpoint before it
+    assert rc != 0 and 12 <= killed_after < MIX_STEPS
+    assert "[resume] " in final.stdout
+    # bit-identical losses of every step, and the same evaluations, as the uninterrupted run
+    a, b = read_metrics(ref), read_metrics(crashed)
+    assert [a[s]["loss"] for s in range(1, MIX_STEPS + 1)] == [
+        b[s]["loss"] for s in range(1, MIX_STEPS + 1)
+    ]
+    assert read_metrics(ref, "eval") == read_metrics(crashed, "eval")
+    assert sample_picks(crashed) == picks

@@ -2,15 +2,13 @@
 sources carry their position into later stages, and the state resumes exactly at any step,
 across a stage boundary included."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from linformer_ds.data import MLMMasking, ShardDataset, TrainBatches
 from linformer_ds.mixture import Stage, TrainData
-from tests.pretrain_utils import REPO
+from tests.pretrain_utils import read_metrics, run_pretrain
+from tests.test_mixture import DOCS, prepare
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +16,8 @@ def short_source(tiny_corpus, tmp_path_factory):
     """The stdlib corpus again at N = 64, with tiny_corpus's tokenizer (a staged run's short
     stage)."""
     out = tmp_path_factory.mktemp("short") / "stdlib_64"
-    cmd = [sys.executable, "-m", "data_prep", "--source", "stdlib", "--out", str(out),
-           "--seq-len", "64", "--tokenizer", str(tiny_corpus / "tokenizer.model"),
-           "--max-docs", "40", "--valid-fraction", "0.05", "--quiet"]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
-    return out
+    return prepare(out, "stdlib", 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+                   "--max-docs", "40", "--valid-fraction", "0.05")  # fmt: skip
 
 
 def make(stages, datasets, rank=0, world=1):
@@ -107,3 +102,56 @@ def test_loads_a_train_batches_state(tiny_corpus):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert new.state_dict()["sampler"]["consumed"] == old.state_dict()["sampler"]["consumed"]
     assert new.epoch == old.epoch >= 1
+
+
+# ============================================================================ the trainer
+STAGE_STEPS = 12
+
+
+def staged_overrides(tiny_corpus, short_source, docs_source):
+    """Steps 1-6 at N = 64 (micro-batch 6), steps 7-12 at N = 128 on a 2:1 mixture
+    (micro-batch 3); a hybrid model (layer 0 linear, layer 1 conv with stride 128/32 = 4)."""
+    return [
+        f"data.sources=[{{name: short, path: '{short_source}', weight: 1}}, "
+        f"{{name: code, path: '{tiny_corpus}', weight: 2}}, "
+        f"{{name: docs, path: '{docs_source}', weight: 1}}]",
+        "train.stages=[{end_step: 6, sources: [short], micro_batch_size: 6}, "
+        "{end_step: 12, sources: [code, docs], micro_batch_size: 3}]",
+        f"train.max_steps={STAGE_STEPS}", "model.projection=hybrid",
+        "model.hybrid_linear_layers=1", "checkpoint.save_interval=0",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def docs_source(tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("docs") / "docs_128"
+    return prepare(out, DOCS, 128, "--tokenizer", tiny_corpus / "tokenizer.model",
+                   "--valid-fraction", "0.2", "--max-docs", "12")  # fmt: skip
+
+
+def test_staged_run_resumes_exactly_across_its_boundary(
+    tiny_corpus, short_source, docs_source, tmp_path
+):
+    ov = staged_overrides(tiny_corpus, short_source, docs_source)
+    ref = run_pretrain(tiny_corpus, tmp_path / "ref", ov)
+    # the same run in three pieces: stop at the boundary (step 6), then inside stage 1 (step 9)
+    parts = [
+        run_pretrain(tiny_corpus, tmp_path / "parts", ov + [f"train.stop_at_step={stop}"])
+        for stop in (6, 9, STAGE_STEPS)
+    ]
+    assert "step_00000006: step 6," in parts[1].stdout  # resumed at the boundary...
+    assert "step_00000009: step 9," in parts[2].stdout  # ...and inside the second stage
+    a, b = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "parts")
+    steps = range(1, STAGE_STEPS + 1)
+    assert [a[s]["loss"] for s in steps] == [b[s]["loss"] for s in steps]
+    # the logs: per-stage N, tokens per step and a summary of each stage
+    assert [a[s]["seq_len"] for s in steps] == [64] * 6 + [128] * 6
+    assert [a[s]["stage"] for s in steps] == [0] * 6 + [1] * 6
+    out = ref.stdout
+    assert "[stage] 0 start: steps 1-6, N=64, micro_batch_size=6" in out
+    assert "[stage] 1 start: steps 7-12, N=128, micro_batch_size=3" in out
+    for k in (0, 1):
+        line = next(x for x in out.splitlines() if x.startswith(f"[stage] {k} done"))
+        figures = dict(f.split("=") for f in line.split()[3:] if "=" in f)
+        assert float(figures["tokens_per_s"]) > 0 and 0 < float(figures["mfu"])
+        assert float(figures["peak_mem_gb"]) > 0
