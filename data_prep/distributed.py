@@ -112,17 +112,18 @@ class Transport:
             except OSError:
                 pass  # the directory went away at the end of the run
 
-    def stop_heartbeat(self) -> None:
-        """Stop beating for good: the heartbeat file says ``done`` (this rank's part is over and
-        it waits no more than for the last collective, or it exits)."""
+    def stop_heartbeat(self, done: bool = True) -> None:
+        """Stop beating. ``done``: the heartbeat file says so (this rank's part is over and it
+        waits for nothing but the last collective); otherwise it just goes stale (a failure)."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout=10)
-        try:
-            self._write_heartbeat(DONE)
-        except OSError:
-            pass
+        if done:
+            try:
+                self._write_heartbeat(DONE)
+            except OSError:
+                pass
 
     def _check_alive(self, ranks: List[int]) -> None:
         """Raise :class:`PeerFailed` if any rank reported an error, or one of ``ranks`` stopped."""
@@ -199,7 +200,7 @@ class Transport:
 
     def close(self, ok: bool) -> None:
         """Stop the heartbeat; rank 0 removes the sync directory after a successful run."""
-        self.stop_heartbeat()
+        self.stop_heartbeat(done=ok)
 
 
 class FileTransport(Transport):

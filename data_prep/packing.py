@@ -53,13 +53,15 @@ class EncodeSettings:
 _worker: Dict[str, Any] = {}
 
 
-def init_worker(model_proto: bytes, settings: EncodeSettings) -> None:
-    """Pool initializer: load the tokenizer once per worker process."""
+def init_worker(model_proto: bytes, settings: EncodeSettings, worker: bool = True) -> None:
+    """Pool initializer: load the tokenizer once per worker process (``worker=False``: in the
+    main process, for ``--workers 0``)."""
     import signal
 
     import sentencepiece as spm
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
+    if worker:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
     _worker["sp"] = spm.SentencePieceProcessor(model_proto=model_proto)
     _worker["settings"] = settings
 

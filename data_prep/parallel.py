@@ -334,6 +334,9 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
         except KeyboardInterrupt:
             comm.report_failure(f"rank {comm.rank} was interrupted", printed=True)
             raise
+        except BaseException as e:  # a bug or a broken worker pool: the others stop at once
+            comm.report_failure(f"{type(e).__name__}: {e}", printed=True)
+            raise
     finally:
         comm.close(ok)
         if ok and comm.rank == 0:

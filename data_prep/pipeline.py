@@ -390,7 +390,7 @@ class _Encoder:
                 initargs=(model_proto, settings),
             )
         else:
-            pk.init_worker(model_proto, settings)
+            pk.init_worker(model_proto, settings, worker=False)  # Ctrl-C: KeyboardInterrupt
 
     def map(self, tasks: Iterable[Tuple[List[str], Any]]) -> Iterator[Tuple[Dict[str, Any], Any]]:
         """Yield ``(result, meta)`` for each ``(texts, meta)`` task, in submission order."""

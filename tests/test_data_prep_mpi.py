@@ -132,6 +132,71 @@ def test_launcher_detection():
     assert (w.kind, w.rank) == ("mpi", 1)  # mpirun inside an allocation: MPI wins
 
 
+# ------------------------------------------------- the invariant on generated corpora, in-process
+def run_ranks_in_threads(cfg_kw: Dict, ranks: int, run_id: str) -> None:
+    """``ranks`` ranks of data_prep.parallel as threads of this process (srun's file transport)."""
+    import threading
+
+    from data_prep import PrepConfig
+    from data_prep.distributed import World
+    from data_prep.parallel import prepare_distributed
+
+    errors: List[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            prepare_distributed(PrepConfig(**cfg_kw), World("slurm", r, ranks, run_id))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n_docs=st.integers(1, 40),
+    doc_seed=st.integers(0, 1000),
+    ranks=st.integers(1, 3),
+    unit_bytes=st.integers(200, 5000),
+    shard_rows=st.integers(1, 30),
+    packing=st.sampled_from(["full", "pad"]),
+    max_docs=st.one_of(st.none(), st.integers(1, 40)),
+    max_bytes=st.one_of(st.none(), st.integers(1, 20_000)),
+    k=st.integers(60, 400),
+)
+def test_ranks_equal_one_process_on_generated_corpora(
+    tmp_path_factory, n_docs, doc_seed, ranks, unit_bytes, shard_rows, packing, max_docs,
+    max_bytes, k,
+):  # fmt: skip
+    """Any corpus, R, unit size, shard size, packing and --max-* cut: the same bytes."""
+    tmp = tmp_path_factory.mktemp("gen")
+    docs = make_docs(n_docs, seed=doc_seed)
+    write_text_corpus(tmp / "a", docs[: n_docs // 2])
+    (tmp / "b.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs[n_docs // 2 :])
+    )
+    kw = dict(
+        sources=[str(tmp / "a" / "*.txt"), str(tmp / "b.jsonl")] if n_docs > 1 else [str(tmp / "b.jsonl")],
+        seq_len=16, vocab_size=60, max_sentences_for_tokenizer=k, shard_rows=shard_rows,
+        packing=packing, max_docs=max_docs, max_bytes=max_bytes, valid_fraction=0.3,
+        workers=0, progress=False,
+    )  # fmt: skip
+    from data_prep import DataPrepError, PrepConfig, prepare
+
+    try:
+        prepare(PrepConfig(out=str(tmp / "one"), **kw))
+    except DataPrepError:  # too little text for this vocabulary: not this test's subject
+        return
+    many = {**kw, "out": str(tmp / "many"), "unit_bytes": unit_bytes, "rank_timeout": 30.0}
+    run_ranks_in_threads(many, ranks, "g")
+    assert tree(tmp / "many") == tree(tmp / "one")
+
+
 # ---------------------------------------------------------------------------------- mpirun
 @pytest.mark.parametrize(
     "ranks,name", [(2, "default"), (4, "default"), (3, "limited")], ids=["R2", "R4", "R3-limits"]
