@@ -582,3 +582,17 @@ def test_bytes_after_the_last_document_are_counted_whatever_task_bytes(corpus, t
     ]
     assert got[0]["source"]["bytes"] == got[1]["source"]["bytes"] == jsonl.stat().st_size
     assert got[0]["splits"] == got[1]["splits"]
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"unit_bytes": 0}, "--unit-bytes must be >= 1"),
+        ({"rank_timeout": 0.0}, "--rank-timeout must be > 0"),
+        ({"rank_timeout": float("nan")}, "--rank-timeout must be > 0"),
+    ],
+)
+def test_rank_options_are_checked(corpus, tmp_path, kw, message):
+    with pytest.raises(DataPrepError, match=message):
+        run(tmp_path, "out", [str(corpus["dir"])], tokenizer=corpus["model"], **kw)
+    assert not (tmp_path / "out").exists()
