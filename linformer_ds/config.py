@@ -226,7 +226,7 @@ class TrainConfig(Section):
     eval_interval: int = bounded(1000, 0, MAX_STEPS, note="0 turns evaluation off")
     # validation micro-batches per rank per evaluation
     eval_batches: int = bounded(20, 0, MAX_COUNT, note="0 turns evaluation off")
-    # per rank, for MFU; None: measure a bf16 GEMM at start
+    # per rank, for MFU; None: measured at start, a GEMM in the run's precision (~3 s at most)
     peak_tflops: Optional[float] = bounded(None, 0, lo_open=True)
     save_on_signal: bool = True  # SIGUSR1/SIGTERM: checkpoint, then exit with EXIT_PREEMPTED
     # non-finite loss: "stop" (keep last good checkpoint) or "skip"
