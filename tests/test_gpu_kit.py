@@ -266,4 +266,3 @@ def test_bad_input_is_one_line(tmp_path) -> None:
     assert rep.stderr.strip().endswith("does not exist (run scripts/gpu_check.sh first)")
     usage = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True)
     assert usage.returncode == 2
-
