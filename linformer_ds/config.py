@@ -416,6 +416,7 @@ class ParallelConfig(Section):
             zero_stage=job.deepspeed.zero.stage,
             zero_reduce_scatter=bool(zero_extra.get("reduce_scatter", True)),
             shard=self.shard_sequence_parameters,
+            precision=job.deepspeed.precision,
         )
         if errors:
             raise ConfigError(errors[0])

@@ -396,6 +396,9 @@ def test_config_errors_one_line_each():
     assert shard[0].startswith("parallel.shard_sequence_parameters: ") and "\n" not in shard[0]
     exact = dict(ok, seq_len=N_MAX)
     assert config_errors(2, **exact, shard=True, zero_stage=3, zero_reduce_scatter=False) == []
+    z0_bf16 = config_errors(2, **exact, shard=True, zero_stage=0, precision="bf16")
+    assert len(z0_bf16) == 1 and "BF16_Optimizer" in z0_bf16[0]
+    assert config_errors(2, **exact, shard=False, zero_stage=0, precision="bf16") == []
     # conv aligned at P = 2 (slices of 12, stride 4); ZeRO-3 with reduce-scatter on is fine
     assert config_errors(2, **dict(ok, model=_cfg(projection="conv")), zero_stage=3) == []
 
