@@ -422,3 +422,63 @@ def test_two_rank_mixture_shares_eval_and_exact_resume_after_kill(mixture_runs):
     ]
     assert read_metrics(ref, "eval") == read_metrics(crashed, "eval")
     assert sample_picks(crashed) == picks
+
+
+# ========================================================== bad input: one line, exit 2
+@pytest.fixture
+def _clean_env():
+    """train.main fills in the rank variables of a single process: undo that afterwards."""
+    saved = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def other_sources(tiny_corpus, tmp_path_factory):
+    """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
+    base = tmp_path_factory.mktemp("others")
+    other = prepare(base / "other_tok", DOCS, 128, "--vocab-size", "300", "--max-docs", "6")
+    short = prepare(base / "short", DOCS, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+                    "--max-docs", "6")  # fmt: skip
+    return other, short
+
+
+BAD = [  # id, sources (name, path key, weight), more overrides, the message
+    ("negative-weight", [("a", "code", -1), ("b", "docs", 1)], [], "data.sources[0].weight"),
+    ("all-zero", [("a", "code", 0), ("b", "docs", 0)], [], "all weights are zero"),
+    ("nan-weight", [("a", "code", ".nan"), ("b", "docs", 1)], [], "must be a finite number"),
+    ("unknown-name", [("a", "code", 1)],
+     ["train.stages=[{end_step: 2, sources: [b]}]"], "unknown source 'b'"),
+    ("other-tokenizer", [("a", "code", 1), ("b", "other", 1)], [], "different tokenizers"),
+    ("other-n", [("a", "code", 1), ("b", "short", 1)], [], "different sequence lengths"),
+    ("end-steps", [("a", "code", 1), ("s", "short", 1)],
+     ["train.stages=[{end_step: 2, sources: [s]}, {end_step: 2, sources: [a]}]"],
+     "must be greater than the previous stage's end"),
+    ("n-over-max", [("a", "code", 1), ("s", "short", 1)],
+     ["model.max_seq_len=64", "train.stages=[{end_step: 1, sources: [s]}, {sources: [a]}]"],
+     "dataset seq_len 128 > model max_seq_len 64"),
+    ("conv-stride", [("a", "code", 1), ("s", "short", 1)],
+     ["model.projection=conv", "model.k=1",
+      "train.stages=[{end_step: 1, sources: [s]}, {sources: [a]}]"], "conv layer 0 has stride"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_mixtures_and_stages_are_one_line_exit_2(
+    case, tiny_corpus, second_source, other_sources, tmp_path, capsys, _clean_env
+):
+    from linformer_ds import train
+
+    _, entries, more, message = case
+    paths = {"code": tiny_corpus, "docs": second_source, "other": other_sources[0],
+             "short": other_sources[1]}  # fmt: skip
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"logging.dir={tmp_path}",
+            sources_override(*[(n, paths[k], w) for n, k, w in entries]),
+            "train.max_steps=2", *more]  # fmt: skip
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "checkpoints").exists()
