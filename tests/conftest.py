@@ -1,7 +1,7 @@
 """Shared fixtures, and the two test tiers.
 
 ``bash scripts/test.sh`` runs every test (CI). ``bash scripts/test.sh --quick`` runs
-``-m "not slow"``: the tests that run in one process (or start one trainer rank). A test is
+``-m "not slow and not gpu"``: the tests that run in one process (or start one trainer rank). A test is
 ``slow`` when it is marked so (``slow``, ``slurm``), when it, or a fixture it uses, starts
 ranks in other processes, or when it is one of the few measured single-process heavyweights
 (SLOW_TESTS); that is decided here at collection, so that a new test that launches ranks leaves
@@ -36,12 +36,12 @@ SLOW_FIXTURES = {
     "tests.test_sweep.swept",  # a three-point quality sweep of real trainer runs
 }
 
-# Single-process tests measured as the heaviest of the quick tier (--durations on 2 cores):
-# each alone took a fifth to a tenth of the tier.
+# Slow tests the rule cannot see: the heaviest single-process ones (measured with --durations
+# on 2 cores: each alone a fifth to a tenth of the quick tier) and ranks started by hand.
 SLOW_TESTS = {
     "tests/test_reliability.py::test_logged_metrics_after_resume_equal_uninterrupted",  # 4 runs
     "tests/test_hf.py::test_trainer_save_model_keeps_tokenizer_and_accuracy",  # HF Trainer
-    # ranks started by hand (2 trainer ranks waiting out real deadlines; 3 data_prep ranks)
+    # 3 data_prep ranks; 2 trainer ranks waiting out real deadlines
     "tests/test_data_prep_mpi.py::test_srun_transport_dead_rank_fails_the_run_in_time_then_resumes",
     "tests/test_dist_env.py::test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline",
     "tests/test_dist_env.py::test_rank_leaves_when_its_launcher_dies",
