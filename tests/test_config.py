@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from linformer_ds import config as config_mod
@@ -172,6 +172,51 @@ def _assert_owned_unchanged(cfg: JobConfig) -> None:
     assert parsed.zero_optimization_stage == cfg.deepspeed.zero.stage
     for what, (read, _) in config_mod._OWNED_SETTINGS.items():
         assert read(parsed) == read(reference), what
+
+
+def _ds_names() -> List[str]:
+    """Key names DeepSpeed's config knows (top-level constants, ZeRO's fields and aliases) plus
+    every owned key's parts, to build deepspeed.extra mappings from."""
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    names = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+    names |= {n for name, f in DeepSpeedZeroConfig.model_fields.items() for n in (name, f.alias)}
+    names |= {part for key in OWNED_DS_KEYS for part in key.split(".")}
+    return sorted(n for n in names if n and n.isidentifier())
+
+
+ds_scalars = st.one_of(
+    st.booleans(), st.integers(-3, 2**33), st.sampled_from([0.5, "cpu", "fp32", "bf16", "none"])
+)
+
+
+@FAST
+@given(
+    extra=st.recursive(
+        ds_scalars,
+        lambda inner: st.dictionaries(st.sampled_from(_ds_names()), inner, min_size=1, max_size=3),
+        max_leaves=6,
+    ).filter(lambda x: isinstance(x, dict))
+)
+@example(extra={"zero_optimization": True})
+@example(extra={"zero_optimization": {"cpu_offload": True}})
+@example(extra={"bfloat16": {"enabled": False}})
+def test_any_deepspeed_extra_never_changes_what_the_job_config_owns(extra):
+    """Whatever deepspeed.extra holds, however spelled: refused in one line, or the engine
+    DeepSpeed would build has every owned setting (stage, offload, precision, clipping,
+    optimizer, scheduler, batch sizes, activation checkpointing) as the job config set it."""
+    import yaml
+
+    value = yaml.safe_dump(extra, default_flow_style=True).strip()
+    try:
+        cfg = _load(f"deepspeed.extra={value}")
+    except ConfigError as e:
+        assert "\n" not in str(e), str(e)
+        event("refused")
+        return
+    event("accepted")
+    _assert_owned_unchanged(cfg)
 
 
 # ------------------------------------------------------------------------- generated YAML files
