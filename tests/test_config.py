@@ -186,6 +186,7 @@ def _ds_names() -> List[str]:
     return sorted(n for n in names if n and n.isidentifier())
 
 
+ds_names = st.deferred(lambda: st.sampled_from(_ds_names()))  # imports deepspeed when drawn
 ds_scalars = st.one_of(
     st.booleans(), st.integers(-3, 2**33), st.sampled_from([0.5, "cpu", "fp32", "bf16", "none"])
 )
@@ -195,7 +196,7 @@ ds_scalars = st.one_of(
 @given(
     extra=st.recursive(
         ds_scalars,
-        lambda inner: st.dictionaries(st.sampled_from(_ds_names()), inner, min_size=1, max_size=3),
+        lambda inner: st.dictionaries(ds_names, inner, min_size=1, max_size=3),
         max_leaves=6,
     ).filter(lambda x: isinstance(x, dict))
 )
