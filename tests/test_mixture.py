@@ -482,3 +482,43 @@ def test_bad_mixtures_and_stages_are_one_line_exit_2(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_per_source_figures_reach_prometheus(tmp_path):
+    """combine_eval's record (the mixture's weighted figures + each source's) and the train
+    record's shares, served as labelled gauges."""
+    from linformer_ds.config import load_config
+    from linformer_ds.metrics import Metrics
+    from linformer_ds.mixture import Stage, combine_eval
+    from linformer_ds.prometheus import TARGETS_FILE
+    from tests.test_observability import scrape
+
+    stage = Stage(10, ["web", "code"], ["w", "c"], [0.75, 0.25], 4)
+    figures = {
+        "web": {"loss": 2.0, "perplexity": math.exp(2.0), "mlm_accuracy": 0.5},
+        "code": {"loss": 4.0, "perplexity": math.exp(4.0), "mlm_accuracy": 0.25},
+    }
+    record = combine_eval(stage, figures, legacy=False)
+    assert record["loss"] == 0.75 * 2.0 + 0.25 * 4.0 and record["mlm_accuracy"] == 0.4375
+    assert record["perplexity"] == math.exp(2.5) and record["loss/code"] == 4.0
+    assert combine_eval(stage, {"web": figures["web"]}, legacy=True) == figures["web"]
+    ov = [f"logging.dir={tmp_path}", "logging.prometheus_port=0", "logging.tensorboard=false"]
+    cfg = load_config(TINY_CONFIG, ov + ["train.peak_tflops=1.0"])
+    m = Metrics(cfg, 0, 1, torch.device("cpu"), flops_per_token=1e6, tokens_per_step=1024)
+    try:
+        m.log_eval(5, record)
+        train = {"loss": 3.0, "mlm_accuracy": 0.1, "lr": 1e-3, "grad_norm": 1.0}
+        train.update({"tokens_per_s": 10.0, "mfu": 0.1, "share/web": 0.75, "share/code": 0.25})
+        for sink in m.sinks:
+            sink.record(5, "train", train, {})
+        endpoint = json.loads((tmp_path / TARGETS_FILE).read_text())[0]["targets"][0]
+        s = scrape(endpoint)
+    finally:
+        m.close()
+    assert s["linformer_eval_loss"] == 2.5
+    assert s["linformer_eval_source_loss{source=code}"] == 4.0
+    assert s["linformer_eval_source_perplexity{source=web}"] == pytest.approx(math.exp(2.0))
+    assert s["linformer_eval_source_mlm_accuracy{source=code}"] == 0.25
+    assert s["linformer_source_share{source=web}"] == 0.75
+    assert s["linformer_source_share{source=code}"] == 0.25
+    assert read_metrics(tmp_path, "eval")[5]["loss/web"] == 2.0  # metrics.jsonl has them too
