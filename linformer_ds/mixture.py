@@ -262,7 +262,7 @@ class MixtureBatches:
                 seed=src.seed,
                 pad_id=d.pad_id,
                 short_seq_prob=short_seq_prob,
-            )  # fmt: skip
+            )
             for d, src in zip(self.datasets, self.sampler.sources)
         ]
         self.seq_len = self.datasets[0].seq_len

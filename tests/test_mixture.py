@@ -197,8 +197,7 @@ def test_one_source_is_todays_sampler(n, world, mb, steps, world2):
     def todays(rank, w, state=None):
         tb = TrainBatches(Rows(), None, rank, w, mb, seed=11)
         if state is not None:
-            tb.sampler.load_state_dict(state["sampler"])
-            tb.epoch = int(state["epoch"])
+            tb.load_state_dict(state)
         return tb
 
     old = [todays(r, world) for r in range(world)]
