@@ -560,6 +560,77 @@ def _bytes(x: float) -> str:
     return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:.0f} B"
 
 
+def _per_rank(xs: List[Optional[int]]) -> str:
+    """MiB per rank, ``a / b``; n/a where a rank could not tell."""
+    return " / ".join(_mib(x) for x in xs) if None not in xs else "n/a"
+
+
+def _table(rows: List[Dict], columns: str, align: str, head: Any, cells: Any) -> List[str]:
+    """One markdown table: ``head(r)`` the leading cells of a row, ``cells(r)`` the rest; a row
+    that failed (or was skipped) says why across the rest. Nothing when there are no rows."""
+    if not rows:
+        return []
+    width = align.count("|") - 1
+    out = [columns, align]
+    for r in rows:
+        lead = "| " + " | ".join(head(r)) + " |"
+        why = r.get("failed") or r.get("skipped")
+        if why:
+            out.append(f"{lead} {why} " + "|" * (width - len(head(r))))
+        else:
+            out.append(f"{lead} " + " | ".join(cells(r)) + " |")
+    return out + [""]
+
+
+def _comm_cells(r: Dict) -> List[str]:
+    return [
+        f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
+        _bytes(r["sp_fwd_bytes_per_layer"] + r["sp_bwd_bytes_per_layer"]),
+        "equal" if r["bytes_match"] else "DIFFERS", f"{r['sp_comm_s']:.3f}",
+        _bytes(r["grad_reduce_bytes"]), f"{r['grad_reduce_s']:.3f}",
+        _per_rank(r["peak_rss_per_rank"]),
+    ]  # fmt: skip
+
+
+def _memory_cells(r: Dict) -> List[str]:
+    return [
+        f"{r['step_s']:.2f}", _per_rank(r["peak_rss_per_rank"]),
+        _mib(r["rss_after_imports"][0]),
+        _mib(r["model_param_bytes"]), _mib(r["optimizer_bytes"]),
+        f"{r['positions_local'] / r['positions_full']:.2f}",
+        f"{r['E_local'] / max(r['E_full'], 1):.2f}",
+    ]  # fmt: skip
+
+
+def _frontier_cells(r: Dict) -> List[str]:
+    return [
+        f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}", _per_rank(r["step_peak_rss_per_rank"]),
+        _per_rank(r["peak_rss_per_rank"]), _mib(r["model_param_bytes"]),
+        _mib(r["optimizer_bytes"]),
+    ]  # fmt: skip
+
+
+# phase: header, alignment, leading cells (what the row is), the numbers
+TABLES = [
+    ("comm",
+     "| variant | N | P | step (s) | tokens/s | SP bytes/layer fwd+bwd | formula | SP comm (s) | "
+     "grad-reduce bytes/step | grad-reduce (s) | peak RSS/rank (MiB) |",
+     "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+     lambda r: [r["variant"], f"{r['n']:,}", str(r["p"])], _comm_cells),
+    ("memory",
+     "| N | P | ZeRO | step (s) | peak RSS per rank (MiB) | RSS after imports | params held (MiB) "
+     "| optimizer held (MiB) | positions held | E held |",
+     "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+     lambda r: [f"{r['n']:,}", str(r["p"]), str(r["zero"])], _memory_cells),
+    ("frontier",
+     "| N | P | act. ckpt | E/positions | step 2 (s) | tokens/s | peak RSS in step 2 per rank "
+     "(MiB) | peak RSS per rank (MiB) | params held (MiB) | optimizer held (MiB) |",
+     "|---:|---:|---|---|---:|---:|---|---|---:|---:|",
+     lambda r: [f"{r['n']:,}", str(r["p"]), "on" if r["ac"] else "off",
+                "sharded" if r["shard"] and r["p"] > 1 else "whole"], _frontier_cells),
+]  # fmt: skip
+
+
 def markdown(results: Dict[str, Any]) -> str:
     """The rows as markdown tables (one per phase)."""
     bc = results["config"]
@@ -568,68 +639,8 @@ def markdown(results: Dict[str, Any]) -> str:
            f"{bc['k']} (layerwise E), FFN {bc['intermediate']}, vocab {bc['vocab']}, "
            f"{bc['precision']}, batch 1, {bc['mlm_fraction']:.0%} labelled; ZeRO-{bc['zero']} "
            f"unless stated; {bc['threads']} threads shared by the ranks.", ""]  # fmt: skip
-    comm = [r for r in rows if r["phase"] == "comm"]
-    if comm:
-        out += [
-            "| variant | N | P | step (s) | tokens/s | SP bytes/layer fwd+bwd | formula | "
-            "SP comm (s) | grad-reduce bytes/step | grad-reduce (s) | peak RSS/rank (MiB) |",
-            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-        ]
-        for r in comm:
-            head = f"| {r['variant']} | {r['n']:,} | {r['p']} |"
-            if "failed" in r or "skipped" in r:
-                out.append(f"{head} {r.get('failed') or r.get('skipped')} ||||||||")
-                continue
-            out.append(
-                f"{head} {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                f"{_bytes(r['sp_fwd_bytes_per_layer'] + r['sp_bwd_bytes_per_layer'])} | "
-                f"{'equal' if r['bytes_match'] else 'DIFFERS'} | {r['sp_comm_s']:.3f} | "
-                f"{_bytes(r['grad_reduce_bytes'])} | {r['grad_reduce_s']:.3f} | "
-                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} |"
-            )
-        out.append("")
-    mem = [r for r in rows if r["phase"] == "memory"]
-    if mem:
-        out += [
-            "| N | P | ZeRO | step (s) | peak RSS per rank (MiB) | RSS after imports | "
-            "params held (MiB) | optimizer held (MiB) | positions held | E held |",
-            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in mem:
-            head = f"| {r['n']:,} | {r['p']} | {r['zero']} |"
-            if "failed" in r:
-                out.append(f"{head} {r['failed']} |||||||")
-                continue
-            out.append(
-                f"{head} {r['step_s']:.2f} | "
-                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} | "
-                f"{_mib(r['rss_after_imports'][0])} | {_mib(r['model_param_bytes'])} | "
-                f"{_mib(r['optimizer_bytes'])} | "
-                f"{r['positions_local'] / r['positions_full']:.2f} | "
-                f"{r['E_local'] / max(r['E_full'], 1):.2f} |"
-            )
-        out.append("")
-    front = [r for r in rows if r["phase"] == "frontier"]
-    if front:
-        out += [
-            "| N | P | act. ckpt | E/positions | step 2 (s) | tokens/s | peak RSS in step 2 per "
-            "rank (MiB) | peak RSS per rank (MiB) | params held (MiB) | optimizer held (MiB) |",
-            "|---:|---:|---|---|---:|---:|---|---|---:|---:|",
-        ]
-        for r in front:
-            held = "sharded" if r["shard"] and r["p"] > 1 else "whole"
-            head = f"| {r['n']:,} | {r['p']} | {'on' if r['ac'] else 'off'} | {held} |"
-            if "failed" in r:
-                out.append(f"{head} {r['failed']} |||||")
-                continue
-            step2 = r["step_peak_rss_per_rank"]
-            out.append(
-                f"{head} {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                f"{' / '.join(_mib(x) for x in step2) if None not in step2 else 'n/a'} | "
-                f"{' / '.join(_mib(x) for x in r['peak_rss_per_rank'])} | "
-                f"{_mib(r['model_param_bytes'])} | {_mib(r['optimizer_bytes'])} |"
-            )
-        out.append("")
+    for phase, columns, align, head, cells in TABLES:
+        out += _table([r for r in rows if r["phase"] == phase], columns, align, head, cells)
     for r in rows:
         if r["phase"] == "trainer":
             m = r.get("metrics", {})
