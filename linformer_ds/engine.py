@@ -175,7 +175,36 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
         dist_init_required=False,
         **kwargs,
     )
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        keep_fp32_grad_norm(engine)
     return engine
+
+
+def keep_fp32_grad_norm(engine) -> None:
+    """ZeRO-0 in fp32 steps a plain torch optimizer: DeepSpeed clips the gradients there with
+    float32 norms (7e-6 relative error measured on a 0.2M-parameter model, where ZeRO 1-3 are
+    exact to 1e-8) and drops the norm, so ``get_global_grad_norm()`` would be None. Clip the
+    same way (DeepSpeed's model-parallel rules, ``max_norm / (norm + 1e-6)``) with the sum of
+    squares in float64, and keep the norm like the other stages do."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    def clip() -> None:
+        mpu = engine.mpu
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for p in params:  # a parameter replicated over model-parallel ranks counts once
+            if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p):
+                squares += p.grad.detach().double().pow(2).sum()
+        if mpu is not None:
+            dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+        norm = squares.sqrt()
+        coef = (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+        engine._global_grad_norm = norm.float()
+
+    engine.clip_fp32_gradients = clip
 
 
 def backward_scale(cfg: JobConfig) -> float:

@@ -13,7 +13,10 @@ from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
 def evaluate(
     engine, valid_ds, cfg: JobConfig, rank: int, world: int, device, sp_group=None
 ) -> Dict[str, float]:
-    """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``).
+    """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``), and
+    the same rows in every layout: ``train.eval_batches`` global batches (``train_batch_size``
+    rows each), split over the replicas in micro-batches; the figures are sums over all of
+    them divided by the global labelled count.
 
     ``rank`` / ``world`` are the replica's (data-parallel) rank and count; with a
     sequence-parallel ``sp_group`` every rank of the group evaluates its slice of the rows."""
@@ -21,7 +24,7 @@ def evaluate(
 
     from linformer_ds.data import MLMMasking
     from linformer_ds.engine import all_reduce_sum
-    from linformer_ds.sequence_parallel import global_label_count, shard_batch
+    from linformer_ds.sequence_parallel import shard_batch
 
     masker = MLMMasking(
         valid_ds.vocab_size,
@@ -32,26 +35,20 @@ def evaluate(
         pad_id=valid_ds.pad_id,
     )
     mb = cfg.train.micro_batch_size
-    n_rows = min(len(valid_ds), cfg.train.eval_batches * mb * world)
+    global_batch = mb * cfg.train.gradient_accumulation_steps * world
+    n_rows = min(len(valid_ds), cfg.train.eval_batches * global_batch)
     mine = list(range(rank, n_rows - (n_rows % world), world))
     engine.eval()
     stats = torch.zeros(4, dtype=torch.float64, device=device)
-    for start in range(0, cfg.train.eval_batches * mb, mb):
+    for start in range(0, len(mine), mb):
         idx = mine[start : start + mb]
-        if not idx:
-            break
         tokens = torch.stack([valid_ds[i] for i in idx])
         batch = masker(tokens, torch.tensor(idx), 0)
-        denom = None
         if sp_group is not None:
             batch, _ = shard_batch(batch, dist.get_rank(sp_group), dist.get_world_size(sp_group))
-            denom = global_label_count(batch["labels"], sp_group)
         batch = {k: v.to(device) for k, v in batch.items()}
-        out = engine(
-            batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
-            loss_denominator=denom,
-        )  # fmt: skip
-        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets, denom)
+        out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
     engine.train()
     stats = all_reduce_sum(stats, torch.device(device)).cpu()  # the one read to the host
     loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))

@@ -13,14 +13,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, 
     """AdamW groups: no weight decay on biases, LayerNorm weights and position embeddings.
 
     Frozen parameters are left out; a parameter shared by several modules (tied embeddings,
-    layerwise projections) appears once.
+    layerwise projections) appears once. Decided on the parameters' real shapes, so the groups
+    are the same in every layout: a ZeRO-3 partitioned parameter (``zero.Init``) is a 1-D
+    placeholder whose shape is ``p.ds_shape``.
     """
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() < 2 or "position_embeddings" in name or ".ln" in name or "_ln" in name:
+        dim = len(getattr(p, "ds_shape", p.shape))
+        if dim < 2 or "position_embeddings" in name or ".ln" in name or "_ln" in name:
             no_decay.append(p)
         else:
             decay.append(p)

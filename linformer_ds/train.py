@@ -23,7 +23,9 @@ import torch
 
 from linformer_ds import checkpointing as ckpt
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
+from linformer_ds.data import IGNORE_INDEX
 from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
+from linformer_ds.metrics import NUM_STATS
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -224,7 +226,10 @@ class Trainer:
         self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
         self.model = eng.build_model(cfg)
         self.engine = eng.build_engine(self.model, cfg, self.ds_config, g)
-        self.loss_scale = eng.backward_scale(cfg)
+        # DeepSpeed scales gradients by 1 / (accumulation steps x its data-parallel divisor);
+        # backward_scale: what it divides more under ZeRO-3 with sequence parallelism
+        gas = cfg.train.gradient_accumulation_steps
+        self.grad_factor = float(self.replicas * gas) * eng.backward_scale(cfg)
         self.batches = TrainData(
             self.stages, self.train_sets, self.replica, self.replicas, cfg.train.seed,
             self.device, mlm_probability=cfg.data.mlm_probability,
@@ -250,7 +255,7 @@ class Trainer:
         rank0_print(
             f"[setup] launcher={self.env.get('launcher')} ranks={self.world} device={w.device} "
             f"backend={w.backend} zero={cfg.deepspeed.zero.stage} "
-            f"precision={cfg.deepspeed.precision} "
+            f"precision={cfg.deepspeed.precision_text()} "
             f"params={self.model.num_parameters() / 1e6:.2f}M "
             f"schedule={cfg.model.projection_schedule()} "
             f"train_rows={len(self.train_ds)} seq_len={self.train_ds.seq_len}"
@@ -260,9 +265,12 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step: ``gradient_accumulation_steps`` micro-batches, then the update.
 
-        Statistics stay on the device; one all-reduce per step (statistics, non-finite count
-        and the stop request together) is the only read to the host. Raises
-        :class:`StopTraining` when the non-finite policy stops the run."""
+        The step's loss is the sum of cross-entropies over every labelled token of the global
+        batch (all ranks, all micro-batches, all sequence slices) over their global count, in
+        every layout (see :meth:`_loss_denominator`). Statistics stay on the device; one
+        all-reduce (statistics, non-finite count and the stop request together) and one read
+        to the host follow the micro-batches. Raises :class:`StopTraining` when the non-finite
+        policy stops the run."""
         from linformer_ds.metrics import STAT_NONFINITE
 
         cfg, step = self.cfg, self.step + 1
@@ -270,14 +278,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed * 1_000_003 + self.step * 1009 + self.rank)
         t0 = time.perf_counter()
         gas = cfg.train.gradient_accumulation_steps
-        stats = None
-        for micro in range(gas):
-            batch = self.metrics.timed_batch(self.batches.next_batch)
-            s = self._forward_backward(batch, step)
-            stats = s if stats is None else stats + s
-            if micro < gas - 1:
+        micro = [self.metrics.timed_batch(self.batches.next_batch) for _ in range(gas)]
+        denom = self._loss_denominator(micro)
+        stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(micro):
+            stats += self._forward_backward(batch, step, denom)
+            if i < gas - 1:
                 self.engine.step()
-        assert stats is not None
         agreed = self._all_reduce_to_host(stats)
         nonfinite = int(agreed[STAT_NONFINITE])
         why = nonfinite_verdict(cfg, step, nonfinite, applied=None)
@@ -292,20 +299,36 @@ class Trainer:
         self.stop_requested = bool(agreed[-1])
         self.metrics.step_done(step, agreed[:-1], time.perf_counter() - t0, skipped=not applied)
 
-    def _forward_backward(self, batch: Dict[str, torch.Tensor], step: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch; its ``[4]`` statistics (on the device)."""
-        from linformer_ds.metrics import step_stats
-        from linformer_ds.sequence_parallel import global_label_count
+    def _loss_denominator(self, micro: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The number of labelled tokens of the whole optimizer step: every micro-batch of every
+        rank (data and sequence parallel), summed by one all-reduce on the device. None on one
+        rank without accumulation (the model's own count: the same number, the same bits)."""
+        from linformer_ds.engine import all_reduce_sum
 
-        # P > 1: each rank's loss is its slice's share of the replica's mean
-        sp = self.sp_group
-        denom = global_label_count(batch["labels"], sp) if sp is not None else None
+        if self.world == 1 and len(micro) == 1:
+            return None
+        count = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).reshape(1)
+        if self.world > 1:
+            all_reduce_sum(count, self.device)
+        return count.to(torch.float32).clamp_min(1.0)[0]
+
+    def _forward_backward(
+        self, batch: Dict[str, torch.Tensor], step: int, denom: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its ``[4]`` statistics (on the device).
+
+        The loss is this micro-batch's sum of cross-entropies over the step's global count.
+        DeepSpeed divides the gradients by the accumulation steps and averages them over the
+        data-parallel ranks: ``grad_factor`` undoes both, so the update follows the gradient of
+        the global mean."""
+        from linformer_ds.metrics import step_stats
+
         out = self.engine(
             batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
             loss_denominator=denom,
         )  # fmt: skip
         loss = self.debug.poison(out.loss, step)
-        self.engine.backward(loss * self.loss_scale if self.loss_scale != 1.0 else loss)
+        self.engine.backward(loss * self.grad_factor if self.grad_factor != 1.0 else loss)
         return step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
 
     def _all_reduce_to_host(self, stats: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""One rank of tests/test_layout_invariance.py: train several layouts of the same job, one after
+the other, in one process group (the launch and imports are paid once per world size).
+
+    python tests/layout_worker.py SPEC.json      (RANK, WORLD_SIZE, MASTER_* set per rank)
+
+SPEC: ``{"out": DIR, "runs": [{"name": ..., "overrides": [...]}, ...]}``. Each run trains
+through the real :class:`linformer_ds.train.Trainer` with ``logging.dir = DIR/name`` (its
+metrics.jsonl holds the per-step loss and grad norm); rank 0 then writes the whole final
+parameters to ``DIR/name/params.pt`` (gathered from ZeRO-3 partitions and sequence shards).
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from linformer_ds.config import load_config  # noqa: E402
+from linformer_ds.train import Trainer  # noqa: E402
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
+
+
+def full_parameters(trainer: Trainer) -> dict:
+    """Every parameter whole, on every rank (collective): ZeRO-3 partitions gathered, and
+    sequence-sharded parameters (if any) gathered over the sequence-parallel group."""
+    import deepspeed
+
+    model = trainer.engine.module
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=trainer.cfg.deepspeed.zero.stage == 3):
+        if trainer.sp_group is not None:
+            from linformer_ds.sequence_parallel import full_state_dict
+
+            sd = full_state_dict(model, trainer.sp_group)
+        else:
+            sd = model.state_dict()
+        names = {n for n, _ in model.named_parameters()}
+        return {k: v.detach().clone().float() for k, v in sd.items() if k in names}
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    for run in spec["runs"]:
+        run_dir = os.path.join(spec["out"], run["name"])
+        overrides = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + run["overrides"]
+        trainer = Trainer(load_config(TINY_CONFIG, overrides))
+        try:
+            code = trainer.train()
+            params = full_parameters(trainer)
+        finally:
+            trainer.close()
+        if code != 0:
+            raise SystemExit(f"{run['name']}: exit {code}")
+        if trainer.rank == 0:
+            torch.save(params, os.path.join(run_dir, "params.pt"))
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # no gloo teardown after ZeRO-3 (see linformer_ds.train.run_and_exit)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
