@@ -76,7 +76,11 @@ def _decode(raw: bytes, stats: SourceStats, encoding: str = "utf-8") -> str:
     try:
         text = raw.decode(encoding)
     except UnicodeDecodeError:
-        text = _replace_escaped(raw.decode(encoding, "surrogateescape"), stats)
+        try:
+            text = _replace_escaped(raw.decode(encoding, "surrogateescape"), stats)
+        except UnicodeDecodeError:  # e.g. UTF-16 with an odd byte count ("truncated data")
+            text = raw.decode(encoding, "replace")
+            stats.undecodable_bytes += max(1, text.count("\ufffd"))
     return text[1:] if text.startswith("\ufeff") else text
 
 
