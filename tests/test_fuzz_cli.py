@@ -709,3 +709,18 @@ def test_metrics_jsonl_on_a_full_disk_ends_with_a_whole_record(small_tmpfs, caps
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     warnings = [line for line in capsys.readouterr().out.splitlines() if "[warn]" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+
+
+def test_data_prep_text_misread_as_utf16_is_counted_not_a_traceback(base):
+    """Found by the long fuzz campaign: UTF-8 files read with --encoding utf-16 (an odd byte
+    count: "truncated data") raised UnicodeDecodeError; the bytes are replaced and counted."""
+    from data_prep.__main__ import main
+
+    with workspace(base) as ws:
+        flags = ["--tokenizer", str(ws / "tokenizer.model"), "--seq-len", "32"]
+        argv = data_prep_case(ws, "dir", "new", [*flags, "--encoding", "utf-16"])
+        rc, err = run_contract(main, argv, ws)  # exit 0 or 2 with one line, no traceback
+        if rc == 0:
+            out = out_path(ws, "new", "data_prep")
+            manifest = json.loads((out / "manifest.json").read_text())
+            assert manifest["source"]["undecodable_bytes"] > 0, err
