@@ -314,13 +314,14 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
         model.encoder.set_activation_checkpointing(
             functools.partial(checkpoint, use_reentrant=False)
         )
-    # sharded: the replicated parameters' gradients are summed over the SP group in backward
-    sp_grad_bytes = sum(
-        q.numel() * q.element_size() for q in model.parameters()
-        if q.requires_grad and not hasattr(q, sp.SHARD_ATTR)
-    ) if groups is not None and case.shard else 0  # fmt: skip
     params = param_groups(model, job.optimizer.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, **kwargs)
+    # sharded: the replicated parameters' gradients are summed over the SP group in backward,
+    # in the training dtype (counted after initialize: bf16 runs cast the parameters there)
+    sp_grad_bytes = sum(
+        getattr(q, "ds_numel", q.numel()) * q.element_size() for q in model.parameters()
+        if q.requires_grad and not hasattr(q, sp.SHARD_ATTR)
+    ) if groups is not None and case.shard else 0  # fmt: skip
     batch = mlm_batch(bc.vocab, 1, case.n, bc.mlm_fraction, bc.seed)
     if groups is not None:
         batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
