@@ -49,7 +49,6 @@ from data_prep.tokenizer import (
     PAD_ID,
     document_lines,
     file_sha256,
-    load_tokenizer,
     split_long_line,
     tokenizer_info,
 )
@@ -660,19 +659,10 @@ def _copy_tokenizer(ctx: _Ctx) -> Tuple[bytes, Dict[str, Any]]:
     cfg = ctx.cfg
     proto, info = b"", {}
     if ctx.rank == 0:
-        from data_prep.pipeline import TOKENIZER
+        from data_prep.pipeline import TOKENIZER, copy_given_tokenizer
 
-        if not os.path.isfile(cfg.tokenizer):
-            raise DataPrepError(f"--tokenizer file does not exist: {cfg.tokenizer!r}")
-        sp = load_tokenizer(cfg.tokenizer)
-        if cfg.vocab_size is not None and cfg.vocab_size != sp.get_piece_size():
-            raise DataPrepError(
-                f"--vocab-size {cfg.vocab_size} does not match --tokenizer {cfg.tokenizer!r} "
-                f"(vocab {sp.get_piece_size()}); omit --vocab-size"
-            )
         dest = os.path.join(cfg.out, TOKENIZER)
-        shutil.copyfile(cfg.tokenizer, dest + ".tmp")
-        os.replace(dest + ".tmp", dest)
+        sp = copy_given_tokenizer(cfg, dest)
         info = tokenizer_info(dest, sp, None)
         with open(dest, "rb") as f:
             proto = f.read()

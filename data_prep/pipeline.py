@@ -294,16 +294,7 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
         return load_tokenizer(dest), state["tokenizer"]
     trained = None
     if cfg.tokenizer is not None:
-        if not os.path.isfile(cfg.tokenizer):
-            raise DataPrepError(f"--tokenizer file does not exist: {cfg.tokenizer!r}")
-        sp = load_tokenizer(cfg.tokenizer)
-        if cfg.vocab_size is not None and cfg.vocab_size != sp.get_piece_size():
-            raise DataPrepError(
-                f"--vocab-size {cfg.vocab_size} does not match --tokenizer {cfg.tokenizer!r} "
-                f"(vocab {sp.get_piece_size()}); omit --vocab-size"
-            )
-        shutil.copyfile(cfg.tokenizer, dest + ".tmp")
-        os.replace(dest + ".tmp", dest)
+        sp = copy_given_tokenizer(cfg, dest)
     else:
         t0 = time.time()
         source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
@@ -324,6 +315,22 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
             )
         return train_on_sample(cfg, sentences, sampled, t0)
     return sp, tokenizer_info(dest, sp, trained)
+
+
+def copy_given_tokenizer(cfg: PrepConfig, dest: str):
+    """Check ``--tokenizer`` (exists, agrees with ``--vocab-size``), copy it to ``dest``
+    atomically and return it loaded."""
+    if not os.path.isfile(cfg.tokenizer):
+        raise DataPrepError(f"--tokenizer file does not exist: {cfg.tokenizer!r}")
+    sp = load_tokenizer(cfg.tokenizer)
+    if cfg.vocab_size is not None and cfg.vocab_size != sp.get_piece_size():
+        raise DataPrepError(
+            f"--vocab-size {cfg.vocab_size} does not match --tokenizer {cfg.tokenizer!r} "
+            f"(vocab {sp.get_piece_size()}); omit --vocab-size"
+        )
+    shutil.copyfile(cfg.tokenizer, dest + ".tmp")
+    os.replace(dest + ".tmp", dest)
+    return sp
 
 
 def train_on_sample(
