@@ -504,8 +504,7 @@ def prepare(cfg: PrepConfig) -> PrepResult:
         except OSError as e:  # writing the output failed (disk full, file system gone read-only)
             kept = _documents_done(cfg.out)
             raise DataPrepError(
-                f"could not write to --out {cfg.out}: {e.strerror or e}"
-                f"{' (' + e.filename + ')' if e.filename else ''}; "
+                outdir.write_error(e, f"to --out {cfg.out}") + "; "
                 + (
                     f"the {kept} documents packed so far are kept: fix it and rerun with --resume"
                     if kept

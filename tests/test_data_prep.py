@@ -596,3 +596,26 @@ def test_rank_options_are_checked(corpus, tmp_path, kw, message):
     with pytest.raises(DataPrepError, match=message):
         run(tmp_path, "out", [str(corpus["dir"])], tokenizer=corpus["model"], **kw)
     assert not (tmp_path / "out").exists()
+
+
+def test_shard_write_past_ulimit_f_names_the_limit(corpus, tmp_path):
+    """issue 21's gap: a shard write stopped by `ulimit -f` said only "File too large". It is one
+    line naming the file-size limit, exit 2, and --out is not left half-written."""
+    import resource
+
+    size = Path(corpus["model"]).stat().st_size  # the tokenizer copy fits, the shards do not
+    cap = size + 64 * 1024
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "data_prep", "--source", "stdlib", "--out", str(out),
+           "--seq-len", "64", "--tokenizer", corpus["model"], "--max-docs", "400",
+           "--shard-rows", "100000", "--quiet"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       preexec_fn=limit)  # fmt: skip
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"file-size limit (ulimit -f: {cap} bytes)" in lines[0], lines[0]
+    assert not (out / "manifest.json").exists()
