@@ -283,6 +283,9 @@ class ActivationCheckpointingConfig(Section):
     cpu_checkpointing: bool = False  # DeepSpeed: keep checkpoints in CPU memory
     # checkpoint the first N layers (None: all)
     number_checkpoints: Optional[int] = bounded(None, 1, MAX_COUNT)
+    # layer: one checkpoint per layer; sublayer: the attention and the feed-forward sub-layers
+    # apart (twice the saved inputs, the backward holds one sub-layer's activations at a time)
+    granularity: str = one_of("layer", ("layer", "sublayer"))
 
     def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
         layers = job.model.num_layers

@@ -116,14 +116,16 @@ def apply_activation_checkpointing(model: torch.nn.Module, cfg: JobConfig, ds_co
 
         deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
 
-        def fn(layer, x, mask, shared):
+        def fn(block, x, *rest):
             # Only the activation goes through DeepSpeed's checkpoint: its partitioned path
             # mis-pairs tensors with their sizes when non-tensor arguments (the shared
             # projection module, a None mask) are passed along (deepspeed 0.19).
-            return non_reentrant_checkpoint(lambda h: layer(h, mask, shared), x)
+            return non_reentrant_checkpoint(lambda h: block(h, *rest), x)
     else:
         fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    model.encoder.set_activation_checkpointing(fn, layers=list(range(n_layers)))
+    model.encoder.set_activation_checkpointing(
+        fn, layers=list(range(n_layers)), granularity=ac.granularity
+    )
 
 
 def build_model(cfg: JobConfig) -> LinformerForMaskedLMPretraining:

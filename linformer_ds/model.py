@@ -494,17 +494,35 @@ class EncoderLayer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
     ) -> torch.Tensor:
+        return self.ffn_block(self.attention_block(x, attention_mask, shared_projection))
+
+    def attention_block(
+        self,
+        x: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        shared_projection: Optional[nn.Module] = None,
+    ) -> torch.Tensor:
+        """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``."""
         if self.pre_ln:
-            x = x + self.drop(self.attention(self.ln1(x), attention_mask, shared_projection))
+            return x + self.drop(self.attention(self.ln1(x), attention_mask, shared_projection))
+        return self.ln1(x + self.drop(self.attention(x, attention_mask, shared_projection)))
+
+    def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``."""
+        if self.pre_ln:
             return x + self.drop(self.ffn(self.ln2(x)))
-        x = self.ln1(x + self.drop(self.attention(x, attention_mask, shared_projection)))
         return self.ln2(x + self.drop(self.ffn(x)))
 
 
 def check_inputs(
-    config: ModelConfig, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    config: ModelConfig,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    check_ids: bool = True,
 ) -> None:
-    """Clear errors for bad model input, before anything deep inside torch can fail."""
+    """Clear errors for bad model input, before anything deep inside torch can fail.
+    ``check_ids=False`` leaves out the token-id range check (two device->host reads on a GPU)
+    for callers that checked the ids on the host (the trainer's data pipeline)."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -566,18 +584,28 @@ class LinformerEncoder(nn.Module):
         )
         self._checkpoint_fn: Optional[Callable[..., Any]] = None
         self._checkpoint_layers: set = set()
+        self._checkpoint_granularity = "layer"
 
     def set_activation_checkpointing(
-        self, fn: Optional[Callable[..., Any]], layers: Optional[List[int]] = None
+        self,
+        fn: Optional[Callable[..., Any]],
+        layers: Optional[List[int]] = None,
+        granularity: str = "layer",
     ) -> None:
         """Wrap layer calls in ``fn(layer, x, mask, shared_projection)`` while training.
 
         ``fn`` is e.g. ``functools.partial(torch.utils.checkpoint.checkpoint,
         use_reentrant=False)``; ``layers`` selects which layers (default: all). ``None`` turns
-        checkpointing off.
+        checkpointing off. ``granularity="sublayer"`` checkpoints the attention and the
+        feed-forward sub-layers of each selected layer separately (``fn(layer.attention_block,
+        x, mask, shared_projection)``, then ``fn(layer.ffn_block, x)``): twice the saved inputs,
+        but the backward pass recomputes and holds one sub-layer at a time instead of a layer.
         """
+        if granularity not in ("layer", "sublayer"):
+            raise ValueError(f"granularity must be layer or sublayer, got {granularity!r}")
         self._checkpoint_fn = fn
         self._checkpoint_layers = set(range(len(self.layers)) if layers is None else layers)
+        self._checkpoint_granularity = granularity
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
@@ -625,7 +653,11 @@ class LinformerEncoder(nn.Module):
                 hidden_states.append(x)
             shared = self._shared_for(layer)
             if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
-                x = self._checkpoint_fn(layer, x, attention_mask, shared)
+                if self._checkpoint_granularity == "sublayer":
+                    x = self._checkpoint_fn(layer.attention_block, x, attention_mask, shared)
+                    x = self._checkpoint_fn(layer.ffn_block, x)
+                else:
+                    x = self._checkpoint_fn(layer, x, attention_mask, shared)
             else:
                 x = layer(x, attention_mask, shared)
         x = self.final_ln(x)

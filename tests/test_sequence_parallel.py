@@ -128,7 +128,8 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         for sched in SCHEDULES
         for sharing in SHARING
     ]
-    cases += [("mixed", "headwise", True, False), ("mixed", "headwise", True, True)]
+    # per layer unsharded, per sub-layer (attention, feed-forward apart) sharded
+    cases += [("mixed", "headwise", "layer", False), ("mixed", "headwise", "sublayer", True)]
     for sched, sharing, checkpointing, shard in cases:
         torch.manual_seed(0)
         extra = {"max_seq_len": N} if shard else {}
@@ -148,7 +149,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         sp.parallelize(model, groups.sp_group)
         if checkpointing:
             fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-            model.encoder.set_activation_checkpointing(fn)
+            model.encoder.set_activation_checkpointing(fn, granularity=checkpointing)
         loss_ref = reference_loss(ref, batch)
         loss_ref.backward()
         loss = sp_loss(model, local, groups.sp_group)
@@ -165,7 +166,9 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
             g = p.grad.clone()
             dist.all_reduce(g, group=groups.sp_group)
             errs[name] = rel_err(g, p_ref.grad, floor)
-        tag = ("/checkpointed" if checkpointing else "") + ("/sharded" if shard else "")
+        tag = (f"/checkpointed-{checkpointing}" if checkpointing else "") + (
+            "/sharded" if shard else ""
+        )
         results["cases"][f"{sched}/{sharing}{tag}"] = errs
 
     # Bytes handed to collectives by one layer of each kind, forward and backward.
