@@ -14,9 +14,14 @@ inventory) and ``latest`` are written atomically. On load a tag is used only if 
 (marker, metadata, every inventoried file present at its recorded size, one optimizer shard per
 saved rank); ``auto`` resume falls back to the newest tag that does, with a warning.
 
-World-size changes: a ZeRO checkpoint saved under another number of ranks is converted once with
-DeepSpeed's universal checkpoint (``ds_to_universal``) into ``checkpoint.dir/universal/<tag>``
-and loaded with ``{"checkpoint": {"load_universal": true}}``.
+Layout changes (another number of ranks, sequence-parallel size P, or E/F / position sharding;
+see :func:`layout_route`): a ZeRO 1-3 checkpoint is converted once with DeepSpeed's universal
+checkpoint (``ds_to_universal``) into ``checkpoint.dir/universal/<tag>`` and loaded with
+``{"checkpoint": {"load_universal": true}}`` (ZeRO-3: two repairs after DeepSpeed's load, see
+:func:`repair_zero3_universal_load`, and per-SP-rank copies for a sharded run). ZeRO-0 has no
+optimizer shards for ``ds_to_universal`` to read (its fp32 optimizer is a plain torch AdamW whose
+state lies in each model-parallel file), so a P or sharding change is re-sharded by
+:func:`reshard_zero0` into native files. Either copy is derived data, removed after the load.
 
 Security: DeepSpeed 0.19.8 reads its files with ``torch.load(weights_only=False)``.
 :func:`install_safe_loader` replaces the engine's loader by ``weights_only=True`` with only the
@@ -513,7 +518,8 @@ def _short_value(v: Any) -> str:
 # Engine changes a universal checkpoint carries (measured, deepspeed 0.19.8, 1 CPU rank, see
 # docs/reliability.md): ZeRO stage 1 <-> 2 and precision bf16 <-> fp32 load, losses continue
 # within 1e-4; a change to or from ZeRO-3 fails inside DeepSpeed (AssertionError); ZeRO-0 has
-# no optimizer shards to convert; fp16 is untested (no CPU support) and refused.
+# no optimizer shards to convert; fp16 is untested (no CPU support) and refused. Layout changes
+# at an unchanged stage (ZeRO 0-3): layout_route.
 UNIVERSAL_STAGES = (1, 2)
 UNIVERSAL_PRECISIONS = ("bf16", "fp32")
 
@@ -574,29 +580,45 @@ def config_layout(cfg: JobConfig) -> Dict[str, Any]:
     }
 
 
-def check_shard_layout(ckpt_dir: str, tag: str, meta: Dict[str, Any], cfg: JobConfig) -> bool:
-    """True if the E/F / position sharding differs between the checkpoint and the config (it
-    then loads through a universal checkpoint); a :class:`CheckpointError` when DeepSpeed cannot
-    re-shard it (ZeRO-0 and ZeRO-3 checkpoints have no universal form here)."""
-    saved, now = sharded_sp_size(meta), sharded_sp_size(config_layout(cfg))
-    if saved == now:
-        return False
-    shards = glob.glob(os.path.join(ckpt_dir, tag, "*_optim_states.pt"))
-    stage = int(meta.get("zero_stage", 0))
-    if shards and stage in UNIVERSAL_STAGES and cfg.deepspeed.zero.stage in UNIVERSAL_STAGES:
-        return True
+# How a checkpoint saved in another layout (world size, P, E/F / position sharding) loads, per
+# ZeRO stage (the saved stage and precision equal the run's; check_engine_config handles those):
+#   1, 2  DeepSpeed's universal checkpoint (ds_to_universal), every change.
+#   3     DeepSpeed's universal checkpoint too (its stage-3 converter merges the DP partitions and,
+#         for a sharded save, the SP ranks' pieces as tensor-parallel slices). Its ZeRO-3 loader
+#         cuts a tensor-parallel piece only for AutoTP parameters, so for a sharded run each SP
+#         rank reads a copy of the universal directory whose E/F and position files hold its
+#         own slice already (:func:`cut_universal_per_sequence_rank`).
+#   0     no ZeRO optimizer shards to convert (fp32: DeepSpeed keeps the plain torch AdamW
+#         state in each model-parallel file, ds_to_universal finds nothing to read), so
+#         :func:`reshard_zero0` writes the new layout's files itself: every sharded weight and
+#         its exp_avg / exp_avg_sq joined whole, then cut for the new P. A world-size change
+#         alone needs nothing (each file is replicated over data-parallel ranks).
+RESHARD_DIRECT = "reshard"  # ZeRO-0: reshard_zero0
+VIA_UNIVERSAL = "universal"  # ZeRO 1-3: ds_to_universal
+
+
+def layout_route(
+    ckpt_dir: str, tag: str, meta: Dict[str, Any], cfg: JobConfig, world_size: int
+) -> Optional[str]:
+    """How a checkpoint whose layout may differ from the run's loads: None (natively: same
+    layout, or a change DeepSpeed's own loading covers), :data:`VIA_UNIVERSAL` or
+    :data:`RESHARD_DIRECT`; a :class:`CheckpointError` naming the way out when neither can."""
+    where = os.path.join(ckpt_dir, tag)
+    saved_p, now_p = sharded_sp_size(meta), sharded_sp_size(config_layout(cfg))
+    shards = glob.glob(os.path.join(where, "*_optim_states.pt"))
+    world_changed = int(meta["world_size"]) != int(world_size)
+    if shards and (world_changed or saved_p != now_p):
+        return VIA_UNIVERSAL
+    if saved_p == now_p:
+        return None
+    if int(meta.get("zero_stage", 0)) == 0 and not shards:
+        return RESHARD_DIRECT
     raise CheckpointError(
-        f"{os.path.join(ckpt_dir, tag)} holds E/F and positions sharded over {saved} rank(s), "
-        f"this config over {now} (parallel.sequence_parallel_size / "
-        "parallel.shard_sequence_parameters); only ZeRO-1/2 checkpoints re-shard (universal "
-        f"checkpoint). Resume with the saved layout, or export the weights and start a new run"
+        f"{where} holds E/F and positions sharded over {saved_p} rank(s), this config over "
+        f"{now_p} (parallel.sequence_parallel_size / parallel.shard_sequence_parameters), and "
+        "it has no optimizer shards to re-shard (a ZeRO-0 bf16/fp16 run cannot be sharded). "
+        "Resume with the saved layout, or export the weights and start a new run"
     )
-
-
-def needs_universal(ckpt_dir: str, tag: str, meta: Dict[str, Any], world_size: int) -> bool:
-    """True if the tag holds ZeRO optimizer shards for another number of ranks."""
-    shards = glob.glob(os.path.join(ckpt_dir, tag, "*_optim_states.pt"))
-    return bool(shards) and int(meta["world_size"]) != int(world_size)
 
 
 def safe_globals() -> List[Any]:
@@ -669,6 +691,159 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
             f"converting {src} to a universal checkpoint failed: {type(e).__name__}: {e}"
         ) from None
     return root
+
+
+def cut_universal_per_sequence_rank(
+    root: str, tag: str, shards: Dict[str, Tuple[int, List[int]]], sp_size: int
+) -> List[str]:
+    """ZeRO-3, sharded run: ``root/tag`` (a universal checkpoint) -> ``root/sp<r>/tag`` for each
+    SP rank r, the same checkpoint (links) except that the fp32 / exp_avg / exp_avg_sq files of
+    every parameter in ``shards`` (name -> (sequence dim, whole shape)) hold rank r's slice.
+    DeepSpeed 0.19.8's ZeRO-3 universal loader takes each file as the whole parameter and
+    partitions it over the data-parallel group; it cuts tensor-parallel pieces only for AutoTP
+    parameters. Returns the load directories, by SP rank."""
+    from linformer_ds.sequence_parallel import shard_tensor
+
+    src = os.path.join(root, tag)
+    roots = []
+    for r in range(sp_size):
+        out = os.path.join(root, f"sp{r}", tag)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(os.path.join(out, "zero"))
+        for name in os.listdir(src):
+            if name != "zero":
+                os.symlink(os.path.abspath(os.path.join(src, name)), os.path.join(out, name))
+        for name in sorted(os.listdir(os.path.join(src, "zero"))):
+            param_src = os.path.abspath(os.path.join(src, "zero", name))
+            if name not in shards:
+                os.symlink(param_src, os.path.join(out, "zero", name))
+                continue
+            dim, shape = shards[name]
+            os.makedirs(os.path.join(out, "zero", name))
+            for f in sorted(os.listdir(param_src)):
+                path = os.path.join(param_src, f)
+                if f not in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
+                    os.symlink(path, os.path.join(out, "zero", name, f))
+                    continue
+                # a file ds_to_universal has just written (it may hold DeepSpeed's own classes)
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                whole = (state["param"] if isinstance(state, dict) else state).reshape(shape)
+                piece = shard_tensor(whole, dim, r, sp_size).contiguous().clone()
+                torch.save(piece, os.path.join(out, "zero", name, f))
+        roots.append(os.path.join(root, f"sp{r}"))
+    return roots
+
+
+def repair_zero3_universal_load(engine, universal_dir: str, tag: str) -> None:
+    """ZeRO-3 after a universal load, two fixes to DeepSpeed 0.19.8's
+    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3`` (measured: without them the losses
+    after a resume drift by 3e-5 at the second step, 4e-4 at the fourth):
+
+    - it copies group 0's options (weight decay among them) into every parameter group, so the
+      no-decay group would decay: each group gets its own saved options back;
+    - it gives every sub-group's state the same ``step`` tensor, which torch's AdamW increments
+      in place once per sub-group per step (bias correction of step 4 after step 2): each
+      sub-group gets its own copy."""
+    path = os.path.join(universal_dir, tag, "zero", "optimizer_state.pt")
+    with weights_only_torch_load():
+        saved = torch.load(path, map_location="cpu")["optimizer_state_dict"]["param_groups"]
+    optimizer = engine.optimizer.optimizer
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path}: {len(saved)} optimizer parameter groups, this run has "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, options in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in options.items() if k != "params"})
+    for flat in engine.optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def sequence_shards(model: Any) -> Dict[str, Tuple[int, List[int]]]:
+    """name -> (sequence dim, whole shape) of every sharded E/F / position parameter of a live
+    (possibly ZeRO-3 partitioned) model."""
+    from linformer_ds.sequence_parallel import SHARD_ATTR
+
+    out = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, SHARD_ATTR):
+            dim, size = getattr(p, SHARD_ATTR)
+            shape = list(getattr(p, "ds_shape", p.shape))
+            shape[dim] = size
+            out[name] = (dim, shape)
+    return out
+
+
+def optimizer_index_names(engine) -> List[str]:
+    """The parameter name behind each index of the optimizer's state dict (torch numbers the
+    parameters group by group, in order)."""
+    name_of = {id(p): n for n, p in engine.module.named_parameters()}
+    return [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+
+
+def reshard_zero0(
+    ckpt_dir: str, tag: str, saved_p: int, now_p: int, index_names: List[str], out_root: str
+) -> str:
+    """ZeRO-0 fp32: ``ckpt_dir/tag``, saved with E/F and positions sharded over ``saved_p`` ranks
+    (1: whole), -> ``out_root/tag`` holding the same model and AdamW state sharded over
+    ``now_p``, in DeepSpeed's native files (``mp_rank_<r>_model_states.pt``, one per SP rank).
+    Each sharded weight and its exp_avg / exp_avg_sq are joined along their sequence dim in
+    rank order, then cut in ``now_p`` equal parts; everything else is copied. ``index_names``:
+    :func:`optimizer_index_names` of the engine that will load it. Returns ``out_root``."""
+    from linformer_ds.sequence_parallel import sequence_dim, shard_tensor
+
+    src = os.path.join(ckpt_dir, tag)
+    parts = [
+        safe_torch_load(os.path.join(src, f"mp_rank_{r:02d}_model_states.pt"))
+        for r in range(saved_p)
+    ]
+    optims = [p.get("optimizer") for p in parts]
+    if not all(isinstance(o, dict) and {"state", "param_groups"} <= set(o) for o in optims):
+        raise CheckpointError(f"{src}: its ZeRO-0 files hold no plain optimizer state to re-shard")
+    saved_index = [i for g in optims[0]["param_groups"] for i in g["params"]]
+    if len(saved_index) != len(index_names):
+        raise CheckpointError(
+            f"{src}: its optimizer has {len(saved_index)} parameters, this model "
+            f"{len(index_names)}; resume with the saved layout"
+        )
+    dims = {n: sequence_dim(n, t.dim()) for n, t in parts[0]["module"].items()}
+
+    def whole(get: Callable[[Dict[str, Any]], torch.Tensor], name: str) -> Any:
+        t = get(parts[0])
+        if saved_p == 1 or dims.get(name) is None or not torch.is_tensor(t) or t.dim() == 0:
+            return t
+        return torch.cat([get(p) for p in parts], dim=dims[name])
+
+    def cut(t: Any, name: str, r: int) -> Any:
+        if now_p == 1 or dims.get(name) is None or not torch.is_tensor(t) or t.dim() == 0:
+            return t
+        return shard_tensor(t, dims[name], r, now_p).contiguous().clone()
+
+    module = {n: whole(lambda p, n=n: p["module"][n], n) for n in parts[0]["module"]}
+    state = {}
+    for i, st in optims[0]["state"].items():
+        name = index_names[saved_index.index(i)]
+        state[i] = {k: whole(lambda p, i=i, k=k: p["optimizer"]["state"][i][k], name) for k in st}
+        for k, v in state[i].items():
+            if torch.is_tensor(v) and v.dim() and v.shape != module[name].shape:
+                raise CheckpointError(
+                    f"{src}: optimizer state {i} ({k}, shape {tuple(v.shape)}) does not match "
+                    f"{name} {tuple(module[name].shape)}; resume with the saved layout"
+                )
+    out = os.path.join(out_root, tag)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    for r in range(now_p):
+        files = dict(parts[0], mp_world_size=now_p)
+        files["module"] = {n: cut(t, n, r) for n, t in module.items()}
+        files["optimizer"] = dict(optims[0], state={
+            i: {k: cut(v, index_names[saved_index.index(i)], r) for k, v in st.items()}
+            for i, st in state.items()
+        })  # fmt: skip
+        torch.save(files, os.path.join(out, f"mp_rank_{r:02d}_model_states.pt"))
+    return out_root
 
 
 def load(
@@ -790,7 +965,8 @@ class CheckpointManager:
         self.dataset = dataset  # its tokenizer.model and special ids go into each checkpoint
         self.tag: Optional[str] = None
         self.meta: Optional[Dict[str, Any]] = None
-        self.universal = False
+        self.universal = False  # loaded through DeepSpeed's universal checkpoint
+        self.route: Optional[str] = None  # see layout_route
         self.last_saved_step = -1
         self.load_seconds = 0.0
         self.components: Dict[str, Stateful] = {}
@@ -835,20 +1011,19 @@ class CheckpointManager:
             where = os.path.join(self.dir, self.tag)
             check_run_config(self.meta, self.cfg, where)
             notice = check_engine_config(self.dir, self.tag, self.meta, self.cfg)
-            self.universal = notice is not None or needs_universal(
-                self.dir, self.tag, self.meta, self.world
-            )
-            if check_shard_layout(self.dir, self.tag, self.meta, self.cfg):
-                self.universal = True
-                if self.rank == 0 and int(self.meta["world_size"]) == self.world:
-                    print(
-                        f"[resume] {where}: E/F and positions were sharded over "
-                        f"{sharded_sp_size(self.meta)} rank(s), now "
-                        f"{sharded_sp_size(config_layout(self.cfg))}: loading it through a "
-                        "universal checkpoint",
-                        flush=True,
-                    )
-            if notice and self.rank == 0 and int(self.meta["world_size"]) == self.world:
+            route = layout_route(self.dir, self.tag, self.meta, self.cfg, self.world)
+            self.route = VIA_UNIVERSAL if notice is not None else route
+            self.universal = self.route == VIA_UNIVERSAL
+            same_world = int(self.meta["world_size"]) == self.world
+            saved_p, now_p = sharded_sp_size(self.meta), sharded_sp_size(config_layout(self.cfg))
+            if saved_p != now_p and self.rank == 0 and same_world:
+                how = "a universal checkpoint" if self.universal else "re-sharded ZeRO-0 files"
+                print(
+                    f"[resume] {where}: E/F and positions were sharded over {saved_p} rank(s), "
+                    f"now {now_p}: loading it through {how}",
+                    flush=True,
+                )
+            if notice and self.rank == 0 and same_world:
                 print(f"[resume] {notice}", flush=True)
             self.last_saved_step = int(self.meta["step"])
         return self.tag
@@ -863,24 +1038,58 @@ class CheckpointManager:
 
         assert self.tag is not None and self.meta is not None
         load_dir = None
-        if self.universal:
+        if self.route is not None:
+            root = os.path.join(self.dir, UNIVERSAL_DIR)
+            now_p = sharded_sp_size(config_layout(self.cfg))
+            per_sp_rank = self.universal and self.cfg.deepspeed.zero.stage == 3 and now_p > 1
             if self.rank == 0:
                 if int(self.meta["world_size"]) != self.world:  # (else prepare said why)
+                    how = (
+                        "converting it to a universal checkpoint"
+                        if self.universal
+                        else "re-sharding its ZeRO-0 files"
+                    )
                     print(
                         f"[resume] {self.dir}/{self.tag} was saved by {self.meta['world_size']} "
-                        f"rank(s), this run has {self.world}: converting it to a universal "
-                        "checkpoint",
+                        f"rank(s), this run has {self.world}: {how}",
                         flush=True,
                     )
-                convert_to_universal(self.dir, self.tag)
+                self._convert(engine, root, now_p, per_sp_rank)
             dist.barrier()
-            load_dir = os.path.join(self.dir, UNIVERSAL_DIR)
+            load_dir = root
+            if per_sp_rank:
+                load_dir = os.path.join(root, f"sp{engine.mpu.get_model_parallel_rank()}")
         client = load(engine, self.dir, self.tag, self.cfg, load_dir=load_dir)
-        if self.universal:
+        if self.universal and self.cfg.deepspeed.zero.stage == 3:
+            assert load_dir is not None
+            repair_zero3_universal_load(engine, load_dir, self.tag)
+        if self.route is not None:
             dist.barrier()
             if self.rank == 0:  # derived data: the next save writes a native checkpoint
                 shutil.rmtree(os.path.join(self.dir, UNIVERSAL_DIR), ignore_errors=True)
         return client
+
+    def _convert(self, engine, root: str, now_p: int, per_sp_rank: bool) -> None:
+        """Rank 0: write the prepared tag in a form this layout loads, under ``root``."""
+        assert self.tag is not None and self.meta is not None
+        try:
+            if self.universal:
+                convert_to_universal(self.dir, self.tag)
+                if per_sp_rank:
+                    shards = sequence_shards(engine.module)
+                    cut_universal_per_sequence_rank(root, self.tag, shards, now_p)
+            else:
+                saved_p = sharded_sp_size(self.meta)
+                names = optimizer_index_names(engine)
+                reshard_zero0(self.dir, self.tag, saved_p, now_p, names, root)
+        except CheckpointError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            shutil.rmtree(root, ignore_errors=True)
+            raise CheckpointError(
+                f"re-sharding {self.dir}/{self.tag} for this layout failed: {_reason(e, root)}"
+                f"{_free_space(self.dir)}; the checkpoint itself is intact"
+            ) from None
 
     def resume(self, engine) -> int:
         """Collective: load the prepared tag into ``engine`` and every registered component;
