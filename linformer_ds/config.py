@@ -211,6 +211,12 @@ class SchedulerConfig(Section):
     min_lr_ratio: float = bounded(0.0, 0, 1, text="in [0, 1]")
 
 
+# torch.compile backends that train.compile takes: inductor (code generation), aot_eager
+# (traced forward and backward run by eager kernels: a check of the capture), eager (capture only)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainConfig(Section):
     key: ClassVar[str] = "train"
@@ -233,9 +239,22 @@ class TrainConfig(Section):
     nonfinite: str = one_of("stop", ("stop", "skip"))
     # sequence-length stages in step order (see docs/data.md); empty: one stage, all of data
     stages: List[StageConfig] = field(default_factory=list)
+    # torch.compile the model through DeepSpeed's engine (engine.compile; docs/observability.md)
+    compile: bool = False
+    compile_backend: str = one_of("inductor", COMPILE_BACKENDS, note="torch.compile's backend")
+    # inductor's mode; null: its default
+    compile_mode: Optional[str] = one_of(None, COMPILE_MODES, note="or null: inductor's default")
+    # null: static shapes first, dynamic after a shape changes (torch's default); true / false
+    compile_dynamic: Optional[bool] = None
 
     def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
         ds = job.deepspeed
+        if self.compile_mode is not None and self.compile_backend != "inductor":
+            self.bad(
+                "compile_mode",
+                f"is inductor's option; compile_backend is {self.compile_backend!r} (set "
+                "compile_mode=null or compile_backend=inductor)",
+            )
         if self.nonfinite == "skip" and ds.precision == "fp32" and ds.zero.stage == 0:
             self.bad(
                 "nonfinite",
