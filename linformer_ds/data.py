@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 import torch
 
+from linformer_ds.model import labelled_positions
+
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
 IGNORE_INDEX = -100
@@ -452,11 +454,24 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         self._start, self._yielded = consumed, 0
 
 
+def to_device(batch: Dict[str, torch.Tensor], device: Union[str, torch.device]) -> Dict[str, Any]:
+    """A host batch (``input_ids, attention_mask, labels`` ``[B, n]``) on ``device``, with
+    ``labelled_index``: the flat indices ``[M]`` of its labelled positions, computed here on
+    the host (:func:`linformer_ds.model.labelled_positions`) so that the model's forward never
+    waits for the device to learn M. On CUDA the tensors go through pinned memory with
+    ``non_blocking``: a pageable copy would wait for the device's queue to drain."""
+    device = torch.device(device)
+    batch = dict(batch, labelled_index=labelled_positions(batch["labels"]))
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 class TrainBatches:
     """The training stream of one rank: sampler -> rows -> MLM masking -> device tensors.
 
-    ``next_batch()`` returns ``input_ids, attention_mask, labels`` ``[micro_batch, N]``; it moves
-    to the next epoch when the current one is exhausted. ``state_dict`` / ``load_state_dict``
+    ``next_batch()`` returns ``input_ids, attention_mask, labels`` ``[micro_batch, N]`` and their
+    ``labelled_index`` (see :func:`to_device`); it moves to the next epoch when the current one is exhausted. ``state_dict`` / ``load_state_dict``
     carry the position (any world size). ``on_batch(step_epoch, indices)`` is an optional
     observer (the trainer's sample-log debug hook).
 
@@ -524,4 +539,4 @@ class TrainBatches:
             from linformer_ds.sequence_parallel import shard_batch
 
             batch, _ = shard_batch(batch, self.sp_rank, self.sp_size)
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return to_device(batch, self.device)  # labelled_index of this rank's slice

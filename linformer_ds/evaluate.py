@@ -22,7 +22,7 @@ def evaluate(
     sequence-parallel ``sp_group`` every rank of the group evaluates its slice of the rows."""
     import deepspeed.comm as dist
 
-    from linformer_ds.data import MLMMasking
+    from linformer_ds.data import MLMMasking, to_device
     from linformer_ds.engine import all_reduce_sum
     from linformer_ds.sequence_parallel import shard_batch
 
@@ -46,14 +46,15 @@ def evaluate(
         batch = masker(tokens, torch.tensor(idx), 0)
         if sp_group is not None:
             batch, _ = shard_batch(batch, dist.get_rank(sp_group), dist.get_world_size(sp_group))
-        batch = {k: v.to(device) for k, v in batch.items()}
-        out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        batch = to_device(batch, device)  # with the labelled positions of this rank's slice
+        out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
+                     labelled_index=batch["labelled_index"])  # fmt: skip
         stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
     engine.train()
-    stats = all_reduce_sum(stats, torch.device(device)).cpu()  # the one read to the host
-    loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))
+    stats = all_reduce_sum(stats, torch.device(device)).tolist()  # the one read to the host
+    loss = stats[STAT_LOSS] / max(stats[STAT_COUNT], 1)
     return {
         "loss": loss,
         "perplexity": math.exp(min(loss, 50.0)),
-        "mlm_accuracy": float(stats[STAT_CORRECT] / max(stats[STAT_COUNT], 1)),
+        "mlm_accuracy": stats[STAT_CORRECT] / max(stats[STAT_COUNT], 1),
     }

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -235,14 +235,15 @@ class Metrics:
         return batch
 
     def step_done(
-        self, step: int, stats: torch.Tensor, seconds: float, skipped: bool = False
+        self, step: int, stats: Sequence[float], seconds: float, skipped: bool = False
     ) -> None:
-        """Add an optimizer step's all-reduced statistics (``[4]`` float64 on the host) and its
-        wall time (data included); ``skipped``: DeepSpeed did not apply the update."""
+        """Add an optimizer step's all-reduced statistics (``[4]`` numbers on the host: a list
+        or a CPU tensor) and its wall time (data included); ``skipped``: DeepSpeed did not
+        apply the update."""
         now = time.perf_counter()
-        self.window += stats[:NUM_STATS]
+        self.window += torch.as_tensor(stats[:NUM_STATS], dtype=torch.float64)
         self._busy += seconds
-        loss = float(stats[STAT_LOSS] / max(stats[STAT_COUNT], 1))
+        loss = float(stats[STAT_LOSS]) / max(float(stats[STAT_COUNT]), 1.0)
         if self.first_loss is None:
             self.first_loss = loss
         self.last_loss = loss

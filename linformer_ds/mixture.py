@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from linformer_ds.data import DataError, MLMMasking, ShardDataset, check_compatible
+from linformer_ds.data import DataError, MLMMasking, ShardDataset, check_compatible, to_device
 from linformer_ds.metrics import Sink
 
 
@@ -295,7 +295,8 @@ class MixtureBatches:
         return tokens, picks
 
     def next_batch(self) -> Dict[str, torch.Tensor]:
-        """``input_ids, attention_mask, labels`` ``[micro_batch, N]`` on the device."""
+        """``input_ids, attention_mask, labels`` ``[micro_batch, N]`` and their
+        ``labelled_index`` on the device (:func:`linformer_ds.data.to_device`)."""
         tokens, picks = self.next_rows()
         if self.sampler.legacy:
             epoch, idx = picks[-1][1], [row for _, _, row in picks]
@@ -310,7 +311,7 @@ class MixtureBatches:
             from linformer_ds.sequence_parallel import shard_batch
 
             batch, _ = shard_batch(batch, self.sp_rank, self.sp_size)
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return to_device(batch, self.device)  # labelled_index of this rank's slice
 
     def _mask_rows(
         self, tokens: torch.Tensor, picks: List[Tuple[int, int, int]]

@@ -536,12 +536,13 @@ def check_inputs(
         )
     if n == 0:
         raise ValueError("input_ids has sequence length 0")
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= config.vocab_size:
-        bad = hi if hi >= config.vocab_size else lo
-        raise ValueError(
-            f"input_ids contain token id {bad} outside the vocabulary [0, {config.vocab_size})"
-        )
+    if check_ids:
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = hi if hi >= config.vocab_size else lo
+            raise ValueError(
+                f"input_ids contain token id {bad} outside the vocabulary [0, {config.vocab_size})"
+            )
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError("attention_mask must be a torch.Tensor")
@@ -559,6 +560,7 @@ class LinformerEncoder(nn.Module):
     """
 
     position_shard_start = 0  # global position of the table's row 0 (sharded sequence parallel)
+    check_token_ids = True  # False: the caller checked the ids on the host (the trainer does)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -624,7 +626,7 @@ class LinformerEncoder(nn.Module):
         ``input_ids``; a ``hidden_states`` list receives ``num_layers + 1`` tensors ``[B, n, D]``:
         the embeddings, the input of every later layer, and the final output (after final_ln)."""
         if inputs_embeds is None:
-            check_inputs(self.config, input_ids, attention_mask)
+            check_inputs(self.config, input_ids, attention_mask, self.check_token_ids)
             tokens = self.token_embeddings(input_ids)
         elif input_ids is not None:
             raise ValueError("pass input_ids or inputs_embeds, not both")
@@ -816,14 +818,24 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         )
 
 
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat row-major indices ``[M]`` (int64, ascending) of the positions of ``labels [B, n]``
+    whose label is not ``-100``. Its size depends on the data: on an accelerator computing it
+    waits for the device, so the trainer's data pipeline computes it on the host."""
+    return torch.nonzero(labels.reshape(-1) != -100).reshape(-1)
+
+
 class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
     """The MLM model as pretraining runs it (same parameters and state dict as
     :class:`LinformerForMaskedLM`): the head and the softmax run only on labelled positions
     (15 % of them), which saves most of the ``V``-wide work.
 
-    ``forward(input_ids, attention_mask, labels, loss_denominator=None) -> LabelledMLMOutput``;
-    the loss is the sum of the labelled positions' cross-entropies over ``loss_denominator``
-    (default: their number; sequence parallelism passes the replica's global count).
+    ``forward(input_ids, attention_mask, labels, loss_denominator=None, labelled_index=None)
+    -> LabelledMLMOutput``; the loss is the sum of the labelled positions' cross-entropies over
+    ``loss_denominator`` (default: their number; sequence parallelism passes the replica's
+    global count). ``labelled_index``: :func:`labelled_positions` of ``labels``, computed by
+    the caller on the host (the trainer's data pipeline does), so the forward never reads
+    from the device; without it the model computes it (one device->host wait on a GPU).
     """
 
     def forward(  # type: ignore[override]
@@ -832,14 +844,22 @@ class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_denominator: Optional[torch.Tensor] = None,
+        labelled_index: Optional[torch.Tensor] = None,
     ) -> LabelledMLMOutput:
         if labels is None:
             raise ValueError("LinformerForMaskedLMPretraining needs labels ([B, n], -100 = ignore)")
         _check_labels(labels, input_ids)
         hidden = self.encoder(input_ids, attention_mask)
-        sel = labels != -100
-        targets = labels[sel]
-        logits = self.lm_head(hidden[sel])
+        if labelled_index is None:
+            labelled_index = labelled_positions(labels)
+        elif labelled_index.dim() != 1 or labelled_index.dtype != torch.long:
+            raise ValueError(
+                "labelled_index must be a 1-D int64 tensor (labelled_positions(labels)), got "
+                f"shape {tuple(labelled_index.shape)} dtype {labelled_index.dtype}"
+            )
+        # gathers with a known size: the same rows (and, backward, the same sums) as labels[sel]
+        targets = labels.reshape(-1).index_select(0, labelled_index)
+        logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled_index))
         total = F.cross_entropy(logits.float(), targets, reduction="sum")
         denom = loss_denominator if loss_denominator is not None else max(targets.numel(), 1)
         return LabelledMLMOutput(

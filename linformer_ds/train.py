@@ -25,6 +25,7 @@ from linformer_ds import checkpointing as ckpt
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
 from linformer_ds.data import IGNORE_INDEX
 from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
+from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import NUM_STATS
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
@@ -187,6 +188,7 @@ class Trainer:
         self._print_setup()
         self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
         self.debug = DebugHooks(self.rank)
+        self.sync_log = StepSyncLog(self.rank, self.device, cfg.logging.dir)  # env: a test hook
         self.batches.on_batch = self.debug.sample_observer(lambda: self.step + 1)
         self.end = cfg.train.max_steps
         if cfg.train.stop_at_step is not None:
@@ -225,6 +227,10 @@ class Trainer:
         self.sp_group = g.sp_group if g is not None else None
         self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
         self.model = eng.build_model(cfg)
+        # ids are checked on the host: every row against the data's vocabulary when read
+        # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
+        # model's own check would read min and max back from the device every micro-batch
+        self.model.encoder.check_token_ids = False
         self.engine = eng.build_engine(self.model, cfg, self.ds_config, g)
         # DeepSpeed scales gradients by 1 / (accumulation steps x its data-parallel divisor);
         # backward_scale: what it divides more under ZeRO-3 with sequence parallelism
@@ -285,7 +291,7 @@ class Trainer:
             stats += self._forward_backward(batch, step, denom)
             if i < gas - 1:
                 self.engine.step()
-        agreed = self._all_reduce_to_host(stats)
+        agreed = self._all_reduce_to_host(stats)  # Python floats from here on
         nonfinite = int(agreed[STAT_NONFINITE])
         why = nonfinite_verdict(cfg, step, nonfinite, applied=None)
         if why:  # before the boundary step applies the update: all ranks agree
@@ -325,20 +331,24 @@ class Trainer:
 
         out = self.engine(
             batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
-            loss_denominator=denom,
+            loss_denominator=denom, labelled_index=batch["labelled_index"],
         )  # fmt: skip
         loss = self.debug.poison(out.loss, step)
         self.engine.backward(loss * self.grad_factor if self.grad_factor != 1.0 else loss)
         return step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
 
-    def _all_reduce_to_host(self, stats: torch.Tensor) -> torch.Tensor:
+    def _all_reduce_to_host(self, stats: torch.Tensor) -> List[float]:
         """``stats`` and this rank's stop request, summed over all ranks: one small
-        all-reduce and one read to the host per optimizer step."""
+        all-reduce and one read to the host per optimizer step (the step's only one in this
+        code; tests/test_host_sync.py counts)."""
         from linformer_ds.engine import all_reduce_sum
 
         flag = 1.0 if self.cfg.train.save_on_signal and self.stop.signum else 0.0
-        both = torch.cat([stats, stats.new_tensor([flag])])
-        return all_reduce_sum(both, self.device).cpu()
+        # the flag by a fill on the device (a tensor made from a Python list would be a copy
+        # from pageable host memory: on CUDA a wait for the device)
+        both = torch.cat([stats, torch.full_like(stats[:1], flag)])
+        # copy=True: a real copy also on the CPU, where the sync counter sees the read
+        return all_reduce_sum(both, self.device).to("cpu", copy=True).tolist()
 
     def _after_step(self) -> None:
         """Log, evaluate and checkpoint as configured; stop (exit 75) when a rank was signalled."""
@@ -413,7 +423,8 @@ class Trainer:
         self.watchdog.training_started()  # a signal now means: checkpoint at the next step
         try:
             while self.step < self.end:
-                self.train_step()
+                with self.sync_log.step(self.step + 1):  # LINFORMER_DS_SYNC_LOG: counted
+                    self.train_step()
                 self._after_step()
         except StopTraining as stop:
             if stop.message is not None:
