@@ -162,6 +162,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig):
+        from linformer_ds.compile import compile_engine
         from linformer_ds.debug import DebugHooks
         from linformer_ds.dist_env import setup_distributed_env, start_watchdog
 
@@ -180,6 +181,7 @@ class Trainer:
         self._build_data()  # data and checkpoints: checked before any collective starts
         self._build_engine()
         self._build_metrics()
+        self.compiled = compile_engine(self.engine, cfg, self.metrics)  # train.compile
         self.step = self.checkpoints.resume(self.engine)
         if self.checkpoints.tag is not None:
             self.metrics.on_resume(self.step, self.checkpoints.load_seconds)
@@ -357,6 +359,7 @@ class Trainer:
         step, cfg = self.step, self.cfg
         if self.metrics.should_log(step):
             extra = self.batches.log_values()  # stage, N, share and epochs of each source
+            extra.update(self.compiled.log_values())  # graph breaks, compile time (if compiled)
             self.metrics.log_train(step, self.batches.epoch, self.engine, extra=extra)
         if self.valid_sets and step % cfg.train.eval_interval == 0:
             self.metrics.log_eval(step, self._evaluate_sources(evaluate))
