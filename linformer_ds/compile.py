@@ -122,4 +122,3 @@ class CompileReport(Sink):
         if new and not self.reported:
             print("[compile] TORCH_LOGS=graph_breaks shows where each break is", flush=True)
         self.reported = True
-

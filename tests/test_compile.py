@@ -178,3 +178,17 @@ def test_unknown_backend_exits_2_in_one_line_before_training(tmp_path, capfd):
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("config error: train.compile_backend: must be ") and "'nope'" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_compile_bench_table_speed_up_is_eager_over_compiled_step_time():
+    """bench/compile_bench's row: speed-up = eager step time / this mode's step time."""
+    from bench.compile_bench import markdown
+
+    common = {"precision": "fp32", "mfu": 0.5, "final_loss": 7.0, "tokens_per_s": 100.0}
+    eager = {**common, "mode": "eager", "backend": "-", "step_s": 0.3, "compile_seconds": None,
+             "compile_graphs": None, "compile_graph_breaks": None}  # fmt: skip
+    compiled = {**common, "mode": "compiled", "backend": "inductor", "step_s": 0.2,
+                "compile_seconds": 12.34, "compile_graphs": 2, "compile_graph_breaks": 0}  # fmt: skip
+    rows = markdown([eager, compiled]).splitlines()
+    assert rows[2].split(" | ")[6] == "1.00x" and rows[3].split(" | ")[6] == "1.50x"
+    assert rows[3].endswith("| 12.3 | 2 | 0 | 7.0000 |") and "| - | - | - |" in rows[2]
