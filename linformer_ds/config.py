@@ -419,29 +419,64 @@ class ParallelConfig(Section):
     # Groups are consecutive ranks, so with P <= GPUs per node a group stays inside a node.
     sequence_parallel_size: int = bounded(1, 1, 2**16)
     # P > 1: each rank holds, updates and checkpoints only its N/P columns of every E/F and rows
-    # of the position table (needs model.max_seq_len == N); false: every rank holds them whole.
-    shard_sequence_parameters: bool = True
+    # of the position table. auto: sharded where the run allows it (model.max_seq_len == N, the
+    # ZeRO stage and precision), else whole, the reason on the [setup] line; true: sharded, or
+    # an error naming what prevents it; false: every rank holds them whole.
+    shard_sequence_parameters: Any = "auto"
+    auto_shard: Optional[str] = None  # set when auto was resolved: what it chose and why
     # Deadline of every start-up wait (rendezvous, ranks joining); afterwards DeepSpeed's timeout.
     init_timeout_s: float = bounded(300.0, 0, 86400, lo_open=True)
 
     def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
+        shard = self.shard_sequence_parameters
+        if shard not in (True, False, "auto"):
+            self.bad("shard_sequence_parameters", f"must be auto, true or false, got {shard!r}")
+        if self.sequence_parallel_size == 1 or seq_len is not None:  # N known: decide auto now
+            self.resolve_shard(job, world_size, seq_len)
         if self.sequence_parallel_size == 1:
             return
+        errors = self._errors(job, world_size, seq_len, self.shard_sequence_parameters)
+        if errors:
+            raise ConfigError(errors[0])
+
+    def _errors(
+        self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int], shard: Any
+    ) -> List[str]:
         from linformer_ds.sequence_parallel import config_errors
 
         zero_extra = job.deepspeed.extra_dict().get("zero_optimization", {})
-        errors = config_errors(
+        return config_errors(
             self.sequence_parallel_size,
             world_size=world_size,
             seq_len=seq_len or job.model.max_seq_len,
             model=job.model,
             zero_stage=job.deepspeed.zero.stage,
             zero_reduce_scatter=bool(zero_extra.get("reduce_scatter", True)),
-            shard=self.shard_sequence_parameters,
+            shard=shard,
             precision=job.deepspeed.precision,
         )
-        if errors:
-            raise ConfigError(errors[0])
+
+    def resolve_shard(
+        self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]
+    ) -> None:
+        """``shard_sequence_parameters: auto`` becomes true or false for sequence length
+        ``seq_len`` (None: ``model.max_seq_len``): true unless a rule refuses sharding only
+        (not the run); ``auto_shard`` records the choice and the reason. No-op unless auto."""
+        if self.shard_sequence_parameters != "auto":
+            return
+        p = self.sequence_parallel_size
+        if p == 1:
+            self.shard_sequence_parameters, self.auto_shard = False, "whole: P = 1"
+            return
+        whole = set(self._errors(job, world_size, seq_len, False))
+        refused = [e for e in self._errors(job, world_size, seq_len, True) if e not in whole]
+        n = seq_len or job.model.max_seq_len
+        self.shard_sequence_parameters = not refused
+        self.auto_shard = (
+            f"whole: {refused[0].split(': ', 1)[1].split('; ')[0]}"  # the rule, not the advice
+            if refused
+            else f"sharded: P = {p}, N = model.max_seq_len = {n}"
+        )
 
 
 @dataclass

@@ -155,10 +155,15 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
     import deepspeed
 
     kwargs: Dict[str, Any] = {}
+    par = cfg.parallel
+    if par.shard_sequence_parameters == "auto":  # N unknown to the caller: model.max_seq_len
+        par.resolve_shard(cfg, None, None)
     if groups is not None:
         from linformer_ds import sequence_parallel as sp
 
-        if cfg.parallel.shard_sequence_parameters:  # E/F columns, position rows per SP rank
+        if par.auto_shard and groups.rank == 0:
+            print(f"[setup] parallel.shard_sequence_parameters=auto: {par.auto_shard}", flush=True)
+        if par.shard_sequence_parameters:  # E/F columns, position rows per SP rank
             sp.shard_for_deepspeed(model, groups)
             kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
         else:
@@ -214,6 +219,7 @@ def backward_scale(cfg: JobConfig) -> float:
     where DeepSpeed divides the summed gradients by DP x P instead of DP)."""
     from linformer_ds.sequence_parallel import backward_loss_scale
 
+    cfg.parallel.resolve_shard(cfg, None, None)  # auto: as build_engine decided
     if cfg.parallel.shard_sequence_parameters:  # gradients are reduced over DP only
         return 1.0
     return backward_loss_scale(cfg.deepspeed.zero.stage, cfg.parallel.sequence_parallel_size)

@@ -58,16 +58,18 @@ def config_errors(
     model: ModelConfig,
     zero_stage: int = 0,
     zero_reduce_scatter: bool = True,
-    shard: bool = False,
+    shard: Any = False,
     precision: str = "fp32",
 ) -> List[str]:
     """Every reason ``sp_size`` cannot run, as one-line messages (empty: it can).
 
     ``seq_len`` is the data's sequence length N (every row is N tokens, right-padded);
     ``zero_reduce_scatter`` is ``zero_optimization.reduce_scatter`` of the DeepSpeed config;
-    ``shard``: ``parallel.shard_sequence_parameters`` (E/F columns and position rows sharded);
-    ``precision``: ``deepspeed.precision``.
+    ``shard``: ``parallel.shard_sequence_parameters`` (E/F columns and position rows sharded;
+    ``"auto"``: decided later, so no rule of sharding applies); ``precision``:
+    ``deepspeed.precision``.
     """
+    shard = shard != "auto" and bool(shard)
     p = int(sp_size)
     if p < 1:
         return [f"{KEY}: must be >= 1, got {p}"]

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
@@ -558,3 +560,55 @@ def test_shards_of_every_rank_rebuild_the_model(sharing):
 
 if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.sampled_from([1, 2, 4]),
+    n=st.sampled_from([32, 48, 64]),
+    n_max=st.sampled_from([48, 64, 96]),
+    zero=st.integers(0, 3),
+    precision=st.sampled_from(["fp32", "bf16"]),
+)
+def test_shard_auto_true_false(p, n, n_max, zero, precision):
+    """``parallel.shard_sequence_parameters``: auto shards exactly when ``true`` validates
+    (P > 1 and the run allows it), else holds the matrices whole; it fails only where ``false``
+    fails; ``true`` keeps its errors; the choice and the reason are recorded (``auto_shard``)."""
+    from linformer_ds.config import ConfigError, from_dict, validate
+
+    def job(shard):
+        model = {"max_seq_len": n_max, "hidden_size": 16, "num_heads": 4, "num_layers": 1,
+                 "intermediate_size": 32, "k": 8, "vocab_size": 50}  # fmt: skip
+        return from_dict({
+            "model": model, "deepspeed": {"precision": precision, "zero": {"stage": zero}},
+            "parallel": {"sequence_parallel_size": p, "shard_sequence_parameters": shard},
+        })  # fmt: skip
+
+    def outcome(cfg):
+        try:
+            validate(cfg, world_size=4, seq_len=n)
+            return None
+        except ConfigError as e:
+            return str(e)
+
+    auto, true, false = job("auto"), job(True), job(False)
+    err_auto, err_true, err_false = outcome(auto), outcome(true), outcome(false)
+    assert err_auto == err_false  # auto never refuses a run for a sharding rule
+    if err_false is not None:
+        return
+    chosen = auto.parallel.shard_sequence_parameters
+    assert chosen is (p > 1 and err_true is None), (chosen, err_true)
+    assert auto.parallel.auto_shard.startswith("sharded: " if chosen else "whole: ")
+    assert "\n" not in auto.parallel.auto_shard and "=false" not in auto.parallel.auto_shard
+    if p > 1 and n != n_max:  # true: sharding needs N = max_seq_len, one line naming the key
+        assert err_true.startswith("parallel.shard_sequence_parameters: ") and "\n" not in err_true
+    assert true.parallel.shard_sequence_parameters is True and true.parallel.auto_shard is None
+    assert false.parallel.shard_sequence_parameters is False
+
+
+def test_shard_bad_value_names_the_key():
+    from linformer_ds.config import ConfigError, from_dict, validate
+
+    cfg = from_dict({"parallel": {"sequence_parallel_size": 2, "shard_sequence_parameters": "yes"}})
+    with pytest.raises(ConfigError, match="shard_sequence_parameters: must be auto, true or false"):
+        validate(cfg)

@@ -35,16 +35,20 @@ def single_rank_reference(tiny_corpus, tmp_path_factory):
     return _metrics(run)
 
 
-@pytest.mark.parametrize("stage,shard", [(2, True), (3, True), (2, False), (3, False)])
+@pytest.mark.parametrize("stage,shard", [(2, "auto"), (3, True), (2, False), (3, False)])
 def test_sequence_parallel_2_matches_one_rank(
     tiny_corpus, tmp_path, single_rank_reference, stage, shard
 ):
-    """Sharded (each rank holds half of E/F and the positions) and unsharded P = 2 log what one
-    rank does: loss, accuracy, gradient norm, evaluation loss."""
+    """Sharded (each rank holds half of E/F and the positions; auto chooses it here: N =
+    max_seq_len, fp32) and unsharded P = 2 log what one rank does: loss, accuracy, gradient
+    norm, evaluation loss."""
     over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
     over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
     proc = run_pretrain(tiny_corpus, tmp_path, over, nproc=2)
     assert "ranks=2" in proc.stdout
+    chosen = "[setup] parallel.shard_sequence_parameters=auto: sharded: P = 2, N = "
+    assert (chosen in proc.stdout) == (shard == "auto"), proc.stdout[-2000:]
+    assert proc.stdout.count("shard_sequence_parameters=auto:") == (shard == "auto")
     train, evals = _metrics(tmp_path)
     ref_train, ref_eval = single_rank_reference
     assert sorted(train) == sorted(ref_train) == [1, 2, 3, 4, 5]
@@ -154,3 +158,20 @@ def test_export_of_sharded_checkpoint_holds_whole_matrices(tiny_corpus, tmp_path
     for k in one:
         assert one[k].shape == sp2[k].shape, k
         assert (one[k] - sp2[k]).abs().max().item() <= 1e-5 * max(1.0, one[k].abs().max()), k
+
+
+def test_shard_auto_holds_whole_where_sharding_is_refused(tiny_corpus, tmp_path):
+    """auto (the default) with ZeRO-0 bf16, which sharding refuses (DeepSpeed's BF16_Optimizer
+    norm under the model-parallel mpu): the run trains with E/F and positions whole, the
+    [setup] line says why, the checkpoint records whole; ``true`` refuses the same run."""
+    over = SP_MODEL + ["deepspeed.precision=bf16", "deepspeed.zero.stage=0",
+                       "deepspeed.fp32_grad_accum=false", "parallel.sequence_parallel_size=2",
+                       "train.max_steps=1", "train.eval_interval=0"]  # fmt: skip
+    proc = run_pretrain(tiny_corpus, tmp_path / "auto", over, nproc=2)
+    line = "[setup] parallel.shard_sequence_parameters=auto: whole: zero.stage=0 with bf16"
+    assert line in proc.stdout, proc.stdout[-2000:]
+    meta = (tmp_path / "auto" / "checkpoints" / "step_00000001" / "linformer_meta.json")
+    assert '"shard_sequence_parameters": false' in meta.read_text()
+    refused = run_pretrain(tiny_corpus, tmp_path / "true", over + [
+        "parallel.shard_sequence_parameters=true"], nproc=2, check=False)  # fmt: skip
+    assert refused.returncode == 2 and "BF16_Optimizer" in refused.stderr
