@@ -538,7 +538,7 @@ def check_stage_lengths(
             errors = config_errors(
                 sp, world_size=world_size, seq_len=n, model=model,
                 zero_stage=cfg.deepspeed.zero.stage, zero_reduce_scatter=bool(scatter),
-                shard=bool(getattr(cfg.parallel, "shard_sequence_parameters", False)),
+                shard=getattr(cfg.parallel, "shard_sequence_parameters", False),  # or auto
             )  # fmt: skip
             if errors:
                 _fail(f"{where}: {errors[0]}")
