@@ -6,6 +6,7 @@
 # is optional (without it, make the PNGs later: python -m bench.model_bench --replot DIR).
 #   usage: bash bench/gpu_bench.sh [OUT_DIR [extra bench.model_bench options]]
 #   (OUT_DIR defaults to bench/results/gpu; e.g. bash bench/gpu_bench.sh "$OUT" --compile)
+#   A second pass times the linear variant compiled at N=4096 (OUT_DIR/compiled; see below).
 #   Later options win: scripts/gpu_check.py trims the grid with --seq-lens/--iters, and its dry
 #   run passes --device cpu and tiny sizes with GPU_BENCH_ALLOW_CPU=1. PYTHON: the interpreter.
 set -euo pipefail
@@ -27,7 +28,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 plots=()
 "$py" -c "import matplotlib" 2>/dev/null || plots=(--no-plots)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -m bench.model_bench --device cuda --layers 12 --tokens 65536 \
-    --seq-lens 512 1024 2048 4096 8192 16384 32768 65536 \
-    --warmup 3 --iters 10 --gemm-n 8192 --gemm-reps 20 --step-budget-s 20 \
-    --out "$out" "${plots[@]}" "$@" 2>&1 | tee "$out/log.txt"
+grid=(--device cuda --layers 12 --tokens 65536 --seq-lens 512 1024 2048 4096 8192 16384 32768 65536
+      --warmup 3 --iters 10 --gemm-n 8192 --gemm-reps 20 --step-budget-s 20)
+"$py" -m bench.model_bench "${grid[@]}" --out "$out" "${plots[@]}" "$@" 2>&1 | tee "$out/log.txt"
+# Compiled vs eager: the linear variant again under torch.compile (inductor), in $out/compiled,
+# at N = GPU_BENCH_COMPILE_SEQ_LENS (default 4096: one compilation). GPU_BENCH_COMPILE=0 skips it
+# (the CPU dry run's default; =1 runs it there too), as does a first pass that was compiled
+# already (--compile among the options).
+[[ "${GPU_BENCH_ALLOW_CPU:-0}" == 1 ]] && compiled_pass=0 || compiled_pass=1
+if [[ "${GPU_BENCH_COMPILE:-$compiled_pass}" == 1 && " $* " != *" --compile "* ]]; then
+  mkdir -p "$out/compiled"
+  "$py" -m bench.model_bench "${grid[@]}" --out "$out/compiled" "${plots[@]}" "$@" \
+      --compile --variants linear --seq-lens ${GPU_BENCH_COMPILE_SEQ_LENS:-4096} 2>&1 |
+      tee "$out/compiled/log.txt"
+fi
