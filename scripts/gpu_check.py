@@ -8,7 +8,8 @@ Steps, in order (GPU budgets in seconds; the sweep gets what is left, minus a re
     data        the carried shards (GPU) / tiny stdlib shards built now (dry run)
     env         versions, GPU, driver; imports of deepspeed, omegaconf, datasets, pydantic
     tests       pytest -m gpu tests/test_gpu.py
-    main        deepspeed launch/pretrain.py --config configs/base_4096.yaml, 300 steps
+    main        deepspeed launch/pretrain.py --config configs/base_4096.yaml, 300 steps (host
+                synchronisations of two steps counted, with their step times)
     bench       bash bench/gpu_bench.sh, trimmed
     sweep       configs/sweeps/gpu_quality.yaml, several points at a time on the one GPU
     optimizers  (alongside the sweep) the main job with DeepSpeed's FusedAdam (nvcc JIT, built in
@@ -62,6 +63,9 @@ SWEEP_WORKERS = {"gpu": 12, "dry": 2}  # GPU: 16 CPU cores; 2 waves of the 24 po
 MAIN_STEPS = {"gpu": 300, "dry": 6}
 LOG_INTERVAL = {"gpu": 25, "dry": 2}
 OPT_STEPS = {"gpu": 25, "dry": 4}  # inside the warm-up (30 steps): the main job's LR at each step
+# Steps of the main job counted for host synchronisations (LINFORMER_DS_SYNC_LOG), and the step
+# after them timed uncounted: inside the first logged interval, which the medians leave out.
+SYNC_STEPS = {"gpu": (5, 6), "dry": (2,)}
 JIT_BUDGET_S = 240  # FusedAdam's nvcc build, in the background
 
 # Tiny sizes of the dry run (CPU): the main job and the sweep shrink to these.
@@ -350,7 +354,9 @@ class Kit:
             ov += DRY_MODEL + ["train.micro_batch_size=2"]
         return ov
 
-    def launch_main(self, name: str, steps: int, extra: List[str]) -> subprocess.Popen:
+    def launch_main(
+        self, name: str, steps: int, extra: List[str], env: Optional[Dict[str, str]] = None
+    ) -> subprocess.Popen:
         """``deepspeed launch/pretrain.py --config configs/base_4096.yaml ...`` on one device."""
         logdir = self.work / name
         cmd = [self.py, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]
@@ -359,16 +365,23 @@ class Kit:
         cmd += ["--config", str(MAIN_CONFIG.relative_to(REPO))]
         cmd += self.main_overrides(steps, logdir) + extra
         # TORCH_EXTENSIONS_DIR: where the env step's background build put FusedAdam
-        return start(cmd, self.work / f"{name}.log", self.jit_env())
+        return start(cmd, self.work / f"{name}.log", {**self.jit_env(), **(env or {})})
 
     def do_main(self, budget: float) -> Dict[str, Any]:
-        """The main job: tokens/s, MFU against the trainer's GEMM peak, peak memory, loss."""
+        """The main job: tokens/s, MFU against the trainer's GEMM peak, peak memory, loss, and
+        the host synchronisations of a few steps (the trainer's LINFORMER_DS_SYNC_LOG hook)."""
         t0 = time.perf_counter()
-        proc = self.launch_main("main", MAIN_STEPS[self.mode], [])
+        syncs = self.work / "main" / "syncs"
+        env = {
+            "LINFORMER_DS_SYNC_LOG": str(syncs),
+            "LINFORMER_DS_SYNC_STEPS": ",".join(map(str, SYNC_STEPS[self.mode])),
+        }
+        proc = self.launch_main("main", MAIN_STEPS[self.mode], [], env)
         res = finish(proc, budget)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         rec = {**res, "command": "deepspeed " + shlex.join(proc.args[3:])}  # type: ignore[index]
         rec.update(main_metrics(self.work / "main", self.work / "main.log"))
+        rec["syncs"] = sync_counts(syncs / "syncs.rank0.jsonl")
         if res["timed_out"]:
             rec.update(status="timeout", reason=f"stopped at the {budget:.0f}s budget")
         elif res["returncode"] != 0:
@@ -792,6 +805,48 @@ def main_metrics(logdir: Path, log: Path) -> Dict[str, Any]:
         out["activation_checkpointing"] = c["deepspeed"]["activation_checkpointing"]["enabled"]
         given = c["train"].get("peak_tflops")
         out["gemm_peak_source"] = "measured by the trainer" if given is None else "given"
+    return out
+
+
+def sync_counts(path: Path) -> Dict[str, Any]:
+    """The trainer's sync-log records of rank 0 (linformer_ds/hostsync.py): per counted step
+    its seconds, CUDA's count of synchronizing operations (set_sync_debug_mode("warn"); None
+    off CUDA) and the dispatch-mode count by owner, and the seconds of the uncounted step after
+    them. ``per_step``: CUDA's count on a GPU, else the dispatch count (never empty); the
+    data pipeline's host work is left out of the dispatch count (host tensors by design)."""
+    recs = read_jsonl(path) if path.is_file() else []
+    counted = [r for r in recs if r.get("counted")]
+    out: Dict[str, Any] = {"steps": []}
+    for r in counted:
+        by_owner = r["dispatch"]["by_owner"]
+        dispatch = sum(n for who, n in by_owner.items() if who != "data")
+        cuda = r.get("cuda_syncs")
+        out["steps"].append(
+            {
+                "step": r["step"],
+                "step_s": r["step_s"],
+                "syncs": cuda if cuda is not None else dispatch,
+                "source": "cuda_sync_debug_mode" if cuda is not None else "dispatch_mode",
+                "cuda_syncs": cuda,
+                "cuda_sync_sites": r.get("cuda_sync_sites") or {},
+                "dispatch": dispatch,
+                "dispatch_by_owner": by_owner,
+                "dispatch_by_reason": r["dispatch"]["by_reason"],
+            }
+        )
+    if counted:
+        last = out["steps"][-1]
+        out["per_step"] = last["syncs"]
+        out["source"] = last["source"]
+        out["ours_per_step"] = sum(
+            n for who, n in last["dispatch_by_owner"].items() if who in ("model", "trainer")
+        )
+        out["deepspeed_per_step"] = sum(
+            n for who, n in last["dispatch_by_owner"].items() if who.startswith("deepspeed")
+        )
+        out["counted_step_s"] = last["step_s"]
+    plain = [r for r in recs if not r.get("counted")]
+    out["uncounted_step_s"] = plain[-1]["step_s"] if plain else None
     return out
 
 

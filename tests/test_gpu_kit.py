@@ -116,6 +116,28 @@ def test_dry_run_main_job(dry) -> None:
     assert abs(s["first_loss"] - math.log(1000)) < 0.5
 
 
+def test_dry_run_main_job_counts_host_syncs(dry) -> None:
+    """The main job's step 2 ran under the sync counters (the trainer's LINFORMER_DS_SYNC_LOG
+    hook), step 3 uncounted: on the CPU the dispatch-mode count fills the field (CUDA's is
+    None); the model asked for nothing, the trainer for its one read of the step's statistics,
+    and the total is the owners' sum (DeepSpeed's included, the data pipeline's host work not)."""
+    _, work, r, _ = dry
+    sy = r["steps"]["main"]["syncs"]
+    assert [x["step"] for x in sy["steps"]] == list(gpu_check.SYNC_STEPS["dry"]) == [2]
+    (step,) = sy["steps"]
+    assert step["source"] == sy["source"] == "dispatch_mode" and step["cuda_syncs"] is None
+    owners = step["dispatch_by_owner"]
+    assert owners.get("model", 0) == 0
+    assert step["dispatch_by_reason"]["trainer/copy_to_host"] == owners["trainer"] == 1
+    ds = sum(n for k, n in owners.items() if k.startswith("deepspeed"))
+    assert sy["per_step"] == step["syncs"] == step["dispatch"] == 1 + ds
+    assert (sy["ours_per_step"], sy["deepspeed_per_step"]) == (1, ds)
+    assert ds > 0  # ZeRO-2's own reads (its overflow check, the norm's validity)
+    assert 0 < sy["counted_step_s"] and 0 < sy["uncounted_step_s"]
+    recs = [json.loads(x) for x in (work / "main" / "syncs" / "syncs.rank0.jsonl").open()]
+    assert [(x["step"], x["counted"]) for x in recs] == [(2, True), (3, False)]
+
+
 def test_dry_run_optimizers(dry) -> None:
     """torch's fused AdamW through deepspeed.extra reproduces the main job's loss; FusedAdam
     (a CUDA JIT op) is left to the GPU."""

@@ -126,7 +126,6 @@ def test_sequence_parallel_slices_keep_their_labelled_positions(tiny_corpus):
         return MixtureBatches(["v"], [ds], [1.0], 0, 1, 3, seed=3, short_seq_prob=0.3,
                               sp_rank=sp_rank, sp_size=sp_size)  # fmt: skip
 
-    whole = stream(0, 1)
     for sp_size in (2, 4):
         whole = stream(0, 1)
         ranks = [stream(r, sp_size) for r in range(sp_size)]
