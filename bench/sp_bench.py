@@ -98,6 +98,8 @@ class SPBenchConfig(ModelSizes):
     frontier_seq_lens: List[int] = field(default_factory=lambda: [262144, 1048576, 4194304])
     frontier_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
     frontier_ac: List[int] = field(default_factory=lambda: [0, 1])
+    # act. ckpt on: one checkpoint per layer, or the attention and feed-forward sub-layers apart
+    ac_granularity: str = "sublayer"
     # P > 1: E/F columns and position rows sharded over the SP ranks (False: --no-shard)
     shard: bool = True
     # trainer: launch/pretrain.py on a data_prep corpus
@@ -128,6 +130,8 @@ class SPBenchConfig(ModelSizes):
         self.validate_sizes()
         if self.iters < 1:
             raise BenchError(f"--iters: must be >= 1, got {self.iters}")
+        if self.ac_granularity not in ("layer", "sublayer"):
+            raise BenchError(f"--ac-granularity: layer or sublayer, got {self.ac_granularity!r}")
         if self.precision not in ("fp32", "bf16"):
             raise BenchError(f"--precision: fp32 or bf16, got {self.precision!r}")
         if not 0.0 < self.mlm_fraction <= 1.0:
@@ -162,6 +166,7 @@ class Case:
     p: int
     zero: int
     ac: bool = False  # activation checkpointing (torch's non-reentrant, every layer)
+    ac_granularity: str = "layer"  # per layer, or per sub-layer (attention, feed-forward apart)
     shard: bool = True  # P > 1: E/F and positions sharded over the SP ranks
     steps: int = 0  # steps to run (0: --warmup + --iters); the first is warmup
 
@@ -272,6 +277,36 @@ def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
+def _union_bytes(tensors: List[torch.Tensor]) -> int:
+    """Bytes covered by ``tensors`` (views of one buffer counted once: the union of their byte
+    ranges)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in tensors if t is not None and t.numel())  # fmt: skip
+    total, end = 0, 0
+    for lo, hi in spans:
+        lo = max(lo, end)
+        if hi > lo:
+            total, end = total + hi - lo, hi
+    return total
+
+
+def _grad_bytes(engine: Any, model: torch.nn.Module) -> int:
+    """Bytes of gradients held right after backward: the parameters' ``.grad`` and the ZeRO
+    optimizer's gradient partitions (DeepSpeed's reduction buckets are not counted)."""
+    opt = engine.optimizer
+    ts = [p.grad for p in model.parameters() if p.grad is not None]
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+        t = getattr(opt, name, None)
+        if torch.is_tensor(t):
+            ts.append(t)
+    ts += [t.grad for t in getattr(opt, "single_partition_of_fp32_groups", []) or []
+           if t.grad is not None]  # fmt: skip
+    averaged = getattr(opt, "averaged_gradients", None)  # ZeRO 1-2: the partition's gradients
+    for g in (averaged.values() if isinstance(averaged, dict) else []):
+        ts += [g] if torch.is_tensor(g) else [t for t in g or [] if torch.is_tensor(t)]
+    return _union_bytes(ts)
+
+
 def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], port: int,
                 out_dir: str) -> None:  # fmt: skip
     """One rank of one configuration: build, train ``warmup + iters`` steps, write its JSON."""
@@ -312,7 +347,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
         from torch.utils.checkpoint import checkpoint
 
         model.encoder.set_activation_checkpointing(
-            functools.partial(checkpoint, use_reentrant=False)
+            functools.partial(checkpoint, use_reentrant=False), granularity=case.ac_granularity
         )
     params = param_groups(model, job.optimizer.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, **kwargs)
@@ -334,17 +369,22 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
         hwm = _reset_peak_rss()
         t0 = time.perf_counter()
         denom = sp.global_label_count(batch["labels"], sp_group) if groups is not None else None
+        rss_before = _rss()
         with TimedCollectives(sp_group) as fwd:
             out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
                          loss_denominator=denom)  # fmt: skip
+        rss_forward = _rss()
         with TimedCollectives(sp_group) as bwd:
             engine.backward(out.loss * scale if scale != 1.0 else out.loss)
+        grad_bytes = _grad_bytes(engine, model)
         with TimedCollectives(sp_group) as opt:
             engine.step()
         dt = time.perf_counter() - t0
         steps.append({
             "step_s": dt, "warmup": i < warmup, "loss": float(out.loss.detach()),
             "peak_rss": _peak_rss_since_reset() if hwm else None,
+            "rss_before_forward": rss_before, "rss_after_forward": rss_forward,
+            "grad_bytes": grad_bytes,
             "sp_fwd_bytes": fwd.sp_bytes, "sp_bwd_bytes": bwd.sp_bytes - sp_grad_bytes,
             "sp_grad_bytes": sp_grad_bytes,
             "sp_comm_s": fwd.sp_seconds + bwd.sp_seconds + opt.sp_seconds,
@@ -436,6 +476,29 @@ def run_case(bc: SPBenchConfig, case: Case) -> Dict[str, Any]:
     return summarize(bc, case, ranks, row)
 
 
+BREAKDOWN = ("params", "grads", "optimizer", "activations", "other", "libraries")
+
+
+def breakdown(rank: Dict[str, Any], step: Dict[str, Any]) -> Optional[Dict[str, int]]:
+    """One rank's peak RSS in ``step`` split into parts that sum to it (bytes): ``params``,
+    ``grads`` (counted after backward) and ``optimizer`` (fp32 master and AdamW moments) are
+    tensor bytes; ``activations`` is the rest of the step's growth over the memory resident
+    before its forward (saved activations, recomputed (sub-)layers and their gradients,
+    temporaries); ``libraries`` the RSS after imports; ``other`` what is left (DeepSpeed's
+    buckets and buffers, the batch, allocator slack). ``activations_saved``: the growth over
+    the forward alone (what the forward leaves for backward). None without a peak."""
+    peak = step.get("peak_rss")
+    if peak is None:
+        return None
+    params, opt, grads = rank["model_param_bytes"], rank["optimizer_bytes"], step["grad_bytes"]
+    act = max(0, peak - step["rss_before_forward"] - grads)
+    libs = rank["rss_after_imports"]
+    return {"params": params, "grads": grads, "optimizer": opt, "activations": act,
+            "other": peak - libs - params - opt - grads - act, "libraries": libs,
+            "activations_saved": step["rss_after_forward"] - step["rss_before_forward"],
+            "peak": peak}  # fmt: skip
+
+
 def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Dict[str, Any]:
     """Per-step max over ranks, best of the timed steps, bytes checked against the formula."""
     timed = [i for i, s in enumerate(ranks[0]["steps"]) if not s["warmup"]]
@@ -473,6 +536,7 @@ def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Di
         rss_after_init=[r["rss_after_init"] for r in ranks],
         threads_per_rank=ranks[0]["threads"],
         step_peak_rss_per_rank=[r["steps"][i]["peak_rss"] for r in ranks],
+        breakdown_per_rank=[breakdown(r, r["steps"][i]) for r in ranks],
     )
     for key in ("model_param_bytes", "optimizer_bytes", "positions_local", "positions_full",
                 "E_local", "E_full"):  # fmt: skip
@@ -603,10 +667,17 @@ def _memory_cells(r: Dict) -> List[str]:
     ]  # fmt: skip
 
 
+def _breakdown_cell(r: Dict) -> str:
+    """Rank 0's peak in step 2 by part (MiB): params / grads / optimizer / activations / other
+    / libraries."""
+    b = (r.get("breakdown_per_rank") or [None])[0]
+    return " / ".join(_mib(b[k]) for k in BREAKDOWN) if b else "n/a"
+
+
 def _frontier_cells(r: Dict) -> List[str]:
     return [
         f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}", _per_rank(r["step_peak_rss_per_rank"]),
-        _per_rank(r["peak_rss_per_rank"]), _mib(r["model_param_bytes"]),
+        _breakdown_cell(r), _per_rank(r["peak_rss_per_rank"]), _mib(r["model_param_bytes"]),
         _mib(r["optimizer_bytes"]),
     ]  # fmt: skip
 
@@ -625,9 +696,10 @@ TABLES = [
      lambda r: [f"{r['n']:,}", str(r["p"]), str(r["zero"])], _memory_cells),
     ("frontier",
      "| N | P | act. ckpt | E/positions | step 2 (s) | tokens/s | peak RSS in step 2 per rank "
-     "(MiB) | peak RSS per rank (MiB) | params held (MiB) | optimizer held (MiB) |",
-     "|---:|---:|---|---|---:|---:|---|---|---:|---:|",
-     lambda r: [f"{r['n']:,}", str(r["p"]), "on" if r["ac"] else "off",
+     "(MiB) | rank 0's peak: params / grads / optimizer / activations / other / libraries (MiB) "
+     "| peak RSS per rank (MiB) | params held (MiB) | optimizer held (MiB) |",
+     "|---:|---:|---|---|---:|---:|---|---|---|---:|---:|",
+     lambda r: [f"{r['n']:,}", str(r["p"]), r.get("ac_granularity", "on") if r["ac"] else "off",
                 "sharded" if r["shard"] and r["p"] > 1 else "whole"], _frontier_cells),
 ]  # fmt: skip
 
@@ -674,7 +746,8 @@ def plan(bc: SPBenchConfig) -> List[Case]:
             for p in bc.frontier_sp:
                 for ac in bc.frontier_ac:
                     cases.append(Case("frontier", "linear", n, p, bc.zero, ac=bool(ac),
-                                      shard=bc.shard, steps=2))  # fmt: skip
+                                      ac_granularity=bc.ac_granularity, shard=bc.shard,
+                                      steps=2))  # fmt: skip
     return cases
 
 
@@ -736,6 +809,9 @@ def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
     ap.add_argument("--frontier-sp", nargs="+", type=int, default=d.frontier_sp)
     ap.add_argument("--frontier-ac", nargs="+", type=int, default=d.frontier_ac, choices=(0, 1),
                     help="activation checkpointing off (0) and/or on (1)")  # fmt: skip
+    ap.add_argument("--ac-granularity", default=d.ac_granularity, choices=("layer", "sublayer"),
+                    help="act. ckpt on: per layer, or per sub-layer (attention and feed-forward "
+                    "apart: the backward holds one sub-layer's activations)")  # fmt: skip
     ap.add_argument("--no-shard", dest="shard", action="store_false",
                     help="P > 1: every rank holds E/F and the position table whole (the "
                     "'before' rows); default: sharded over the SP ranks, as the trainer")  # fmt: skip

@@ -132,11 +132,18 @@ def test_frontier_second_step_sharded(tmp_path):
     rows = {(r["p"], r["ac"]): r for r in res["rows"]}
     assert set(rows) == {(1, False), (1, True), (2, False), (2, True)}
     md = (tmp_path / "results.md").read_text()
-    assert "| 128 | 2 | on | sharded |" in md and "| 128 | 1 | off | whole |" in md
+    assert "| 128 | 2 | sublayer | sharded |" in md and "| 128 | 1 | off | whole |" in md
     one = rows[(1, False)]
     for (p, _ac), r in rows.items():
         assert len(r["step_s_all"]) == 1 and r["step_s"] > 0  # the second step, timed
         assert len(r["step_peak_rss_per_rank"]) == p
+        # the breakdown: its parts sum to each rank's peak; params, grads, optimizer counted
+        for peak, b in zip(r["step_peak_rss_per_rank"], r["breakdown_per_rank"]):
+            assert sum(b[k] for k in sp_bench.BREAKDOWN) == b["peak"] == peak
+            assert b["params"] == r["model_param_bytes"] and b["optimizer"] == r["optimizer_bytes"]
+            # fp32 ZeRO-2, one data-parallel rank: every trainable parameter's gradient is held
+            assert b["params"] <= b["grads"] <= b["params"] + 4096, (b["grads"], b["params"])
+            assert b["activations"] >= 0 and b["libraries"] in r["rss_after_imports"]
         assert all(x > 50 * 2**20 for x in r["step_peak_rss_per_rank"])
         assert r["loss_first"] == pytest.approx(one["loss_first"], rel=1e-5)
         assert r["positions_full"] == N * H and r["E_full"] == K * N
