@@ -77,7 +77,7 @@ def batches(draw):
     return ids, mask, labels
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batch=batches(), projection=st.sampled_from(["linear", "hybrid", "dense"]))
 def test_labelled_path_equals_boolean_mask_without_syncs(batch, projection):
     """Loss, logits and every gradient bit-identical to the boolean-mask reference; the
