@@ -608,13 +608,25 @@ class LinformerEncoder(nn.Module):
         checkpointing off. ``granularity="sublayer"`` checkpoints the attention and the
         feed-forward sub-layers of each selected layer separately (``fn(layer.attention_block,
         x, mask, shared_projection)``, then ``fn(layer.ffn_block, x)``): twice the saved inputs,
-        but the backward pass recomputes and holds one sub-layer at a time instead of a layer.
+        but the backward pass recomputes and holds one sub-layer at a time instead of a layer;
+        the embeddings too (``fn(self.embed, input_ids, positions)``: only the ids are kept).
         """
         if granularity not in ("layer", "sublayer"):
             raise ValueError(f"granularity must be layer or sublayer, got {granularity!r}")
         self._checkpoint_fn = fn
         self._checkpoint_layers = set(range(len(self.layers)) if layers is None else layers)
         self._checkpoint_granularity = granularity
+
+    def embed(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Token (or ``inputs_embeds``) plus position embeddings, LayerNorm, dropout:
+        ``[B, n]`` ids and ``[n]`` rows of the position table -> ``[B, n, D]``."""
+        tokens = self.token_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.drop(self.embed_ln(tokens + self.position_embeddings(positions)[None]))
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
@@ -634,12 +646,11 @@ class LinformerEncoder(nn.Module):
         the embeddings, the input of every later layer, and the final output (after final_ln)."""
         if inputs_embeds is None:
             check_inputs(self.config, input_ids, attention_mask, self.check_token_ids)
-            tokens = self.token_embeddings(input_ids)
+            n, device = input_ids.shape[1], input_ids.device
         elif input_ids is not None:
             raise ValueError("pass input_ids or inputs_embeds, not both")
         else:
-            tokens = inputs_embeds
-        n = tokens.shape[1]
+            n, device = inputs_embeds.shape[1], inputs_embeds.device
         sp = getattr(self, "sequence_parallel", None)  # set by sequence_parallel.parallelize
         off = 0 if sp is None else sp.offset(n)  # the slice's global position
         if off + n > self.config.max_seq_len:
@@ -654,9 +665,13 @@ class LinformerEncoder(nn.Module):
                 f"sequence-parallel slice [{off}, {off + n}) is outside the position rows this "
                 f"rank holds [{start}, {start + rows}): sharded positions need N = max_seq_len"
             )
-        pos = torch.arange(off - start, off - start + n, device=tokens.device)
-        x = tokens + self.position_embeddings(pos)[None]
-        x = self.drop(self.embed_ln(x))
+        pos = torch.arange(off - start, off - start + n, device=device)
+        checkpointed = self._checkpoint_fn is not None and self.training
+        if checkpointed and self._checkpoint_granularity == "sublayer" and inputs_embeds is None:
+            # recomputed in backward from the ids: no [B, n, D] kept for embed_ln's backward
+            x = self._checkpoint_fn(self.embed, input_ids, pos)
+        else:
+            x = self.embed(input_ids, pos, inputs_embeds)
         for i, layer in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(x)

@@ -35,15 +35,22 @@ def single_rank_reference(tiny_corpus, tmp_path_factory):
     return _metrics(run)
 
 
-@pytest.mark.parametrize("stage,shard", [(2, "auto"), (3, True), (2, False), (3, False)])
+@pytest.mark.parametrize(
+    "stage,shard,ckpt",
+    [(2, "auto", None), (3, True, None), (3, True, "sublayer"), (2, False, None), (3, False, None)],
+)
 def test_sequence_parallel_2_matches_one_rank(
-    tiny_corpus, tmp_path, single_rank_reference, stage, shard
+    tiny_corpus, tmp_path, single_rank_reference, stage, shard, ckpt
 ):
     """Sharded (each rank holds half of E/F and the positions; auto chooses it here: N =
-    max_seq_len, fp32) and unsharded P = 2 log what one rank does: loss, accuracy, gradient
-    norm, evaluation loss."""
+    max_seq_len, fp32), also under per-sub-layer activation checkpointing (embeddings,
+    attention and feed-forward recomputed apart), and unsharded P = 2 log what one rank does:
+    loss, accuracy, gradient norm, evaluation loss."""
     over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
     over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
+    if ckpt:
+        over += ["deepspeed.activation_checkpointing.enabled=true",
+                 f"deepspeed.activation_checkpointing.granularity={ckpt}"]  # fmt: skip
     proc = run_pretrain(tiny_corpus, tmp_path, over, nproc=2)
     assert "ranks=2" in proc.stdout
     chosen = "[setup] parallel.shard_sequence_parameters=auto: sharded: P = 2, N = "
