@@ -8,7 +8,7 @@ nothing changes on disk). Invariant: every step's loss and gradient norm equal a
 uninterrupted one-rank run's within the layout-invariance tolerance (fp32), and so do the final
 parameters; a loaded weight or Adam moment that was wrong would show within the hop's two
 steps. Each world size's hops of both chains run in one process-group launch
-(tests/layout_worker.py): 5 launches in all.
+(tests/layout_worker.py): 6 launches in all.
 """
 
 import json
@@ -40,6 +40,7 @@ CHAIN: List[Tuple[int, int, bool]] = [
     (1, 1, False),  # sharded P = 2 -> one rank
     (2, 2, True),  # one rank -> sharded P = 2
     (1, 1, False),  # sharded P = 2 -> one rank
+    (4, 2, True),  # one rank -> DP 2 x sharded P = 2
 ]
 STEPS = HOP * len(CHAIN)
 STAGES = (0, 3)
@@ -111,10 +112,11 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+@pytest.mark.slow  # the chains: 6 launches of 1, 2 and 4 ranks (~2.5 min on 2 busy cores)
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_across_layouts_equals_uninterrupted_run(chains, stage):
     """ZeRO-0 and ZeRO-3: a run hopping 1 rank -> DP 2 -> P=2 whole -> P=2 sharded -> 1 rank
-    -> P=2 sharded -> 1 rank trains the same model as one uninterrupted rank: every
+    -> P=2 sharded -> 1 rank -> DP 2 x P=2 sharded trains the same model as one uninterrupted rank: every
     step's loss and gradient norm within 1e-6 relative, every final parameter tensor within
     1e-5 (measured worst: printed)."""
     out, resumes = chains
@@ -146,14 +148,15 @@ def test_resume_across_layouts_equals_uninterrupted_run(chains, stage):
     ]
     said = "\n".join(resumes[stage])
     if stage == 3:  # every hop that changes the ranks or the sharding: universal
-        assert said.count("universal checkpoint") == 5, said
-    else:  # the four sharding changes re-shard; the rest (world, P whole) load natively
-        assert said.count("re-shard") == 4 and "universal" not in said, said
+        assert said.count("universal checkpoint") == 6, said
+    else:  # the five sharding changes re-shard; the rest (world, P whole) load natively
+        assert said.count("re-shard") == 5 and "universal" not in said, said
     assert not (out / f"z{stage}_ckpt" / "universal").exists()  # derived data removed
 
 
+@pytest.mark.slow  # uses the chains
 def test_zero0_reshard_round_trip_is_exact(chains, tmp_path):
-    """reshard_zero0 on the ZeRO-0 chain's P = 2 sharded checkpoint: joined whole (P = 1) its
+    """reshard_zero0 on the ZeRO-0 chain's last (P = 2 sharded) checkpoint: joined whole (P = 1) its
     weights equal the exporter's consolidation; cut again for P = 2, every weight, Adam moment
     and step equals the saved files bit for bit."""
     from linformer_ds import checkpointing as ck
@@ -165,7 +168,7 @@ def test_zero0_reshard_round_trip_is_exact(chains, tmp_path):
 
     out, _ = chains
     ckpt = out / "z0_ckpt"
-    tag = ck.tag_for(HOP * (len(CHAIN) - 1))  # saved by the sharded P = 2 hop
+    tag = ck.tag_for(STEPS)  # the last hop's: DP 2 x P = 2 sharded
     assert ck.sharded_sp_size(ck.read_meta(str(ckpt), tag)) == 2
     model = eng.build_model(load_config(TINY_CONFIG, TEST_OVERRIDES + COMMON))
     name_of = {id(p): n for n, p in model.named_parameters()}
