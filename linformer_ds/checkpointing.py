@@ -955,7 +955,7 @@ class CheckpointManager:
     Use: ``prepare()`` before any collective (writability, tag choice, metadata checks), then
     ``ds_config_overrides`` for the engine, then (collective) :meth:`resume`, and after each
     step :meth:`after_step`; :meth:`on_signal` and :meth:`on_finish` at the end. A checkpoint
-    saved under another number of ranks is loaded through a universal checkpoint.
+    saved in another layout (ranks, P, sharding) is converted first (:func:`layout_route`).
     ``on_io(op, seconds)`` observes every save and load.
     """
 
