@@ -17,6 +17,7 @@ Both launches run at once. Graph breaks are counted by the trainer (metrics.json
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,11 +57,13 @@ LAYOUTS: Dict[int, Dict[str, List[str]]] = {
                    "parallel.sequence_parallel_size=2"],
     },
 }  # fmt: skip
-# graph breaks of the compiled model (counted by dynamo over the run): none, except under
-# ZeRO-3 (torch 2.13, deepspeed 0.19.8): DeepSpeed's parameter-gathering hooks around every
-# submodule, which DeepSpeed marks not to be traced (51 at the first step, 2 more when step 2
-# recompiles; reasons gb0008, gb0098, gb0116 on the [compile] lines)
-BREAKS = {"z3": 53}
+# Graph breaks of the compiled model (counted by dynamo over the run): none, except under
+# ZeRO-3, where DeepSpeed's parameter-gathering hooks around every submodule (marked not to be
+# traced by DeepSpeed) break it: 52 at the first step, 54 after 3 steps (torch 2.13, deepspeed
+# 0.19.8, this 2-layer model; the number follows the model's submodules), of these kinds only
+# (dynamo's codes on the [compile] lines): a function marked as skipped, a
+# torch.compiler.disable()d function, an unexpected type in the sourceless builder.
+ZERO3_BREAK_KINDS = {"gb0008", "gb0098", "gb0116"}
 
 
 def _launch(ranks: int, spec: Path, log: Path) -> List[subprocess.Popen]:
@@ -138,8 +141,19 @@ def test_compiled_trains_like_eager_and_counts_graph_breaks(trained):
             assert all(math.isfinite(v) and v <= TOL for v in d.values()), (name, d)
             assert "compile_graphs" not in read_metrics(ref)[STEPS]  # eager: no figures
             assert graphs >= 1 and last["compile_seconds"] > 0, name
-            assert breaks == BREAKS.get(name, 0), (name, breaks)
+            if name != "z3":
+                assert breaks == 0, (name, breaks)
     print("\ncompiled vs eager, " + f"{STEPS} steps, fp32:\n" + "\n".join(lines))
+    # the breaks under ZeRO-3 (the only run of the 2-rank launch that has any): each reason
+    # printed once with its count, all of them DeepSpeed's kinds
+    z3 = read_metrics(trained / "z3_compiled")
+    shown = re.findall(
+        r"\[compile\] graph break x(\d+): .* \((gb\d{4})\)",
+        (trained / "world2.log.rank0").read_text(),
+    )
+    assert shown and {code for _, code in shown} <= ZERO3_BREAK_KINDS, shown
+    counted = sum(int(n) for n, _ in shown)
+    assert 0 < z3[1]["compile_graph_breaks"] <= counted <= z3[STEPS]["compile_graph_breaks"]
     log = (trained / "world1.log.rank0").read_text()
     assert "[compile] step 1: backend=inductor" in log
 
