@@ -392,6 +392,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
             "other_comm_s": fwd.other_seconds + bwd.other_seconds + opt.other_seconds,
             "fwd_by_kind": dict(fwd.bytes), "bwd_by_kind": dict(bwd.bytes),
         })  # fmt: skip
+        del out  # as the trainer's step: this step's logits are not resident in the next one
     res = {
         "rank": rank,
         "steps": steps,
