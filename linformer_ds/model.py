@@ -300,14 +300,14 @@ class LinearProjection(nn.Module):
         # Plain views where possible: the backward of slicing/indexing zero-fills a gradient.
         w = self.weight if n == width else self.weight[:, :, off : off + n]
         if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
-            # mm/bmm, not matmul: matmul runs [k, n] @ [B, n, D] as (x^T E^T)^T, whose input
-            # gradient comes out transposed and makes the stack/cat that joins the k, v and q
-            # gradients (unbind/split backward) some 10x slower; mm takes x as the strided
-            # slice of qkv it is and returns a contiguous gradient.
-            x2 = x.reshape(b, n, h * d)
+            # One mm per row, not matmul or bmm: matmul runs [k, n] @ [B, n, D] as
+            # (x^T E^T)^T, whose input gradient comes out transposed and makes the stack/cat
+            # that joins the k, v and q gradients (unbind/split backward) some 10x slower; bmm
+            # copies the transposed strided input for E's gradient. mm takes each row as the
+            # strided slice of qkv it is and returns contiguous gradients.
             e = w.squeeze(0)
-            y = torch.mm(e, x2[0])[None] if b == 1 else torch.bmm(e.expand(b, -1, -1), x2)
-            y = y.view(b, self.k, h, d)
+            ys = [torch.mm(e, xi) for xi in x.reshape(b, n, h * d).unbind(0)]
+            y = (ys[0][None] if b == 1 else torch.stack(ys)).view(b, self.k, h, d)
         else:
             y = torch.einsum("hkn,bnhd->bkhd", w, x)
         return y if sp is None else sp.reduce_projection(y)
