@@ -238,7 +238,34 @@ def test_one_source_batches_equal_train_batches(tiny_corpus):
 
 
 # ================================================================== real sources, real checks
-DOCS = str(REPO / "docs" / "*.md")  # a second corpus: this repository's documentation
+PROSE = (
+    "the a of to and in is that for it as with on by this be are from or at an which not have "
+    "model sequence attention training layer token rank data shard corpus step loss memory "
+    "projection encoder length checkpoint gradient matrix vector batch value key query head "
+    "linear dense window source weight mixture stage epoch sample split valid train write read"
+).split()
+
+
+def docs_corpus(tmp_path_factory) -> str:
+    """A second corpus: 16 English-like documents generated from a fixed seed (the same bytes on
+    every machine and commit; the repository's docs/*.md used to be it, and an edit of those
+    moved every document of the first 12 into the train split). A glob for data_prep."""
+    base = tmp_path_factory.getbasetemp() / "docs_corpus"
+    if not base.exists():
+        import random
+
+        rng = random.Random(23)
+        syllables = "ka lo mi ne su ta ri po de va gu ze shi tor ban lek mur pin sol dra".split()
+        words = PROSE + ["".join(rng.choices(syllables, k=rng.randint(2, 4))) for _ in range(400)]
+        tmp = tmp_path_factory.mktemp("docs_corpus_tmp")
+        for i in range(16):
+            paras = []
+            for _ in range(rng.randint(4, 9)):
+                line = [rng.choice(words) for _ in range(rng.randint(40, 90))]
+                paras.append(" ".join(line).capitalize() + ".")
+            (tmp / f"doc_{i:02d}.md").write_text(f"# Document {i}\n\n" + "\n\n".join(paras) + "\n")
+        tmp.rename(base)
+    return str(base / "*.md")
 
 
 def prepare(out, source, seq_len, *flags):
@@ -253,7 +280,7 @@ def prepare(out, source, seq_len, *flags):
 def second_source(tiny_corpus, tmp_path_factory):
     """A second corpus (this repo's docs) prepared with tiny_corpus's tokenizer, N = 128."""
     out = tmp_path_factory.mktemp("docs") / "docs_128"
-    return prepare(out, DOCS, 128, "--tokenizer", tiny_corpus / "tokenizer.model",
+    return prepare(out, docs_corpus(tmp_path_factory), 128, "--tokenizer", tiny_corpus / "tokenizer.model",
                    "--valid-fraction", "0.2", "--max-docs", "12")  # fmt: skip
 
 
@@ -276,12 +303,14 @@ def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
     assert mix.epochs()["docs"] == pytest.approx(60 / len(dss[1]))
 
 
-def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path):
-    other = prepare(tmp_path / "other_tok", DOCS, 64, "--vocab-size", "300", "--max-docs", "6")
+def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path,
+                                            tmp_path_factory):  # fmt: skip
+    docs = docs_corpus(tmp_path_factory)
+    other = prepare(tmp_path / "other_tok", docs, 64, "--vocab-size", "300", "--max-docs", "6")
     a, b = ShardDataset(tiny_corpus), ShardDataset(other)
     with pytest.raises(DataError, match="different tokenizers"):
         check_same_tokenizer(["a", "b"], [a, b])
-    short = prepare(tmp_path / "short", DOCS, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+    short = prepare(tmp_path / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
                     "--max-docs", "6")  # fmt: skip
     with pytest.raises(DataError, match="different sequence lengths"):
         check_same_tokenizer(["a", "s"], [a, ShardDataset(short)])
@@ -439,8 +468,9 @@ def _clean_env():
 def other_sources(tiny_corpus, tmp_path_factory):
     """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
     base = tmp_path_factory.mktemp("others")
-    other = prepare(base / "other_tok", DOCS, 128, "--vocab-size", "300", "--max-docs", "6")
-    short = prepare(base / "short", DOCS, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+    docs = docs_corpus(tmp_path_factory)
+    other = prepare(base / "other_tok", docs, 128, "--vocab-size", "300", "--max-docs", "6")
+    short = prepare(base / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
                     "--max-docs", "6")  # fmt: skip
     return other, short
 

@@ -8,7 +8,7 @@ import torch
 from linformer_ds.data import MLMMasking, ShardDataset, TrainBatches
 from linformer_ds.mixture import Stage, TrainData
 from tests.pretrain_utils import read_metrics, run_pretrain
-from tests.test_mixture import DOCS, prepare
+from tests.test_mixture import docs_corpus, prepare
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def staged_overrides(tiny_corpus, short_source, docs_source):
 @pytest.fixture(scope="module")
 def docs_source(tiny_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("docs") / "docs_128"
-    return prepare(out, DOCS, 128, "--tokenizer", tiny_corpus / "tokenizer.model",
+    return prepare(out, docs_corpus(tmp_path_factory), 128, "--tokenizer", tiny_corpus / "tokenizer.model",
                    "--valid-fraction", "0.2", "--max-docs", "12")  # fmt: skip
 
 
