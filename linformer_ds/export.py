@@ -35,8 +35,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from data_prep.tokenizer import SPECIAL_IDS, SPECIAL_PIECES
-from linformer_ds import checkpointing as ckpt
 from linformer_ds import outdir
+from linformer_ds.checkpoint.io import safe_torch_load, weights_only_torch_load
+from linformer_ds.checkpoint.tags import (
+    META_FILE,
+    MODEL_STATES,
+    CheckpointError,
+    resolve_checkpoint,
+    sharded_sp_size,
+)
+from linformer_ds.checkpoint.tags import read_meta as read_tag_meta
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
 
 EXPORT_FORMAT_VERSION = 1
@@ -85,18 +93,18 @@ class ExportError(RuntimeError):
 def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
     """``(checkpoint_dir, tag)``, validated by the checkpoint manager's rules."""
     try:
-        return ckpt.resolve_checkpoint(checkpoint, tag)
-    except ckpt.CheckpointError as e:
+        return resolve_checkpoint(checkpoint, tag)
+    except CheckpointError as e:
         raise ExportError(f"--checkpoint {e}") from None
 
 
 def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
     """The checkpoint's metadata and the ``ModelConfig`` it describes."""
     try:
-        meta = ckpt.read_meta(os.path.dirname(tag_dir), os.path.basename(tag_dir))
-    except ckpt.CheckpointError as e:
+        meta = read_tag_meta(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    except CheckpointError as e:
         raise ExportError(str(e)) from None
-    path = os.path.join(tag_dir, ckpt.META_FILE)
+    path = os.path.join(tag_dir, META_FILE)
     if not isinstance(meta.get("model"), dict):
         raise ExportError(f"{path}: has no 'model' section")
     try:
@@ -121,8 +129,8 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation (E/F
     and positions sharded over sequence-parallel ranks are joined whole)."""
     try:
-        p = ckpt.sharded_sp_size(ckpt.read_meta(checkpoint_dir, tag))
-    except ckpt.CheckpointError:
+        p = sharded_sp_size(read_tag_meta(checkpoint_dir, tag))
+    except CheckpointError:
         p = 1
     if p > 1:
         from linformer_ds.sequence_parallel import consolidate_sharded
@@ -134,7 +142,7 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
 def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
-        with ckpt.weights_only_torch_load():
+        with weights_only_torch_load():
             return _consolidate_zero(checkpoint_dir, tag)
     return _consolidate_stage0(tag_dir)
 
@@ -158,15 +166,15 @@ def _consolidate_zero(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
 
 def _consolidate_stage0(tag_dir: str) -> Dict[str, torch.Tensor]:
     """ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file."""
-    path = os.path.join(tag_dir, ckpt.MODEL_STATES)
+    path = os.path.join(tag_dir, MODEL_STATES)
     if not os.path.isfile(path):
         raise ExportError(
             f"{tag_dir} holds neither ZeRO optimizer shards (*_optim_states.pt) nor "
-            f"{ckpt.MODEL_STATES}: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
+            f"{MODEL_STATES}: not a DeepSpeed checkpoint (found: {_listing(tag_dir)})"
         )
     try:
-        states = ckpt.safe_torch_load(path)  # weights_only=True: no pickled code runs
-    except ckpt.CheckpointError as e:
+        states = safe_torch_load(path)  # weights_only=True: no pickled code runs
+    except CheckpointError as e:
         raise ExportError(str(e)) from None
     if "module" not in states:
         raise ExportError(f"{path} has no 'module' state dict")
@@ -210,7 +218,7 @@ def check_state_dict(
         if shapes:
             parts.append(f"shape mismatch {_short(shapes)}")
         raise ExportError(
-            f"{where}: the weights do not match the model config in {ckpt.META_FILE} ("
+            f"{where}: the weights do not match the model config in {META_FILE} ("
             + "; ".join(parts)
             + ")"
         )

@@ -21,7 +21,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from linformer_ds import checkpointing as ckpt
+from linformer_ds.checkpoint.io import check_writable
+from linformer_ds.checkpoint.manager import CheckpointManager
+from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
 from linformer_ds.data import IGNORE_INDEX
 from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
@@ -100,7 +102,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return _main(argv)
-    except (ConfigError, DataError, DistEnvError, ckpt.CheckpointError) as e:
+    except (ConfigError, DataError, DistEnvError, CheckpointError) as e:
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -209,9 +211,9 @@ class Trainer:
         self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
         if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
             validate(cfg, world_size=self.world, seq_len=self.train_ds.seq_len)
-        self.checkpoints = ckpt.CheckpointManager(cfg, self.rank, self.world, self.train_ds)
+        self.checkpoints = CheckpointManager(cfg, self.rank, self.world, self.train_ds)
         if self.rank == 0:
-            ckpt.check_writable(cfg.logging.dir, "logging.dir")
+            check_writable(cfg.logging.dir, "logging.dir")
         self.checkpoints.prepare()
 
     def _build_engine(self) -> None:
@@ -447,7 +449,7 @@ class Trainer:
             f", last loss {last if last is None else round(last, 4)}\n"
             f"[done] TensorBoard: tensorboard --logdir {self.cfg.logging.dir}\n"
             f"[done] checkpoints: {self.checkpoints.dir} "
-            f"(latest: {ckpt.latest_tag(self.checkpoints.dir)})"
+            f"(latest: {latest_tag(self.checkpoints.dir)})"
         )
         return 0
 

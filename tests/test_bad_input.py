@@ -18,9 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from linformer_ds import checkpointing as ckpt
 from linformer_ds import export as export_mod
 from linformer_ds import train
+from linformer_ds.checkpoint.io import remove_stale
+from linformer_ds.checkpoint.tags import (
+    COMPLETE_FILE,
+    META_FILE,
+    META_KEYS,
+    MODEL_STATES,
+    latest_tag,
+    tag_problem,
+)
 from linformer_ds.config import load_config
 from linformer_ds.data import DataError, ShardDataset
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig
@@ -117,12 +125,12 @@ def _tag(
     d = run / "checkpoints" / tag
     d.mkdir(parents=True)
     if meta:
-        m = {k: 0 for k in ckpt.META_KEYS} | {"format_version": 1, "world_size": 1}
+        m = {k: 0 for k in META_KEYS} | {"format_version": 1, "world_size": 1}
         m.update(model=model, sampler={"epoch": 0, "consumed": 0}, **(meta_extra or {}))
-        (d / ckpt.META_FILE).write_text(json.dumps(m))
-    (d / ckpt.MODEL_STATES).write_bytes(b"")
+        (d / META_FILE).write_text(json.dumps(m))
+    (d / MODEL_STATES).write_bytes(b"")
     if complete:
-        (d / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {}}))
+        (d / COMPLETE_FILE).write_text(json.dumps({"files": {}}))
     return d
 
 
@@ -145,13 +153,13 @@ def ckpt_incomplete(run: Path) -> None:
 
 def ckpt_corrupt_meta(run: Path) -> None:
     d = _tag(run, "step_00000002", _model_dict())
-    (d / ckpt.META_FILE).write_text("{not json")
+    (d / META_FILE).write_text("{not json")
 
 
 def ckpt_newer_format(run: Path) -> None:
     d = _tag(run, "step_00000002", _model_dict())
-    m = json.loads((d / ckpt.META_FILE).read_text())
-    (d / ckpt.META_FILE).write_text(json.dumps(m | {"format_version": 99}))
+    m = json.loads((d / META_FILE).read_text())
+    (d / META_FILE).write_text(json.dumps(m | {"format_version": 99}))
 
 
 def ckpt_zero2_bf16(run: Path) -> None:
@@ -657,24 +665,24 @@ def test_validation_falls_back_from_damaged_tags(tmp_path):
     model = _model_dict()
     d = tmp_path / "checkpoints"
     good = _tag(tmp_path, "step_00000002", model)
-    (good / ckpt.MODEL_STATES).write_bytes(b"x" * 10)
-    (good / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {ckpt.MODEL_STATES: 10}}))
+    (good / MODEL_STATES).write_bytes(b"x" * 10)
+    (good / COMPLETE_FILE).write_text(json.dumps({"files": {MODEL_STATES: 10}}))
     trunc = _tag(tmp_path, "step_00000004", model)
-    (trunc / ckpt.MODEL_STATES).write_bytes(b"x" * 5)
-    (trunc / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {ckpt.MODEL_STATES: 10}}))
+    (trunc / MODEL_STATES).write_bytes(b"x" * 5)
+    (trunc / COMPLETE_FILE).write_text(json.dumps({"files": {MODEL_STATES: 10}}))
     shards = _tag(tmp_path, "step_00000006", model)
-    meta = json.loads((shards / ckpt.META_FILE).read_text())
-    (shards / ckpt.META_FILE).write_text(json.dumps(meta | {"zero_stage": 2, "world_size": 2}))
+    meta = json.loads((shards / META_FILE).read_text())
+    (shards / META_FILE).write_text(json.dumps(meta | {"zero_stage": 2, "world_size": 2}))
     (shards / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     _tag(tmp_path, "step_00000008", model, complete=False)
     (d / "latest").write_text("step_00000006")
     with pytest.warns(UserWarning) as rec:
-        assert ckpt.latest_tag(str(d)) == "step_00000002"
+        assert latest_tag(str(d)) == "step_00000002"
     msg = str(rec[0].message)
     assert "step_00000008 (incomplete (no COMPLETE marker" in msg
     assert "step_00000006 (1 optimizer shards for 2 saved ranks)" in msg
-    assert f"step_00000004 ({ckpt.MODEL_STATES} has 5 bytes, 10 when saved (truncated))" in msg
-    assert ckpt.remove_stale(str(d)) == ["step_00000008"]
+    assert f"step_00000004 ({MODEL_STATES} has 5 bytes, 10 when saved (truncated))" in msg
+    assert remove_stale(str(d)) == ["step_00000008"]
 
 
 # ----------------------------------------------------------------------- data_prep CLI
@@ -875,12 +883,12 @@ def test_latest_that_is_not_a_tag_name_is_never_followed(tmp_path):
     for content in (b"../../other/checkpoints/step_00000004", b"\xff\xfe", str(other).encode()):
         (d / "latest").write_bytes(content)
         with pytest.warns(UserWarning, match=r"'latest' names '\(not a tag name\)'"):
-            assert ckpt.latest_tag(str(d)) == "step_00000002"
-    assert ckpt.tag_problem(str(d), "../../other/checkpoints/step_00000004").startswith(
+            assert latest_tag(str(d)) == "step_00000002"
+    assert tag_problem(str(d), "../../other/checkpoints/step_00000004").startswith(
         "'../../other/checkpoints/step_00000004' is not a tag name"
     )
     os.symlink(other, d / "step_00000009")  # a tag directory that links elsewhere
-    assert "outside" in ckpt.tag_problem(str(d), "step_00000009")
+    assert "outside" in tag_problem(str(d), "step_00000009")
 
 
 def test_checkpoint_past_ulimit_f_is_one_line(tiny_corpus, tmp_path):

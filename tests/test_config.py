@@ -479,17 +479,17 @@ def _fake_tag(run: Path, meta_extra: Dict[str, Any]) -> Path:
     """A complete tag of the test model whose metadata says what ``meta_extra`` says."""
     import json
 
-    from linformer_ds import checkpointing as ckpt
+    from linformer_ds.checkpoint.tags import COMPLETE_FILE, META_FILE, META_KEYS, MODEL_STATES
 
     cfg = load_config(TINY_CONFIG, TEST_OVERRIDES)
     d = run / "checkpoints" / "step_00000002"
     d.mkdir(parents=True)
-    meta = {k: 0 for k in ckpt.META_KEYS} | {"format_version": 1, "world_size": 1}
+    meta = {k: 0 for k in META_KEYS} | {"format_version": 1, "world_size": 1}
     meta.update(model=cfg.model.to_dict(), sampler={"epoch": 0, "consumed": 0})
     meta.update(zero_stage=2, precision=cfg.deepspeed.precision, **meta_extra)
-    (d / ckpt.META_FILE).write_text(json.dumps(meta))
-    (d / ckpt.MODEL_STATES).write_bytes(b"")
-    (d / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": {}}))
+    (d / META_FILE).write_text(json.dumps(meta))
+    (d / MODEL_STATES).write_bytes(b"")
+    (d / COMPLETE_FILE).write_text(json.dumps({"files": {}}))
     return d
 
 
@@ -498,10 +498,10 @@ def test_resume_on_other_data_is_refused_unless_allowed(
 ):
     """The checkpoint records the data it was trained on (N, tokenizer, shards' digest);
     resuming on other data names what differs and the flag that allows it."""
-    from linformer_ds import checkpointing as ckpt
+    from linformer_ds.checkpoint.io import check_run_config, data_identity
 
     here = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}"])
-    ident = ckpt.data_identity(here)
+    ident = data_identity(here)
     assert len(ident) == 1 and ident[0]["seq_len"] == 128 and ident[0]["vocab_size"] == 2000
     cases = {
         "seq_len": (64, "N (the row length): checkpoint 64"),
@@ -519,24 +519,24 @@ def test_resume_on_other_data_is_refused_unless_allowed(
             TINY_CONFIG,
             [*TEST_OVERRIDES, f"data.path={tiny_corpus}", "checkpoint.allow_data_change=true"],
         )
-        ckpt.check_run_config(meta, allowed, str(tag))  # allowed: no error
-        ckpt.check_run_config({"data": ident}, here, str(tag))  # the same data: no error
+        check_run_config(meta, allowed, str(tag))  # allowed: no error
+        check_run_config({"data": ident}, here, str(tag))  # the same data: no error
 
 
 def test_the_same_data_copied_elsewhere_resumes(tiny_corpus, corpus_copy):
     """Identity is content, not place: a copy of the data dir (a new mount, a node-local copy)
     resumes; its manifest's timings do not count, its shards do."""
-    from linformer_ds import checkpointing as ckpt
+    from linformer_ds.checkpoint.io import check_run_config, data_identity
 
     def at(path: Path) -> JobConfig:
         return load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={path}"])
 
-    saved = ckpt.data_identity(at(tiny_corpus))
+    saved = data_identity(at(tiny_corpus))
     manifest = corpus_copy / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"seconds": ', '"seconds": 1'))
-    moved = ckpt.data_identity(at(corpus_copy))
+    moved = data_identity(at(corpus_copy))
     assert [d | {"path": ""} for d in saved] == [d | {"path": ""} for d in moved]
-    ckpt.check_run_config({"data": saved}, at(corpus_copy), "step_00000002")
+    check_run_config({"data": saved}, at(corpus_copy), "step_00000002")
 
 
 def test_export_refuses_a_tokenizer_of_another_vocabulary(

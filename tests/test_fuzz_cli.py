@@ -120,7 +120,7 @@ def base(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
     with a stage-0 checkpoint of a tiny model, an export of it, and fine-tuning files."""
     import torch
 
-    from linformer_ds import checkpointing as ckpt
+    from linformer_ds.checkpoint.tags import COMPLETE_FILE, META_FILE, MODEL_STATES
     from linformer_ds.config import load_config
     from linformer_ds.export import main as export_main
     from linformer_ds.model import LinformerForMaskedLM
@@ -151,14 +151,14 @@ def base(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
     tag_dir.mkdir(parents=True)
     torch.manual_seed(0)
     model = LinformerForMaskedLM(cfg.model)
-    torch.save({"module": model.state_dict()}, tag_dir / ckpt.MODEL_STATES)
+    torch.save({"module": model.state_dict()}, tag_dir / MODEL_STATES)
     shutil.copyfile(tok, tag_dir / "tokenizer.model")
     meta = {"format_version": 1, "step": 2, "epoch": 0, "sampler": {"epoch": 0, "consumed": 8},
             "world_size": 1, "zero_stage": 0, "precision": "fp32", "model": cfg.model.to_dict(),
             "tokenizer": "tokenizer.model"}  # fmt: skip
-    (tag_dir / ckpt.META_FILE).write_text(json.dumps(meta))
+    (tag_dir / META_FILE).write_text(json.dumps(meta))
     inventory = {p.name: p.stat().st_size for p in tag_dir.iterdir()}
-    (tag_dir / ckpt.COMPLETE_FILE).write_text(json.dumps({"files": inventory}))
+    (tag_dir / COMPLETE_FILE).write_text(json.dumps({"files": inventory}))
     (run / "checkpoints" / "latest").write_text("step_00000002")
     (run / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 9.0}\n')
     (run / "config.json").write_text("{}\n")

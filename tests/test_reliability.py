@@ -21,7 +21,8 @@ import psutil
 import pytest
 import torch
 
-from linformer_ds import checkpointing as ckpt
+from linformer_ds.checkpoint.io import safe_torch_load
+from linformer_ds.checkpoint.tags import latest_tag, tag_dirs, tag_problem
 from linformer_ds.data import ResumableDistributedSampler, ShardDataset
 from linformer_ds.fsio import read_jsonl
 from linformer_ds.train import SAMPLE_LOG_ENV, TEST_NAN_ENV
@@ -79,7 +80,7 @@ def adam_steps(tag_dir: Path) -> List[float]:
     """Adam's step counter of every param group in every optimizer shard of a tag."""
     out = []
     for path in sorted(tag_dir.glob("*_optim_states.pt")):
-        state = ckpt.safe_torch_load(str(path))["optimizer_state_dict"]["base_optimizer_state"]
+        state = safe_torch_load(str(path))["optimizer_state_dict"]["base_optimizer_state"]
         out += [float(s["step"]) for s in state["state"].values()]
     return out
 
@@ -209,9 +210,9 @@ def test_sigkill_mid_save_and_mid_step_resume_equals_uninterrupted(reference, cr
     # The losses of every step equal the uninterrupted run's, bit for bit.
     assert losses(run, STEPS) == losses(reference, STEPS)
     # Every tag is complete and valid now: the stale partial one was replaced on save.
-    tags = ckpt.tag_dirs(str(run / "checkpoints"))
+    tags = tag_dirs(str(run / "checkpoints"))
     assert tags == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
-    assert all(ckpt.tag_problem(str(run / "checkpoints"), t) is None for t in tags)
+    assert all(tag_problem(str(run / "checkpoints"), t) is None for t in tags)
     # Same samples per step as the reference (the replayed steps consumed the same rows).
     assert samples(run) == samples(reference)
 
@@ -257,8 +258,8 @@ def test_signal_during_startup_checkpoints_and_exits_75(reference, tiny_corpus, 
     assert "Traceback" not in out
     assert f"[checkpoint] signal 10: {tmp_path / 'checkpoints' / 'step_00000001'}" in out
     assert "[preempted] stopped at step 1; resume continues here" in out
-    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "step_00000001"
-    assert ckpt.tag_problem(str(tmp_path / "checkpoints"), "step_00000001") is None
+    assert latest_tag(str(tmp_path / "checkpoints")) == "step_00000001"
+    assert tag_problem(str(tmp_path / "checkpoints"), "step_00000001") is None
     resumed = run_pretrain(tiny_corpus, tmp_path, COMMON)
     assert "step_00000001: step 1," in resumed.stdout
     assert losses(tmp_path, STEPS) == losses(reference, STEPS)
@@ -386,8 +387,8 @@ def test_nonfinite_stop_keeps_last_good_checkpoint(tiny_corpus, tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "[error] non-finite loss at step 3 on 1 micro-batch(es); stopping" in proc.stdout
     assert f"Last good checkpoint: {tmp_path / 'checkpoints' / 'step_00000002'}" in proc.stdout
-    assert ckpt.tag_dirs(str(tmp_path / "checkpoints")) == ["step_00000002"]
-    assert ckpt.latest_tag(str(tmp_path / "checkpoints")) == "step_00000002"
+    assert tag_dirs(str(tmp_path / "checkpoints")) == ["step_00000002"]
+    assert latest_tag(str(tmp_path / "checkpoints")) == "step_00000002"
     assert sorted(read_metrics(tmp_path)) == [1, 2]
 
 
@@ -446,9 +447,9 @@ def test_disk_full_during_save_names_dir_keeps_previous(tiny_corpus, tmp_path, t
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: could not write checkpoint {ck / 'step_00000002'}: "), last
     assert "MiB free); earlier checkpoints in" in last and "Traceback" not in proc.stderr
-    assert ckpt.tag_dirs(str(ck)) == ["step_00000001"]
-    assert ckpt.latest_tag(str(ck)) == "step_00000001"
-    assert ckpt.tag_problem(str(ck), "step_00000001") is None
+    assert tag_dirs(str(ck)) == ["step_00000001"]
+    assert latest_tag(str(ck)) == "step_00000001"
+    assert tag_problem(str(ck), "step_00000001") is None
 
 
 def test_read_only_checkpoint_dir_fails_before_training(tiny_corpus, tmp_path, tmpfs):
@@ -515,4 +516,4 @@ def test_checkpoint_with_pickled_code_is_refused_not_run(resized, tiny_corpus, t
     assert not pwned.exists()
     # Our own checkpoints load with weights_only=True (the reference's files, all of them).
     for path in sorted((one / "checkpoints" / "step_00000008").glob("*.pt")):
-        assert isinstance(ckpt.safe_torch_load(str(path)), dict)
+        assert isinstance(safe_torch_load(str(path)), dict)

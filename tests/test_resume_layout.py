@@ -159,8 +159,10 @@ def test_zero0_reshard_round_trip_is_exact(chains, tmp_path):
     """reshard_zero0 on the ZeRO-0 chain's last (P = 2 sharded) checkpoint: joined whole (P = 1) its
     weights equal the exporter's consolidation; cut again for P = 2, every weight, Adam moment
     and step equals the saved files bit for bit."""
-    from linformer_ds import checkpointing as ck
     from linformer_ds import engine as eng
+    from linformer_ds.checkpoint.io import safe_torch_load
+    from linformer_ds.checkpoint.reshard import reshard_zero0
+    from linformer_ds.checkpoint.tags import read_meta, sharded_sp_size, tag_for
     from linformer_ds.config import load_config
     from linformer_ds.export import consolidate
     from linformer_ds.optim import param_groups
@@ -168,15 +170,15 @@ def test_zero0_reshard_round_trip_is_exact(chains, tmp_path):
 
     out, _ = chains
     ckpt = out / "z0_ckpt"
-    tag = ck.tag_for(STEPS)  # the last hop's: DP 2 x P = 2 sharded
-    assert ck.sharded_sp_size(ck.read_meta(str(ckpt), tag)) == 2
+    tag = tag_for(STEPS)  # the last hop's: DP 2 x P = 2 sharded
+    assert sharded_sp_size(read_meta(str(ckpt), tag)) == 2
     model = eng.build_model(load_config(TINY_CONFIG, TEST_OVERRIDES + COMMON))
     name_of = {id(p): n for n, p in model.named_parameters()}
     index_names = [name_of[id(p)] for g in param_groups(model, 20.0) for p in g["params"]]
-    ck.reshard_zero0(str(ckpt), tag, 2, 1, index_names, str(tmp_path / "p1"))
-    ck.reshard_zero0(str(tmp_path / "p1"), tag, 1, 2, index_names, str(tmp_path / "p2"))
+    reshard_zero0(str(ckpt), tag, 2, 1, index_names, str(tmp_path / "p1"))
+    reshard_zero0(str(tmp_path / "p1"), tag, 1, 2, index_names, str(tmp_path / "p2"))
 
-    whole = ck.safe_torch_load(str(tmp_path / "p1" / tag / "mp_rank_00_model_states.pt"))
+    whole = safe_torch_load(str(tmp_path / "p1" / tag / "mp_rank_00_model_states.pt"))
     assert not (tmp_path / "p1" / tag / "mp_rank_01_model_states.pt").exists()
     want = consolidate(str(ckpt), tag)
     assert whole["module"].keys() == want.keys()
@@ -186,8 +188,8 @@ def test_zero0_reshard_round_trip_is_exact(chains, tmp_path):
     assert pos and all(whole["module"][k].shape[0] == 128 for k in pos)  # every position (N)
     for r in (0, 1):
         name = f"mp_rank_{r:02d}_model_states.pt"
-        a = ck.safe_torch_load(str(ckpt / tag / name))
-        b = ck.safe_torch_load(str(tmp_path / "p2" / tag / name))
+        a = safe_torch_load(str(ckpt / tag / name))
+        b = safe_torch_load(str(tmp_path / "p2" / tag / name))
         assert a["module"].keys() == b["module"].keys()
         for k in a["module"]:
             assert torch.equal(a["module"][k], b["module"][k]), (r, k)
@@ -214,7 +216,7 @@ def test_layout_route_of_every_change(stage, saved, now):
     changes; ZeRO-0 re-shards exactly when the sharding changes; otherwise natively."""
     import tempfile
 
-    from linformer_ds import checkpointing as ck
+    from linformer_ds.checkpoint.reshard import RESHARD_DIRECT, VIA_UNIVERSAL, layout_route
     from linformer_ds.config import from_dict
 
     (w0, p0, s0), (w1, p1, s1) = saved, now
@@ -231,9 +233,9 @@ def test_layout_route_of_every_change(stage, saved, now):
         for r in range(w0 if stage else 0):  # ZeRO 1-3: one optimizer shard per saved rank
             name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
             open(os.path.join(d, "step_00000002", name), "w").close()
-        route = ck.layout_route(d, "step_00000002", meta, cfg, w1)
+        route = layout_route(d, "step_00000002", meta, cfg, w1)
     resharded = (p0 if p0 > 1 and s0 else 1) != (p1 if p1 > 1 and s1 else 1)
     if stage == 0:
-        assert route == (ck.RESHARD_DIRECT if resharded else None)
+        assert route == (RESHARD_DIRECT if resharded else None)
     else:
-        assert route == (ck.VIA_UNIVERSAL if resharded or w0 != w1 else None)
+        assert route == (VIA_UNIVERSAL if resharded or w0 != w1 else None)
