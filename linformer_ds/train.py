@@ -215,6 +215,23 @@ class Trainer:
         if self.rank == 0:
             check_writable(cfg.logging.dir, "logging.dir")
         self.checkpoints.prepare()
+        self.unigram = self._context_meters() if evaluating else {}
+
+    def _context_meters(self) -> Dict[str, Any]:
+        """The context meter of each source (linformer_ds.context_meter): its train split's
+        unigram counts from the manifest, the run directory's cache, or counted (and cached by
+        rank 0) here."""
+        from linformer_ds.context_meter import UnigramMeter
+
+        t0 = time.perf_counter()
+        meters = {
+            name: UnigramMeter.for_dataset(ds, self.cfg.logging.dir, write_cache=self.rank == 0)
+            for name, ds in self.train_sets.items()
+        }
+        how = ", ".join(f"{n}: {m.tokens} tokens ({m.source})" for n, m in meters.items())
+        rank0_print(f"[meter] unigram counts of the train split: {how}; "
+                    f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+        return meters
 
     def _build_engine(self) -> None:
         from linformer_ds import engine as eng
@@ -413,6 +430,7 @@ class Trainer:
         the record holds the mixture's figures and each source's (see mixture.combine_eval)."""
         import dataclasses
 
+        from linformer_ds.context_meter import with_mixture_meter
         from linformer_ds.mixture import combine_eval
 
         stage, cfg = self.batches.stage, self.cfg
@@ -421,10 +439,11 @@ class Trainer:
             cfg = dataclasses.replace(cfg, train=train)
         figures = {
             name: evaluate(self.engine, self.valid_sets[name], cfg, self.replica, self.replicas,
-                           self.device, self.sp_group)
+                           self.device, self.sp_group, unigram=self.unigram.get(name))
             for name in stage.names
         }  # fmt: skip
-        return combine_eval(stage, figures, self.batches.legacy)
+        record = combine_eval(stage, figures, self.batches.legacy)
+        return with_mixture_meter(record, stage.names, stage.weights, figures)
 
     def train(self) -> int:
         """Train to ``train.max_steps`` (or ``stop_at_step``); returns the exit code."""

@@ -1,0 +1,198 @@
+"""The context meter: the best context-free predictor, scored on the positions the model is.
+
+A model that ignores context can do no better than the train split's unigram distribution:
+its cross-entropy on the masked labels (``unigram_loss``) and the accuracy of always
+predicting the most frequent maskable token (``unigram_accuracy``). Every evaluation reports
+both beside the model's figures, and their differences ``context_gain_nats = unigram_loss -
+loss`` and ``context_gain_accuracy = mlm_accuracy - unigram_accuracy``: what the model has
+learned from context.
+
+Counts: the train split's token counts without the ids that are never masked (pad, unk, cls,
+sep, mask). They come from the data_prep output's ``unigram`` record (``unigram_counts.npy``,
+written at prep time), else from a cache file in the run directory, else are counted once
+(``np.bincount`` over the memory-mapped rows) and cached, so a resumed run does not recount.
+
+Smoothing: add-one (Laplace) over the maskable ids, ``p(t) = (c_t + 1) / (C + V_m)`` with
+``C`` the counted tokens and ``V_m`` the maskable ids of the vocabulary: a token the train split
+never holds still has a finite loss.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # = linformer_ds.data.masking.IGNORE_INDEX (the labels of unscored positions)
+COUNTS_FILE = "unigram_counts.npy"  # data_prep's record of the train split's counts
+CHUNK_TOKENS = 1 << 22  # tokens per bincount (bounded memory for any corpus size)
+FIELDS = ("unigram_loss", "unigram_accuracy", "context_gain_nats", "context_gain_accuracy")
+
+
+def count_tokens(
+    paths: Sequence[Union[str, os.PathLike]], vocab_size: int, excluded: Sequence[int]
+) -> np.ndarray:
+    """``int64 [vocab_size]`` token counts over the rows of the ``.npy`` shards ``paths``
+    (memory-mapped, counted in chunks), with the ``excluded`` ids set to 0."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for path in paths:
+        arr = np.load(path, mmap_mode="r")
+        flat = arr.reshape(-1)
+        for start in range(0, flat.shape[0], CHUNK_TOKENS):
+            chunk = np.asarray(flat[start : start + CHUNK_TOKENS])
+            counts += np.bincount(chunk, minlength=vocab_size)[:vocab_size]
+    counts[[i for i in excluded if 0 <= i < vocab_size]] = 0
+    return counts
+
+
+def counts_record(out: Union[str, os.PathLike], shards: List[Dict[str, Any]], vocab_size: int,
+                  excluded: Sequence[int], split: str = "train") -> Dict[str, Any]:  # fmt: skip
+    """data_prep: count ``split``'s ``shards`` under ``out``, write ``out/unigram_counts.npy``
+    and return the manifest's ``unigram`` record (file, sha256, split, excluded ids, tokens)."""
+    counts = count_tokens([os.path.join(out, s["file"]) for s in shards], vocab_size, excluded)
+    path = os.path.join(out, COUNTS_FILE)
+    np.save(path, counts)
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    return {
+        "file": COUNTS_FILE,
+        "sha256": sha,
+        "split": split,
+        "excluded_ids": sorted(int(i) for i in excluded),
+        "tokens": int(counts.sum()),
+    }
+
+
+def _split_key(dataset: Any, excluded: Sequence[int]) -> str:
+    """A digest of what the counts depend on: the split's shards (file, rows, sha256), the
+    vocabulary and the excluded ids."""
+    shards = [(s.get("file"), s.get("rows"), s.get("sha256")) for s in dataset.shards]
+    if any(sha is None for _, _, sha in shards):  # no checksums recorded: the files themselves
+        shards = [(str(Path(dataset.path, f).resolve()), r, os.path.getsize(Path(dataset.path, f)))
+                  for f, r, _ in shards]  # fmt: skip
+    text = json.dumps([shards, int(dataset.vocab_size), sorted(excluded)])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _recorded(dataset: Any, excluded: Sequence[int]) -> Optional[np.ndarray]:
+    """data_prep's counts of this split, when its manifest records them (and they fit)."""
+    rec = dataset.manifest.get("unigram")
+    if not isinstance(rec, dict) or rec.get("split") != dataset.split:
+        return None
+    if sorted(rec.get("excluded_ids", [])) != sorted(excluded):
+        return None
+    path = Path(dataset.path, str(rec.get("file", COUNTS_FILE)))
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError):
+        return None
+    if counts.shape != (dataset.vocab_size,) or int(counts.sum()) != rec.get("tokens"):
+        return None
+    return counts.astype(np.int64)
+
+
+def load_counts(
+    dataset: Any, cache_dir: Optional[Union[str, os.PathLike]], write_cache: bool = True
+) -> Dict[str, Any]:
+    """The unigram counts of ``dataset`` (a ``ShardDataset``, normally the train split):
+    ``{"counts": int64 [V], "from": "manifest" | "cache" | "counted"}``. Counted ones are
+    written to ``cache_dir/unigram_<split>_<key>.npy`` (atomically) when ``write_cache``."""
+    excluded = sorted(set(int(i) for i in dataset.special_ids))
+    counts = _recorded(dataset, excluded)
+    if counts is not None:
+        return {"counts": counts, "from": "manifest"}
+    cache = None
+    if cache_dir is not None:
+        cache = Path(cache_dir, f"unigram_{dataset.split}_{_split_key(dataset, excluded)}.npy")
+        try:
+            counts = np.load(cache)
+            if counts.shape == (dataset.vocab_size,):
+                return {"counts": counts.astype(np.int64), "from": "cache"}
+        except (OSError, ValueError):
+            pass
+    paths = [Path(dataset.path, s["file"]) for s in dataset.shards]
+    counts = count_tokens(paths, dataset.vocab_size, excluded)
+    if cache is not None and write_cache:
+        try:
+            os.makedirs(cache.parent, exist_ok=True)
+            tmp = cache.with_name(f"{cache.name}.tmp.{os.getpid()}")
+            with open(tmp, "wb") as f:
+                np.save(f, counts)
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a cache only: the next run counts again
+    return {"counts": counts, "from": "counted"}
+
+
+class UnigramMeter:
+    """Scores masked labels with the context-free predictor of ``counts`` (``int64 [V]``,
+    excluded ids 0): add-one smoothed log-probabilities over the ids ``maskable``, and the most
+    frequent of them as the constant guess."""
+
+    def __init__(self, counts: np.ndarray, excluded: Sequence[int], source: str = "counted"):
+        v = counts.shape[0]
+        maskable = np.ones(v, dtype=bool)
+        maskable[[i for i in excluded if 0 <= i < v]] = False
+        c = np.where(maskable, counts, 0).astype(np.float64)
+        total = c.sum() + maskable.sum()
+        with np.errstate(divide="ignore"):
+            self.log_prob = np.where(maskable, np.log((c + 1.0) / total), -np.inf)  # [V]
+        self.top = int(np.argmax(np.where(maskable, c, -1.0)))
+        self.tokens = int(c.sum())
+        self.source = source
+
+    @classmethod
+    def for_dataset(cls, dataset: Any, cache_dir: Optional[Union[str, os.PathLike]] = None,
+                    write_cache: bool = True) -> "UnigramMeter":  # fmt: skip
+        """The meter of a train split (see :func:`load_counts`)."""
+        got = load_counts(dataset, cache_dir, write_cache)
+        return cls(got["counts"], dataset.special_ids, got["from"])
+
+    def stats(self, labels: torch.Tensor) -> List[float]:
+        """``[sum of -log p(label), labels equal to the top token]`` over the labelled positions
+        (``!= IGNORE_INDEX``) of ``labels`` (any shape, on the host)."""
+        lab = labels[labels != IGNORE_INDEX].numpy()
+        if lab.size == 0:
+            return [0.0, 0.0]
+        return [float(-self.log_prob[lab].sum()), float((lab == self.top).sum())]
+
+
+def figures(loss_sum: float, correct: float, count: float, loss: float, acc: float
+            ) -> Dict[str, float]:  # fmt: skip
+    """The meter's fields of an eval record from its summed statistics over ``count`` labels
+    and the model's ``loss`` / ``acc`` on the same labels."""
+    u_loss = loss_sum / max(count, 1.0)
+    u_acc = correct / max(count, 1.0)
+    return {
+        "unigram_loss": u_loss,
+        "unigram_accuracy": u_acc,
+        "context_gain_nats": u_loss - loss,
+        "context_gain_accuracy": acc - u_acc,
+    }
+
+
+def with_mixture_meter(record: Dict[str, float], names: Sequence[str], weights: Sequence[float],
+                       per_source: Dict[str, Dict[str, float]]) -> Dict[str, float]:  # fmt: skip
+    """A mixture's eval ``record`` (data.stages.combine_eval) with the meter's fields of the mixture
+    after ``mlm_accuracy``: the sources' unigram figures weighted as its ``loss`` is (by the
+    training ``weights``), and the gains against its ``loss`` / ``mlm_accuracy``. Unchanged
+    when a source has no meter or the record is one source's own."""
+    if "unigram_loss" in record or not all("unigram_loss" in per_source[n] for n in names):
+        return record
+    u_loss = sum(w * per_source[n]["unigram_loss"] for n, w in zip(names, weights))
+    u_acc = sum(w * per_source[n]["unigram_accuracy"] for n, w in zip(names, weights))
+    meter = {
+        "unigram_loss": u_loss,
+        "unigram_accuracy": u_acc,
+        "context_gain_nats": u_loss - record["loss"],
+        "context_gain_accuracy": record["mlm_accuracy"] - u_acc,
+    }
+    out: Dict[str, float] = {}
+    for k, v in record.items():
+        out[k] = v
+        if k == "mlm_accuracy":
+            out.update(meter)
+    return out

@@ -1,0 +1,207 @@
+"""The context meter (linformer_ds.context_meter): unigram counts, smoothed loss and constant-
+guess accuracy against references computed here in plain Python, evaluate()'s figures on the
+exact scored positions, the mixture's weighting, and a real one-rank run's eval records."""
+
+import json
+import math
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from linformer_ds.context_meter import (
+    COUNTS_FILE,
+    FIELDS,
+    UnigramMeter,
+    counts_record,
+    load_counts,
+    with_mixture_meter,
+)
+from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
+from linformer_ds.data.shards import ShardDataset
+from tests.pretrain_utils import read_metrics, run_pretrain
+
+V, N = 50, 16
+SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+
+def write_split(root, split, rows_per_shard, seed):
+    """Shards of random rows ``[cls] + ids + [sep] + pad`` (with a few unk), skewed towards low
+    ids so that the unigram distribution is far from uniform; returns the manifest entry."""
+    rng = np.random.default_rng(seed)
+    shards = []
+    (root / split).mkdir()
+    for k, rows in enumerate(rows_per_shard):
+        p = np.minimum(rng.geometric(0.15, size=(rows, N)) + 4, V - 1)
+        p[:, 0] = SPECIAL["cls"]
+        p[:, -3] = SPECIAL["sep"]
+        p[:, -2:] = SPECIAL["pad"]
+        p[rng.random((rows, N)) < 0.02] = SPECIAL["unk"]
+        name = f"{split}/shard_{k:05d}.npy"
+        np.save(root / name, p.astype(np.uint16))
+        shards.append({"file": name, "rows": rows, "sha256": f"{seed}-{k}"})
+    return {"shards": shards, "rows": sum(rows_per_shard)}
+
+
+@pytest.fixture
+def shards(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    splits = {"train": write_split(root, "train", [7, 5, 9], 1),
+              "valid": write_split(root, "valid", [6], 2)}  # fmt: skip
+    manifest = {"format_version": 1, "seq_len": N, "vocab_size": V, "dtype": "uint16",
+                "special_ids": SPECIAL, "splits": splits}  # fmt: skip
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def reference(root):
+    """Counts, add-one log-probabilities and the top token, in plain Python."""
+    counter = Counter()
+    for s in json.loads((root / "manifest.json").read_text())["splits"]["train"]["shards"]:
+        for row in np.load(root / s["file"]).tolist():
+            counter.update(t for t in row if t not in SPECIAL.values())
+    maskable = [t for t in range(V) if t not in SPECIAL.values()]
+    total = sum(counter.values()) + len(maskable)
+    logp = {t: math.log((counter[t] + 1) / total) for t in maskable}
+    top = max(maskable, key=lambda t: (counter[t], -t))
+    return counter, logp, top
+
+
+def test_counts_loss_and_accuracy_match_a_plain_python_reference(shards, tmp_path):
+    counter, logp, top = reference(shards)
+    train = ShardDataset(shards, "train")
+    got = load_counts(train, tmp_path / "run")
+    assert got["from"] == "counted"
+    assert got["counts"].tolist() == [counter[t] for t in range(V)]
+    assert load_counts(train, tmp_path / "run")["from"] == "cache"  # a resumed run: no recount
+    meter = UnigramMeter.for_dataset(train, tmp_path / "run")
+    assert meter.top == top and meter.tokens == sum(counter.values())
+    # the labels of the valid split's masking, scored by hand
+    valid = ShardDataset(shards, "valid")
+    masker = MLMMasking(V, SPECIAL["mask"], valid.special_ids, seed=7, pad_id=0)
+    batch = masker(torch.stack([valid[i] for i in range(len(valid))]), torch.arange(len(valid)), 0)
+    labels = [t for t in batch["labels"].reshape(-1).tolist() if t != IGNORE_INDEX]
+    assert len(labels) > 5
+    loss_sum, correct = meter.stats(batch["labels"])
+    assert loss_sum == pytest.approx(-sum(logp[t] for t in labels), rel=1e-12)
+    assert correct == sum(t == top for t in labels)
+    assert meter.stats(torch.full((2, 3), IGNORE_INDEX)) == [0.0, 0.0]
+
+
+def test_data_prep_record_is_used_and_checked(shards, tmp_path):
+    counter, _, _ = reference(shards)
+    m = json.loads((shards / "manifest.json").read_text())
+    rec = counts_record(shards, m["splits"]["train"]["shards"], V, list(SPECIAL.values()))
+    assert rec["tokens"] == sum(counter.values()) and (shards / COUNTS_FILE).is_file()
+    m["unigram"] = rec
+    (shards / "manifest.json").write_text(json.dumps(m))
+    got = load_counts(ShardDataset(shards, "train"), None)
+    assert got["from"] == "manifest" and got["counts"].tolist() == [counter[t] for t in range(V)]
+    # counts that do not match their record (tokens): ignored, counted again
+    np.save(shards / COUNTS_FILE, np.ones(V, dtype=np.int64))
+    assert load_counts(ShardDataset(shards, "train"), None)["from"] == "counted"
+
+
+def test_evaluate_reports_the_meter_on_the_scored_positions(shards, tmp_path, monkeypatch):
+    """evaluate() with a model that predicts uniformly: loss = log V on every position; the
+    meter's figures are those of the reference on the same masks (seed train.seed + 1)."""
+    import linformer_ds.engine as eng
+    from linformer_ds.evaluate import evaluate
+
+    monkeypatch.setattr(eng, "all_reduce_sum", lambda t, device: t)  # one rank, no group
+
+    class Uniform(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, labels=None, labelled_index=None):
+            targets = labels.reshape(-1)[labelled_index]
+            logits = torch.zeros(targets.numel(), V)
+            loss = torch.nn.functional.cross_entropy(logits, targets)
+            return SimpleNamespace(loss=loss, labelled_logits=logits, labelled_targets=targets)
+
+    _, logp, top = reference(shards)
+    valid = ShardDataset(shards, "valid")
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(mlm_probability=0.15),
+        train=SimpleNamespace(seed=3, micro_batch_size=2, gradient_accumulation_steps=1,
+                              eval_batches=2),
+    )  # fmt: skip
+    meter = UnigramMeter.for_dataset(ShardDataset(shards, "train"), tmp_path)
+    got = evaluate(Uniform(), valid, cfg, 0, 1, "cpu", unigram=meter)
+    assert set(FIELDS) <= set(got)
+    masker = MLMMasking(V, SPECIAL["mask"], valid.special_ids, seed=4, pad_id=0)
+    rows = torch.stack([valid[i] for i in range(4)])  # eval_batches x micro-batch rows
+    lab = masker(rows, torch.arange(4), 0)["labels"].reshape(-1).tolist()
+    lab = [t for t in lab if t != IGNORE_INDEX]
+    want = -sum(logp[t] for t in lab) / len(lab)
+    assert got["loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert got["unigram_loss"] == pytest.approx(want, rel=1e-12)
+    assert got["unigram_accuracy"] == pytest.approx(sum(t == top for t in lab) / len(lab))
+    assert got["context_gain_nats"] == pytest.approx(want - math.log(V), rel=1e-6)
+    assert got["context_gain_accuracy"] == pytest.approx(
+        got["mlm_accuracy"] - got["unigram_accuracy"]
+    )
+    assert set(evaluate(Uniform(), valid, cfg, 0, 1, "cpu")) == {
+        "loss", "perplexity", "mlm_accuracy"
+    }  # fmt: skip
+
+
+def test_mixture_record_weights_the_meter_like_the_loss():
+    per = {
+        "a": {"loss": 4.0, "mlm_accuracy": 0.3, "unigram_loss": 5.0, "unigram_accuracy": 0.1},
+        "b": {"loss": 2.0, "mlm_accuracy": 0.5, "unigram_loss": 6.0, "unigram_accuracy": 0.2},
+    }
+    record = {"loss": 3.5, "perplexity": math.exp(3.5), "mlm_accuracy": 0.35, "loss/a": 4.0}
+    out = with_mixture_meter(record, ["a", "b"], [0.75, 0.25], per)
+    assert list(out)[:7] == ["loss", "perplexity", "mlm_accuracy", *FIELDS]
+    assert out["unigram_loss"] == pytest.approx(5.25)
+    assert out["unigram_accuracy"] == pytest.approx(0.125)
+    assert out["context_gain_nats"] == pytest.approx(1.75)
+    assert out["context_gain_accuracy"] == pytest.approx(0.225)
+    assert out["loss/a"] == 4.0
+    assert with_mixture_meter(per["a"], ["a"], [1.0], {"a": per["a"]}) == per["a"]
+
+
+def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
+    """One rank, evals at steps 2 and 4: each ``[eval]`` line and metrics.jsonl record has the
+    meter; its unigram figures equal a reference on the eval masks; a resumed process reads
+    the cached counts instead of counting."""
+    common = ["train.eval_interval=2", "train.eval_batches=1", "logging.tensorboard=true"]
+    first = run_pretrain(tiny_corpus, tmp_path, common + ["train.max_steps=4"], nproc=1,
+                         launcher="python")  # fmt: skip
+    assert re.search(r"\[meter\] unigram counts of the train split: .*tokens \(counted\)",
+                     first.stdout)  # fmt: skip
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[eval]")]
+    assert len(lines) == 2 and all("context_gain_nats=" in ln for ln in lines)
+    ev = read_metrics(tmp_path, "eval")
+    assert sorted(ev) == [2, 4]
+    r = ev[4]
+    assert r["context_gain_nats"] == pytest.approx(r["unigram_loss"] - r["loss"], abs=1e-12)
+    # reference: counts of the train shards, the eval masks of rows 0-3 (seed 42 + 1)
+    train, valid = ShardDataset(tiny_corpus, "train"), ShardDataset(tiny_corpus, "valid")
+    counts = np.zeros(train.vocab_size, dtype=np.int64)
+    for i in range(len(train)):
+        counts += np.bincount(train[i].numpy(), minlength=train.vocab_size)
+    counts[train.special_ids] = 0
+    maskable = np.ones(train.vocab_size, bool)
+    maskable[train.special_ids] = False
+    p = (counts + 1) / (counts.sum() + maskable.sum())
+    masker = MLMMasking(valid.vocab_size, valid.mask_id, valid.special_ids, seed=43,
+                        pad_id=valid.pad_id)  # fmt: skip
+    rows = min(len(valid), 4)
+    labels = masker(torch.stack([valid[i] for i in range(rows)]), torch.arange(rows), 0)["labels"]
+    lab = labels[labels != IGNORE_INDEX].numpy()
+    assert r["unigram_loss"] == pytest.approx(float(-np.log(p[lab]).mean()), rel=1e-9)
+    top = int(np.argmax(np.where(maskable, counts, -1)))
+    assert r["unigram_accuracy"] == pytest.approx(float((lab == top).mean()), rel=1e-12)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {f"eval/{k}" for k in FIELDS} <= set(acc.Tags()["scalars"])
+    again = run_pretrain(tiny_corpus, tmp_path, common + ["train.max_steps=6"], nproc=1,
+                         launcher="python")  # fmt: skip
+    assert "tokens (cache)" in again.stdout
+    assert read_metrics(tmp_path, "eval")[6]["unigram_loss"] > 0
