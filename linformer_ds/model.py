@@ -261,6 +261,96 @@ class ModelConfig:
         return total
 
 
+# ============================================================================ document isolation
+class DocumentSpan(NamedTuple):
+    """One document's tokens in a ``[B, n]`` batch (this rank's slice under sequence parallelism):
+    ``row``, ``[start, end)``, ``column``: the document position (E/F column) of ``start``,
+    ``padded``: some of its tokens are masked, ``shared``: the index of its sum over the
+    sequence-parallel group (-1: the document lies in this slice only)."""
+
+    row: int
+    start: int
+    end: int
+    column: int = 0
+    padded: bool = False
+    shared: int = -1
+
+
+class Documents(NamedTuple):
+    """The documents of a packed batch (:func:`document_spans`): spans in row-major order that
+    cover every token once. ``whole_rows``: every row (all slices together) is one document, so
+    the plain path computes exactly the same thing. ``block_mask [B, 1, N, N]`` (sequence
+    parallel dense layers only): token i may attend to key j (same document, j not padding)."""
+
+    spans: List[DocumentSpan]
+    num_shared: int = 0
+    whole_rows: bool = False
+    block_mask: Optional[torch.Tensor] = None
+
+
+def document_starts(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, N]`` bool: where a document starts (each row start, every unmasked position 0).
+    Masked positions never start one (padding joins the document before it)."""
+    starts = position_ids == 0
+    if attention_mask is not None:
+        starts &= attention_mask.bool()
+    starts[:, 0] = True
+    return starts
+
+
+def document_spans(
+    position_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    offset: int = 0,
+    n_local: Optional[int] = None,
+    max_position: Optional[int] = None,
+) -> Documents:
+    """The documents of ``position_ids [B, N]`` (a new one at every row start and every unmasked
+    position 0), read to the host once. With ``n_local`` (sequence parallel) the inputs are the
+    whole rows and the spans are those of the slice ``[offset, offset + n_local)``: a document
+    in more than one slice gets a ``shared`` index (the same on every rank). ``max_position``:
+    ids must lie in ``[0, max_position)`` (ValueError otherwise)."""
+    b, n = position_ids.shape
+    starts = document_starts(position_ids, attention_mask)
+    rows = [starts]
+    rows.append(~attention_mask.bool() if attention_mask is not None else torch.zeros_like(starts))
+    if max_position is not None:
+        rows.append((position_ids < 0) | (position_ids >= max_position))
+    host = torch.stack(rows).cpu()  # the one device -> host read
+    if max_position is not None and bool(host[2].any()):
+        raise ValueError(f"position_ids must lie in [0, max_seq_len={max_position})")
+    n_local = n if n_local is None else n_local
+    lo, hi = offset, offset + n_local
+    spans: List[DocumentSpan] = []
+    num_shared, whole = 0, True
+    pad = host[1]
+    for r in range(b):
+        bounds = torch.nonzero(host[0, r]).reshape(-1).tolist() + [n]
+        whole = whole and len(bounds) == 2
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            crosses = s // n_local != (e - 1) // n_local
+            shared = -1
+            if crosses:
+                shared, num_shared = num_shared, num_shared + 1
+            ls, le = max(s, lo), min(e, hi)
+            if ls < le:
+                padded = bool(pad[r, ls:le].any())
+                spans.append(DocumentSpan(r, ls - lo, le - lo, ls - s, padded, shared))
+    return Documents(spans, num_shared, whole)
+
+
+def document_block_mask(
+    position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``[B, 1, N, N]`` bool: query i may attend to key j (same document, j not padding; a row
+    with no allowed key may attend everywhere, its output is ignored)."""
+    doc = document_starts(position_ids, attention_mask).cumsum(dim=1)
+    allowed = doc[:, :, None] == doc[:, None, :]
+    if attention_mask is not None:
+        allowed &= attention_mask.bool()[:, None, :]
+    return _nonempty(allowed)[:, None]
+
+
 # ==================================================================================== projections
 class LinearProjection(nn.Module):
     """Learned projection along the sequence axis: ``[B, n, h, d] -> [B, k, h, d]``.
@@ -286,7 +376,12 @@ class LinearProjection(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+        """``[B, n, h, d] -> [B, k, h, d]``; with ``documents``: each span's own summaries
+        ``[S, k, h, d]`` (E's columns from the span's document position on; a document split
+        over sequence-parallel ranks gets the sum of its parts)."""
+        if documents is not None:
+            return self._project_documents(x, documents)
         b, n, h, d = x.shape
         sp = self.sequence_parallel
         off = 0 if sp is None else sp.offset(n) - self.shard_start  # column in the local weight
@@ -311,6 +406,29 @@ class LinearProjection(nn.Module):
         else:
             y = torch.einsum("hkn,bnhd->bkhd", w, x)
         return y if sp is None else sp.reduce_projection(y)
+
+    def _project_documents(self, x: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """``x [B, n, h, d]`` -> ``[S, k, h, d]``: span i's tokens times E's columns
+        ``[column, column + length)`` (the slicing a lone document of that length uses)."""
+        _, _, h, d = x.shape
+        width = self.weight.shape[-1]
+        ys = []
+        for span in documents.spans:
+            length, col = span.end - span.start, span.column - self.shard_start
+            if not 0 <= col <= width - length:
+                raise ValueError(
+                    f"document columns [{span.column}, {span.column + length}) are outside the "
+                    f"E/F columns this rank holds [{self.shard_start}, {self.shard_start + width})"
+                )
+            w = self.weight if col == 0 and length == width else self.weight[:, :, col : col + length]
+            xi = x[span.row, span.start : span.end]  # [L, h, d]
+            if self.heads == 1:
+                ys.append(torch.mm(w.squeeze(0), xi.reshape(length, h * d)).view(self.k, h, d))
+            else:
+                ys.append(torch.einsum("hkn,nhd->khd", w, xi))
+        y = torch.stack(ys)
+        sp = self.sequence_parallel
+        return y if sp is None else sp.reduce_documents(y, documents)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, k={self.k}, max_seq_len={self.max_seq_len}"
@@ -340,7 +458,19 @@ class ConvProjection(nn.Module):
         nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
         nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+        """``[B, n, h, d] -> [B, c, h, d]``; with ``documents``: every span's blocks, windows
+        starting at its own start (its tail zero-padded), concatenated: ``[sum c_i, h, d]``."""
+        if documents is not None:
+            if self.sequence_parallel is not None:
+                raise ValueError("conv projection: document isolation under sequence parallelism")
+            r = self.stride
+            pieces = []
+            for span in documents.spans:
+                xi = x[span.row, span.start : span.end]
+                pad = (-(span.end - span.start)) % r
+                pieces.append(F.pad(xi, (0, 0, 0, 0, 0, pad)) if pad else xi)
+            return self._blocks(torch.cat(pieces)[None])[0]
         b, n, h, d = x.shape
         r = self.stride
         pad = (-n) % r
@@ -349,7 +479,14 @@ class ConvProjection(nn.Module):
             raise ValueError(f"sequence parallel conv: slice length {n} is not a multiple of {r}")
         if pad:
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        c = (n + pad) // r
+        y = self._blocks(x)
+        return y if sp is None else sp.gather_blocks(y)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, c r, h, d]`` (a multiple of the stride) -> ``[B, c, h, d]``."""
+        b, n, h, d = x.shape
+        r = self.stride
+        c = n // r
         # One GEMM contracting the whole window (r taps x d inputs = K of r*d) per output block;
         # einsum would contract d only and then sum the r partial products in a second pass.
         x = x.view(b, c, r, h, d).transpose(2, 3)  # [B, c, h, r, d_in]
@@ -359,8 +496,7 @@ class ConvProjection(nn.Module):
         else:
             w = self.weight.permute(0, 3, 2, 1).reshape(h, r * d, d)  # [h, (r, d_in), d_out]
             y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
-        y = y + self.bias
-        return y if sp is None else sp.gather_blocks(y)
+        return y + self.bias
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, kernel=stride={self.stride}"
@@ -418,12 +554,17 @@ class LinformerSelfAttention(nn.Module):
         x: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
+        documents: Optional[Documents] = None,
     ) -> torch.Tensor:
+        """``documents`` (:func:`document_spans`): each token attends only within its own
+        document (its own summaries, conv blocks or tokens); None: the whole row."""
         b, n, _ = x.shape
         h, d = self.num_heads, self.head_dim
         qkv = self.qkv(x)  # [B, n, 3D]
         dropout_p = self.dropout_p if self.training else 0.0
         mask = attention_mask.bool() if attention_mask is not None else None
+        if documents is not None and not documents.whole_rows:
+            return self._isolated(qkv, mask, shared_projection, documents, dropout_p)
 
         # unbind/split rather than slicing: their backward writes the three gradients into one
         # [B, n, 3D] tensor (a stack/cat) instead of zero-filling and summing three of them.
@@ -471,6 +612,80 @@ class LinformerSelfAttention(nn.Module):
         )
         return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
+    def _projection(self, shared_projection: Optional[nn.Module]) -> nn.Module:
+        if self.proj_k is not None:
+            return self.proj_k
+        if shared_projection is None:
+            raise ValueError(
+                f"layer {self.layer_idx}: sharing='layerwise' needs the encoder's shared "
+                "projection passed as `shared_projection`"
+            )
+        return shared_projection
+
+    def _isolated(
+        self,
+        qkv: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        shared_projection: Optional[nn.Module],
+        documents: Documents,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """Document-isolated attention of ``qkv [B, n, 3D]`` -> ``[B, n, D]``: one attention
+        per document span, against its own keys (dense), summaries (linear) or blocks (conv);
+        the work of running each document alone."""
+        b, n, _ = qkv.shape
+        h, d = self.num_heads, self.head_dim
+        spans, sp = documents.spans, self.sequence_parallel
+        sdpa = F.scaled_dot_product_attention
+        ys = []
+        if self.kind == "dense":
+            q, k, v = qkv.view(b, n, 3, h, d).unbind(2)  # [B, n, h, d]
+            if sp is not None:  # Ulysses over the whole rows, the documents' block mask
+                y = sp.dense_attention(q, k, v, documents.block_mask, dropout_p)
+                return self.out(y.reshape(b, n, self.hidden_size))
+            for s in spans:
+                qi, ki, vi = (t[s.row, s.start : s.end].transpose(0, 1)[None] for t in (q, k, v))
+                am = None
+                if s.padded and mask is not None:
+                    am = _nonempty(mask[s.row, s.start : s.end][None])[:, None, None, :]
+                y = sdpa(qi, ki, vi, attn_mask=am, dropout_p=dropout_p)
+                ys.append(y[0].transpose(0, 1))  # [L, h, d]
+            return self.out(torch.cat(ys).view(b, n, self.hidden_size))
+
+        q, kv = qkv.split([self.hidden_size, 2 * self.hidden_size], dim=-1)
+        q = q.view(b, n, h, d).transpose(1, 2)  # [B, h, n, d]
+        kv = kv.view(b, n, 2 * h, d)
+        if mask is not None:
+            kv = kv * mask[:, :, None, None].to(kv.dtype)
+        proj_k = self._projection(shared_projection)
+        if self.proj_v is None:  # E = F
+            kvp = proj_k(kv, documents)  # [S, k, 2h, d] or [C, 2h, d]
+            kp, vp = kvp.view(kvp.shape[:-2] + (2, h, d)).unbind(-3)
+        else:
+            k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
+            kp, vp = proj_k(k_in, documents), self.proj_v(v_in, documents)
+        if self.kind == "conv":
+            r = proj_k.stride
+            sizes = [-(-(s.end - s.start) // r) for s in spans]
+            kps, vps = kp.split(sizes), vp.split(sizes)  # each [c_i, h, d]
+        else:
+            kps, vps = kp.unbind(0), vp.unbind(0)  # each [k, h, d]
+        for i, s in enumerate(spans):
+            am = None
+            if self.kind == "conv" and s.padded and mask is not None:
+                pad = (-(s.end - s.start)) % r
+                blocks = F.pad(mask[s.row, s.start : s.end], (0, pad)).view(-1, r).any(dim=-1)
+                am = _nonempty(blocks[None])[:, None, None, :]
+            y = sdpa(
+                q[s.row, :, s.start : s.end][None],
+                kps[i].transpose(0, 1)[None],
+                vps[i].transpose(0, 1)[None],
+                attn_mask=am,
+                dropout_p=dropout_p,
+            )
+            ys.append(y[0].transpose(0, 1))  # [L, h, d]
+        return self.out(torch.cat(ys).view(b, n, self.hidden_size))
+
 
 # ======================================================================================= encoder
 class FeedForward(nn.Module):
@@ -500,19 +715,24 @@ class EncoderLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
+        documents: Optional[Documents] = None,
     ) -> torch.Tensor:
-        return self.ffn_block(self.attention_block(x, attention_mask, shared_projection))
+        return self.ffn_block(
+            self.attention_block(x, attention_mask, shared_projection, documents)
+        )
 
     def attention_block(
         self,
         x: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
+        documents: Optional[Documents] = None,
     ) -> torch.Tensor:
         """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``."""
+        args = (attention_mask, shared_projection) + (() if documents is None else (documents,))
         if self.pre_ln:
-            return x + self.drop(self.attention(self.ln1(x), attention_mask, shared_projection))
-        return self.ln1(x + self.drop(self.attention(x, attention_mask, shared_projection)))
+            return x + self.drop(self.attention(self.ln1(x), *args))
+        return self.ln1(x + self.drop(self.attention(x, *args)))
 
     def ffn_block(self, x: torch.Tensor) -> torch.Tensor:
         """The feed-forward sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``."""
@@ -624,9 +844,44 @@ class LinformerEncoder(nn.Module):
         inputs_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Token (or ``inputs_embeds``) plus position embeddings, LayerNorm, dropout:
-        ``[B, n]`` ids and ``[n]`` rows of the position table -> ``[B, n, D]``."""
+        ``[B, n]`` ids and ``[n]`` (or per token ``[B, n]``) rows of the position table
+        -> ``[B, n, D]``."""
         tokens = self.token_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.drop(self.embed_ln(tokens + self.position_embeddings(positions)[None]))
+        pe = self.position_embeddings(positions)
+        return self.drop(self.embed_ln(tokens + (pe if pe.dim() == 3 else pe[None])))
+
+    def _documents(
+        self,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        n: int,
+        offset: int,
+    ) -> Documents:
+        """The document spans of this batch (of this rank's slice, from the whole rows gathered
+        over the sequence-parallel group)."""
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or (
+            position_ids.shape[1] != n
+        ):
+            raise ValueError(
+                f"position_ids must be a [batch, {n}] tensor, got "
+                f"{tuple(getattr(position_ids, 'shape', ()))}"
+            )
+        if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+            raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+        if self.position_shard_start or self.position_embeddings.num_embeddings != (
+            self.config.max_seq_len
+        ):
+            raise ValueError("position_ids need the whole position table (not sharded)")
+        sp = getattr(self, "sequence_parallel", None)
+        if sp is None:
+            return document_spans(
+                position_ids, attention_mask, max_position=self.config.max_seq_len
+            )
+        pos, mask = sp.gather_documents(position_ids, attention_mask)  # whole rows [B, N]
+        docs = document_spans(pos, mask, offset, n, max_position=self.config.max_seq_len)
+        if "dense" in self.config.projection_schedule() and not docs.whole_rows:
+            docs = docs._replace(block_mask=document_block_mask(pos, mask))
+        return docs
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
@@ -640,10 +895,17 @@ class LinformerEncoder(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         hidden_states: Optional[List[torch.Tensor]] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``inputs_embeds [B, n, D]`` (checked by the caller) replaces the token lookup of
         ``input_ids``; a ``hidden_states`` list receives ``num_layers + 1`` tensors ``[B, n, D]``:
-        the embeddings, the input of every later layer, and the final output (after final_ln)."""
+        the embeddings, the input of every later layer, and the final output (after final_ln).
+
+        ``position_ids [B, n]`` (document isolation in packed rows): each document's positions
+        from 0; a document starts at each row start and at every unmasked 0. Every token then
+        uses its own position and attends only within its document, exactly as if each
+        document ran alone (see :func:`document_spans`); None: positions 0..n-1, one document
+        per row. Under sequence parallelism ``position_ids`` is this rank's slice."""
         if inputs_embeds is None:
             check_inputs(self.config, input_ids, attention_mask, self.check_token_ids)
             n, device = input_ids.shape[1], input_ids.device
@@ -666,6 +928,10 @@ class LinformerEncoder(nn.Module):
                 f"rank holds [{start}, {start + rows}): sharded positions need N = max_seq_len"
             )
         pos = torch.arange(off - start, off - start + n, device=device)
+        documents = None
+        if position_ids is not None:
+            documents = self._documents(position_ids, attention_mask, n, off)
+            pos = position_ids.long()
         checkpointed = self._checkpoint_fn is not None and self.training
         if checkpointed and self._checkpoint_granularity == "sublayer" and inputs_embeds is None:
             # recomputed in backward from the ids: no [B, n, D] kept for embed_ln's backward
@@ -675,15 +941,17 @@ class LinformerEncoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(x)
-            shared = self._shared_for(layer)
+            args = (attention_mask, self._shared_for(layer))
+            if documents is not None:
+                args += (documents,)
             if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
                 if self._checkpoint_granularity == "sublayer":
-                    x = self._checkpoint_fn(layer.attention_block, x, attention_mask, shared)
+                    x = self._checkpoint_fn(layer.attention_block, x, *args)
                     x = self._checkpoint_fn(layer.ffn_block, x)
                 else:
-                    x = self._checkpoint_fn(layer, x, attention_mask, shared)
+                    x = self._checkpoint_fn(layer, x, *args)
             else:
-                x = layer(x, attention_mask, shared)
+                x = layer(x, *args)
         x = self.final_ln(x)
         if hidden_states is not None:
             hidden_states.append(x)
@@ -813,7 +1081,8 @@ class ClassificationHead(nn.Module):
 class LinformerForMaskedLM(LinformerPreTrainedModel):
     """Encoder + MLM head (decoder weight tied to the token embeddings).
 
-    ``forward(input_ids, attention_mask=None, labels=None)``: logits for every position
+    ``forward(input_ids, attention_mask=None, labels=None, position_ids=None)``: logits for every
+    position
     ``[B, n, V]``; with labels (``-100`` = ignore) also their mean cross-entropy. Training uses
     :class:`LinformerForMaskedLMPretraining`, which runs the head on labelled positions only.
     """
@@ -832,9 +1101,10 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> MaskedLMOutput:
         _check_labels(labels, input_ids)
-        logits = self.lm_head(self.encoder(input_ids, attention_mask))
+        logits = self.lm_head(self.encoder(input_ids, attention_mask, position_ids=position_ids))
         return MaskedLMOutput(
             loss=None if labels is None else mlm_loss(logits, labels), logits=logits
         )
@@ -867,11 +1137,12 @@ class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
         labels: Optional[torch.Tensor] = None,
         loss_denominator: Optional[torch.Tensor] = None,
         labelled_index: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> LabelledMLMOutput:
         if labels is None:
             raise ValueError("LinformerForMaskedLMPretraining needs labels ([B, n], -100 = ignore)")
         _check_labels(labels, input_ids)
-        hidden = self.encoder(input_ids, attention_mask)
+        hidden = self.encoder(input_ids, attention_mask, position_ids=position_ids)
         if labelled_index is None:
             labelled_index = labelled_positions(labels)
         elif labelled_index.dim() != 1 or labelled_index.dtype != torch.long:
@@ -913,8 +1184,9 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> SequenceClassifierOutput:
-        hidden = self.encoder(input_ids, attention_mask)
+        hidden = self.encoder(input_ids, attention_mask, position_ids=position_ids)
         logits = self.classifier(hidden)
         loss = None
         if labels is not None:

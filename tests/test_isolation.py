@@ -1,0 +1,191 @@
+"""Document isolation in packed rows (issue 29): a packed row with ``position_ids`` restarting per
+document gives the outputs, loss (sum of per-token cross-entropies) and every parameter gradient
+of its documents run alone, each as its own row with positions from 0 (fp32, within 1e-6)."""
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from linformer_ds.model import (
+    LinformerForMaskedLM,
+    LinformerForMaskedLMPretraining,
+    ModelConfig,
+    document_spans,
+)
+
+TOL = 1e-6  # absolute for hidden states; gradients and the loss: relative to max(1, |reference|)
+SHARINGS = ("none", "headwise", "kv", "layerwise")
+SCHEDULES = ("linear", "conv", "hybrid", "dense")
+N = 24  # row length (conv stride 32 / 4 = 8: windows cross document ends)
+WORST: Dict[str, float] = {}  # the largest deviation seen per quantity (printed with -s)
+
+
+def config(projection: str, sharing: str) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=40, max_seq_len=32, hidden_size=16, num_layers=3, num_heads=2,
+        intermediate_size=24, k=4, dropout=0.0, attention_dropout=0.0, sharing=sharing,
+        projection=projection,
+    )  # fmt: skip
+
+
+def make_model(projection: str, sharing: str) -> LinformerForMaskedLMPretraining:
+    torch.manual_seed(0)
+    model = LinformerForMaskedLMPretraining(config(projection, sharing))
+    with torch.no_grad():  # non-zero biases so padding and window tails matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.1)
+    return model
+
+
+def packed_row(
+    lengths: List[int], pad: int, pad_pos_zero: bool, gen: torch.Generator
+) -> Tuple[torch.Tensor, ...]:
+    """``(ids, mask, position_ids, labels)`` ``[N]`` of documents of ``lengths`` then ``pad``
+    padding tokens (positions 0, or continuing the last document)."""
+    total = sum(lengths)
+    ids = torch.randint(4, 40, (total + pad,), generator=gen)
+    ids[total:] = 0
+    mask = torch.ones(total + pad, dtype=torch.long)
+    mask[total:] = 0
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(0, dtype=torch.long)])
+    tail = torch.zeros(pad, dtype=torch.long) if pad_pos_zero else lengths[-1] + torch.arange(pad)
+    pos = torch.cat([pos, tail])
+    labels = torch.randint(4, 40, (total + pad,), generator=gen)
+    labels[torch.rand(total + pad, generator=gen) < 0.3] = -100
+    labels[total:] = -100
+    return ids, mask, pos, labels
+
+
+def run(model, ids, mask, pos, labels):
+    """Hidden states, summed loss and gradients of one batch."""
+    model.zero_grad()
+    hidden = model.encoder(ids, mask, position_ids=pos)
+    out = model(ids, mask, labels=labels, loss_denominator=torch.tensor(1.0), position_ids=pos)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return hidden.detach(), out.loss.detach(), grads
+
+
+def note(what: str, dev: float) -> None:
+    WORST[what] = max(WORST.get(what, 0.0), dev)
+
+
+def check_packed_equals_alone(model, rows: List[Tuple[List[int], int, bool]], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    built = [packed_row(lengths, pad, zero, gen) for lengths, pad, zero in rows]
+    ids, mask, pos, labels = (torch.stack(t) for t in zip(*built))
+    hidden, loss, grads = run(model, ids, mask, pos, labels)
+    # every document alone: its own [1, L] row, positions 0..L-1, no padding
+    alone_loss = torch.zeros(())
+    alone_grads: Dict[str, torch.Tensor] = {}
+    for r, (lengths, _, _) in enumerate(rows):
+        start = 0
+        for length in lengths:
+            sl = slice(start, start + length)
+            a_ids, a_lab = ids[r : r + 1, sl], labels[r : r + 1, sl]
+            a_hidden, a_loss, a_grads = run(model, a_ids, None, None, a_lab)
+            dev = (hidden[r, sl] - a_hidden[0]).abs().max().item()
+            note("hidden", dev)
+            assert dev <= TOL, f"row {r} document at {start}: hidden states differ by {dev}"
+            alone_loss = alone_loss + a_loss
+            for n, g in a_grads.items():
+                alone_grads[n] = alone_grads[n] + g if n in alone_grads else g
+            start += length
+    dev = abs(loss.item() - alone_loss.item())
+    note("loss", dev)
+    note("loss_relative", dev / max(1.0, abs(alone_loss.item())))
+    assert dev <= TOL * max(1.0, abs(alone_loss.item())), f"loss {loss} vs {alone_loss}"
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = grads.get(n, torch.zeros_like(p))
+        ref = alone_grads.get(n, torch.zeros_like(p))
+        dev = (g - ref).abs().max().item()
+        scale = max(1.0, ref.abs().max().item())  # fp32 rounding grows with the magnitude
+        note("gradient", dev)
+        note("gradient_relative", dev / scale)
+        assert dev <= TOL * scale, f"gradient of {n} differs by {dev} (scale {scale:.3g})"
+
+
+@st.composite
+def rows_strategy(draw):
+    """One or two rows of N tokens: documents of random lengths, then padding."""
+    out = []
+    for _ in range(draw(st.integers(1, 2))):
+        used = draw(st.integers(1, N))  # real tokens; the rest is padding
+        lengths, left = [], used
+        while left:
+            lengths.append(draw(st.integers(1, left)))
+            left -= lengths[-1]
+        out.append((lengths, N - used, draw(st.booleans())))
+    return out
+
+
+@pytest.mark.parametrize(
+    "projection,sharing",
+    [(p, s) for p in SCHEDULES if p != "dense" for s in SHARINGS] + [("dense", "none")],
+)
+@settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.generate])
+@given(rows=rows_strategy(), seed=st.integers(0, 2**16))
+def test_packed_row_equals_documents_alone(projection, sharing, rows, seed):
+    model = make_model(projection, sharing)
+    check_packed_equals_alone(model, rows, seed)
+
+
+@pytest.mark.parametrize("projection", SCHEDULES)
+def test_fixed_split_across_windows(projection):
+    """Documents of 5, 11 and 3 tokens, 5 padding: conv windows of 8 end inside documents."""
+    model = make_model(projection, "none")
+    check_packed_equals_alone(model, [([5, 11, 3], 5, True), ([24], 0, False)], seed=1)
+
+
+@pytest.mark.parametrize("projection", SCHEDULES)
+def test_single_document_row_unchanged(projection):
+    """A padded one-document row: the same result with and without position_ids."""
+    model = make_model(projection, "layerwise").eval()
+    gen = torch.Generator().manual_seed(3)
+    ids, mask, pos, labels = (t[None] for t in packed_row([17], 7, False, gen))
+    with torch.no_grad():
+        plain = model.encoder(ids, mask)
+        iso = model.encoder(ids, mask, position_ids=pos)
+        iso_zero = model.encoder(ids, mask, position_ids=torch.where(mask.bool(), pos, 0))
+    assert torch.equal(plain, iso)
+    assert torch.equal(plain[:, :17], iso_zero[:, :17])
+
+
+def test_masked_lm_head_accepts_position_ids():
+    torch.manual_seed(0)
+    model = LinformerForMaskedLM(config("linear", "kv")).eval()
+    ids = torch.randint(4, 40, (1, 10))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos).logits
+        alone = model(ids[:, 4:7]).logits
+    assert (packed[:, 4:7] - alone).abs().max() <= TOL
+
+
+def test_document_spans():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [3, 4, 0, 1, 2, 3, 4, 5]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8])
+    docs = document_spans(pos, mask)
+    assert [(s.row, s.start, s.end, s.padded) for s in docs.spans] == [
+        (0, 0, 3, False), (0, 3, 5, False), (0, 5, 8, True), (1, 0, 2, False), (1, 2, 8, False),
+    ]  # fmt: skip
+    assert not docs.whole_rows
+    # sequence-parallel slice [4, 8) of the same rows: the documents crossing position 4 shared
+    docs = document_spans(pos, mask, offset=4, n_local=4)
+    assert [(s.row, s.start, s.end, s.column, s.shared) for s in docs.spans] == [
+        (0, 0, 1, 1, 0), (0, 1, 4, 0, -1), (1, 0, 4, 2, 1),
+    ]  # fmt: skip
+    assert docs.num_shared == 2
+    with pytest.raises(ValueError, match="position_ids must lie"):
+        document_spans(pos + 40, mask, max_position=32)
+
+
+def test_worst_deviations_reported():
+    """Runs last in this file: prints the largest deviations seen (pytest -s)."""
+    print("isolation worst deviations:", {k: f"{v:.2e}" for k, v in WORST.items()})
