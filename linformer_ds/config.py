@@ -142,7 +142,7 @@ class Section:
 @dataclass
 class SourceConfig:
     """One corpus of a mixture (``data.sources``): a data_prep output and its relative weight
-    (>= 0; 0: evaluated, never trained on). Checked by ``linformer_ds.mixture.resolve_stages``."""
+    (>= 0; 0: evaluated, never trained on). Checked by ``data.stages.resolve_stages``."""
 
     name: str = ""  # a short name for logs and metrics (share/NAME, eval loss/NAME)
     path: str = ""  # a data_prep output directory
@@ -178,11 +178,8 @@ class DataConfig(Section):
     # BERT/RoBERTa-style short inputs: this fraction of training rows is cut to a random length
     # in [2, N-1] (the tail becomes unlabelled padding); a function of (seed, epoch, row)
     short_seq_prob: float = bounded(0.0, 0, 1, hi_open=True, text="in [0, 1)")
-
-    def rules(self, job: "JobConfig", world_size: Optional[int], seq_len: Optional[int]) -> None:
-        from linformer_ds.mixture import resolve_stages
-
-        resolve_stages(job)  # data.sources and train.stages: names, weights, end steps
+    # data.sources and train.stages (names, weights, end steps) are checked by
+    # linformer_ds.data.stages.resolve_stages, called by the trainer (config imports no data)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class DebugHooks:
             self._sample_log = open(path, "a")
 
     def sample_observer(self, step_fn):
-        """A ``TrainBatches.on_batch`` callback logging ``{step, epoch, rank, indices}``, or None.
+        """A ``TrainData.on_batch`` callback logging ``{step, epoch, rank, indices}``, or None.
         ``step_fn()`` gives the step the batch is for."""
         if self._sample_log is None:
             return None

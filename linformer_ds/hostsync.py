@@ -97,7 +97,7 @@ def sync_reason(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
 _SEP = os.sep
 _OURS = f"{_SEP}linformer_ds{_SEP}"
 _MODEL_FILES = ("model.py", "sequence_parallel.py")
-_DATA_FILES = ("data.py", "mixture.py")
+_DATA_DIR = f"{_OURS}data{_SEP}"  # the data pipeline: the package linformer_ds/data/
 
 
 def owner(frame: Any) -> str:
@@ -112,7 +112,7 @@ def owner(frame: Any) -> str:
         frame = frame.f_back
     for code in frames:
         path = code.co_filename
-        if _OURS in path and path.endswith(_DATA_FILES):
+        if _DATA_DIR in path:
             return "data"
     for i, code in enumerate(frames):
         path = code.co_filename

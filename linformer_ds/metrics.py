@@ -15,12 +15,13 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
 from linformer_ds.config import JobConfig, to_dict
-from linformer_ds.perf import MemoryProbe
+from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
+from linformer_ds.prometheus import PrometheusSink
 
 # Per-step statistics the loop accumulates (float64, on the device): sum of loss x labelled
 # tokens, correct predictions, labelled tokens, non-finite micro-batches.
@@ -157,6 +158,37 @@ class TensorBoardSink(Sink):
         self.writer.close()
 
 
+class StageMeter(Sink):
+    """Throughput, MFU and peak memory of the current stage, from this process's steps (after
+    a resume: the steps since it): a metrics sink that counts the step times. On CUDA the peak
+    is the stage's (reset at its start); on CPU the process's resident-set peak so far."""
+
+    def __init__(self, device: Union[str, torch.device]) -> None:
+        self.device = torch.device(device)
+        self.index, self.steps, self.seconds = -1, 0, 0.0
+        self.tokens_per_step, self.flops_per_token = 0, 0.0
+
+    def start(self, index: int, tokens_per_step: int, flops_per_token: float) -> None:
+        self.index, self.steps, self.seconds = index, 0, 0.0
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_done(self, step: int, seconds: float, tokens: float, skipped: bool, eta: float):
+        self.steps += 1
+        self.seconds += seconds
+
+    def figures(self, world_size: int, peak_tflops: float) -> Dict[str, float]:
+        """``tokens_per_s`` (all ranks), ``mfu`` and ``peak_mem_gb`` (this rank)."""
+        tps = self.steps * self.tokens_per_step / max(self.seconds, 1e-9)
+        tflops = self.flops_per_token * tps / world_size / 1e12
+        return {
+            "tokens_per_s": tps,
+            "mfu": tflops / peak_tflops,
+            "peak_mem_gb": MemoryProbe(self.device).peak() / 2**30,
+        }
+
+
 # ============================================================================= the component
 class Metrics:
     """The trainer's metrics component: accumulate steps, log every ``train.log_interval``.
@@ -200,8 +232,6 @@ class Metrics:
             if cfg.logging.tensorboard:
                 self.sinks.append(TensorBoardSink(cfg))
         if cfg.logging.prometheus_port is not None:  # collective: every rank serves
-            from linformer_ds.prometheus import PrometheusSink
-
             if local_rank is None:
                 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             self.sinks.append(
@@ -209,8 +239,6 @@ class Metrics:
             )
 
     def _measure_peak(self) -> float:
-        from linformer_ds.perf import measure_matmul_peak_tflops
-
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.cfg.deepspeed.precision, torch.float32
         )

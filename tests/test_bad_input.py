@@ -30,7 +30,7 @@ from linformer_ds.checkpoint.tags import (
     tag_problem,
 )
 from linformer_ds.config import load_config
-from linformer_ds.data import DataError, ShardDataset
+from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
 

@@ -1,4 +1,5 @@
-"""linformer_ds.data: the shard reader, MLM masking and the resumable distributed sampler."""
+"""linformer_ds.data: the shard reader, MLM masking, and the resumable distributed sampler
+of the one-dataset stream before mixtures (tests/legacy_batches.py)."""
 
 import json
 import pickle
@@ -13,16 +14,15 @@ import torch
 
 import data_prep
 from data_prep import PrepConfig, prepare
-from linformer_ds.data import (
-    IGNORE_INDEX,
+from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
+from linformer_ds.data.shards import (
     MANIFEST_FORMAT_VERSION,
     DataError,
-    MLMMasking,
-    ResumableDistributedSampler,
     ShardDataset,
     check_compatible,
 )
 from linformer_ds.model import ModelConfig
+from tests.legacy_batches import ResumableDistributedSampler
 
 N = 32
 V = 48  # tokenizer vocabulary of the test corpus

@@ -116,8 +116,8 @@ def test_labelled_path_equals_boolean_mask_without_syncs(batch, projection):
 def test_sequence_parallel_slices_keep_their_labelled_positions(tiny_corpus):
     """Every rank's batch (sp_size 2 and 4) carries the labelled positions of its own slice:
     mapped back to the whole row they are the unsplit batch's, each exactly once."""
-    from linformer_ds.data import ShardDataset
-    from linformer_ds.mixture import MixtureBatches
+    from linformer_ds.data.shards import ShardDataset
+    from linformer_ds.data.stream import MixtureBatches
 
     ds = ShardDataset(tiny_corpus, "valid")
     n = ds.seq_len

@@ -1,5 +1,6 @@
-"""linformer_ds.mixture: the blended stream tracks its weights at every prefix, re-shards to any
-rank count, resumes exactly, and one source is today's TrainBatches stream bit for bit."""
+"""linformer_ds.data (sampler, stream): the blended stream tracks its weights at every prefix, re-shards to any
+rank count, resumes exactly, and one source is the TrainBatches stream from before mixtures
+(tests/legacy_batches.py) bit for bit."""
 
 import json
 import math
@@ -17,15 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linformer_ds.data import DataError, MLMMasking, ShardDataset, TrainBatches
+from linformer_ds.data.masking import MLMMasking
+from linformer_ds.data.sampler import MixtureSampler, normalized_weights
+from linformer_ds.data.shards import DataError, ShardDataset, check_same_tokenizer, open_sources
+from linformer_ds.data.stages import Stage, combine_eval
+from linformer_ds.data.stream import MixtureBatches
 from linformer_ds.debug import SAMPLE_LOG_ENV
-from linformer_ds.mixture import (
-    MixtureBatches,
-    MixtureSampler,
-    check_same_tokenizer,
-    normalized_weights,
-    open_sources,
-)
+from tests.legacy_batches import TrainBatches
 from tests.pretrain_utils import (
     PRETRAIN,
     REPO,
@@ -518,7 +517,6 @@ def test_per_source_figures_reach_prometheus(tmp_path):
     record's shares, served as labelled gauges."""
     from linformer_ds.config import load_config
     from linformer_ds.metrics import Metrics
-    from linformer_ds.mixture import Stage, combine_eval
     from linformer_ds.prometheus import TARGETS_FILE
     from tests.test_observability import scrape
 

@@ -23,9 +23,10 @@ import torch
 
 from linformer_ds.checkpoint.io import safe_torch_load
 from linformer_ds.checkpoint.tags import latest_tag, tag_dirs, tag_problem
-from linformer_ds.data import ResumableDistributedSampler, ShardDataset
+from linformer_ds.data.shards import ShardDataset
 from linformer_ds.fsio import read_jsonl
 from linformer_ds.train import SAMPLE_LOG_ENV, TEST_NAN_ENV
+from tests.legacy_batches import ResumableDistributedSampler
 from tests.pretrain_utils import (
     PRETRAIN,
     REPO,

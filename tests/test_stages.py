@@ -1,12 +1,15 @@
-"""Sequence-length stages (linformer_ds.mixture.TrainData): stage switches at their end steps,
+"""Sequence-length stages (linformer_ds.data.stream.TrainData): stage switches at their end steps,
 sources carry their position into later stages, and the state resumes exactly at any step,
 across a stage boundary included."""
 
 import pytest
 import torch
 
-from linformer_ds.data import MLMMasking, ShardDataset, TrainBatches
-from linformer_ds.mixture import Stage, TrainData
+from linformer_ds.data.masking import MLMMasking
+from linformer_ds.data.shards import ShardDataset
+from linformer_ds.data.stages import Stage
+from linformer_ds.data.stream import TrainData
+from tests.legacy_batches import TrainBatches
 from tests.pretrain_utils import read_metrics, run_pretrain
 from tests.test_mixture import docs_corpus, prepare
 

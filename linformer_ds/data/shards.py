@@ -1,28 +1,19 @@
-"""Training-side data: the shard dataset written by ``data_prep``, MLM masking, and a resumable
-distributed sampler.
-
-Reproducibility contract: the rows a rank sees depend only on (seed, epoch, position in the
-epoch's permutation), and the masking of a row only on (seed, epoch, row index). Neither depends
-on the rank or on how rows are grouped into batches, so a run resumed from a checkpoint, even
-with a different number of ranks, continues exactly.
-"""
+"""The shard dataset written by ``data_prep`` (memory-mapped, checked against its manifest at
+open) and the checks of datasets against the model and against each other (tokenizer, N)."""
 
 import hashlib
 import json
 import os
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import torch
 
-from linformer_ds.model import labelled_positions
-
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
-IGNORE_INDEX = -100
 SPECIAL_KEYS = ("pad", "unk", "cls", "sep", "mask")  # manifest special_ids, all required
 
 
@@ -290,253 +281,53 @@ def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
                         f"model.vocab_size >= {pieces}")  # fmt: skip
 
 
-def _row_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The generator of one row: a function of (seed, epoch, index) only."""
-    return np.random.default_rng([seed % 2**63, epoch % 2**63, index % 2**63, 0x4D4C4D])
+# ================================================================================ opening data
+def tokenizer_sha256(dataset: ShardDataset) -> Optional[str]:
+    tok = dataset.manifest.get("tokenizer")
+    return tok.get("sha256") if isinstance(tok, dict) else None
 
 
-class MLMMasking:
-    """BERT masking: ``mlm_probability`` of the non-special tokens are predicted; of those 80%
-    become ``mask_id``, 10% a random non-special token, 10% stay. Special tokens never are.
-
-    Short inputs (BERT's ``short_seq_prob``): that fraction of rows is cut to a length drawn
-    uniformly from ``[2, N - 1]``; the rest of the row becomes padding (attention mask 0, no
-    labels), so the model also sees short sequences. ``0.0`` (default) leaves rows whole.
-
-    The draws of a row depend only on ``(seed, epoch, sample index)``; the cut is drawn after the
-    masking draws, so the masks of uncut rows do not depend on ``short_seq_prob``.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        mask_id: int,
-        special_ids: Sequence[int],
-        mlm_probability: float = 0.15,
-        seed: int = 0,
-        pad_id: int = 0,
-        short_seq_prob: float = 0.0,
-    ) -> None:
-        if not 0.0 < mlm_probability < 1.0:
-            raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
-        if not 0.0 <= short_seq_prob <= 1.0:
-            raise ValueError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
-        self.short_seq_prob = float(short_seq_prob)
-        self.vocab_size = int(vocab_size)
-        self.mask_id = int(mask_id)
-        self.special_ids = sorted({int(s) for s in special_ids} | {int(mask_id), int(pad_id)})
-        self.mlm_probability = float(mlm_probability)
-        self.seed = int(seed)
-        self.pad_id = int(pad_id)
-        allowed = np.ones(self.vocab_size, dtype=bool)
-        allowed[[s for s in self.special_ids if 0 <= s < self.vocab_size]] = False
-        self.random_ids = np.flatnonzero(allowed)
-        if len(self.random_ids) == 0:
-            raise ValueError("the vocabulary holds no non-special token")
-        self._special = torch.tensor(self.special_ids, dtype=torch.long)
-
-    def __call__(
-        self, tokens: torch.Tensor, sample_indices: torch.Tensor, epoch: int
-    ) -> Dict[str, torch.Tensor]:
-        """``tokens [B, N]`` -> ``input_ids, attention_mask, labels`` (all ``[B, N]`` long)."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [B, N], got shape {tuple(tokens.shape)}")
-        b, n = tokens.shape
-        idx = [int(i) for i in torch.as_tensor(sample_indices).reshape(-1).tolist()]
-        if len(idx) != b:
-            raise ValueError(f"{len(idx)} sample indices for {b} rows")
-        u = np.empty((b, n))
-        v = np.empty((b, n))
-        rnd = np.empty((b, n), dtype=np.int64)
-        lengths = np.full(b, n)
-        for r, index in enumerate(idx):
-            g = _row_rng(self.seed, epoch, index)
-            u[r] = g.random(n)
-            v[r] = g.random(n)
-            rnd[r] = self.random_ids[g.integers(0, len(self.random_ids), n)]
-            if self.short_seq_prob > 0.0 and n > 2 and g.random() < self.short_seq_prob:
-                lengths[r] = g.integers(2, n)  # in [2, n - 1]
-        tokens = tokens.long()
-        if (lengths < n).any():  # cut rows: the tail becomes padding
-            tail = torch.arange(n)[None, :] >= torch.from_numpy(lengths)[:, None]
-            tokens = tokens.masked_fill(tail, self.pad_id)
-        special = torch.isin(tokens, self._special)
-        selected = torch.from_numpy(u < self.mlm_probability) & ~special
-        v_t = torch.from_numpy(v)
-        to_mask = selected & (v_t < 0.8)
-        to_random = selected & (v_t >= 0.8) & (v_t < 0.9)
-        input_ids = tokens.clone()
-        input_ids[to_mask] = self.mask_id
-        input_ids[to_random] = torch.from_numpy(rnd)[to_random]
-        labels = torch.full_like(tokens, IGNORE_INDEX)
-        labels[selected] = tokens[selected]
-        return {
-            "input_ids": input_ids,
-            "attention_mask": (tokens != self.pad_id).long(),
-            "labels": labels,
-        }
-
-
-class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
-    """Deterministic sharded sampling whose position can be saved and restored.
-
-    Epoch ``e`` uses the permutation seeded by ``(seed, e)``. Starting from position ``start``
-    (the samples all ranks together have consumed), rank ``r`` yields positions
-    ``start + r, start + r + W, ...`` for ``(num_samples - start) // W`` steps (the ragged tail
-    of fewer than ``W`` samples is dropped, so every rank yields the same count).
-
-    Consumption is counted as indices are yielded, assuming the ranks advance in lockstep:
-    ``consumed = start + W * yielded_by_this_rank``. Iterate it directly (or through a
-    ``DataLoader`` without prefetching workers); a prefetching loader would count prefetched
-    samples as consumed. :meth:`load_state_dict` accepts a state saved under any world size.
-    The iterator ends when the epoch is exhausted; call :meth:`set_epoch` with the next epoch.
-    """
-
-    def __init__(
-        self, num_samples: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True
-    ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"bad rank {rank} for world_size {world_size}")
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-        self.num_samples = int(num_samples)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.epoch = 0
-        self._start = 0  # consumed by all ranks when the current iterator began
-        self._yielded = 0  # indices this rank's current iterator has yielded
-
-    @property
-    def consumed(self) -> int:
-        """Samples of the current epoch consumed by all ranks together."""
-        return self._start + self._yielded * self.world_size
-
-    def set_epoch(self, epoch: int) -> None:
-        """Move to ``epoch`` (from its start); a no-op if already there, keeping the position."""
-        if int(epoch) != self.epoch:
-            self.epoch = int(epoch)
-            self._start = 0
-            self._yielded = 0
-
-    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
-        """The order of epoch ``epoch`` (default: the current one)."""
-        e = self.epoch if epoch is None else int(epoch)
-        if not self.shuffle:
-            return np.arange(self.num_samples)
-        return np.random.default_rng([self.seed % 2**63, e % 2**63]).permutation(self.num_samples)
-
-    def __len__(self) -> int:
-        return (self.num_samples - self.consumed) // self.world_size
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.consumed
-        self._start, self._yielded = start, 0
-        perm = self.permutation()
-        for j in range((self.num_samples - start) // self.world_size):
-            self._yielded += 1  # counted when handed out
-            yield int(perm[start + self.rank + j * self.world_size])
-
-    def state_dict(self) -> Dict[str, int]:
-        """``{"epoch", "consumed"}``: enough to continue under any world size."""
-        return {"epoch": self.epoch, "consumed": self.consumed}
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue from a saved position (saved under any world size)."""
-        consumed = int(state["consumed"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ValueError(
-                f"sampler state consumed={consumed} is outside [0, {self.num_samples}]: "
-                "the dataset changed since the checkpoint"
+def check_same_tokenizer(
+    names: Sequence[str], datasets: Sequence[ShardDataset], same_seq_len: bool = True
+) -> None:
+    """Raise :class:`DataError` unless all datasets share the tokenizer (sha256, vocabulary,
+    special ids) and, with ``same_seq_len``, N."""
+    ref_name, ref = names[0], datasets[0]
+    for name, d in zip(names[1:], datasets[1:]):
+        a, b = tokenizer_sha256(ref), tokenizer_sha256(d)
+        if a != b or d.vocab_size != ref.vocab_size or d.special_ids != ref.special_ids:
+            raise DataError(
+                f"sources {ref_name!r} ({ref.path}) and {name!r} ({d.path}) have different "
+                f"tokenizers (sha256 {str(a)[:12]} vs {str(b)[:12]}, vocab {ref.vocab_size} vs "
+                f"{d.vocab_size}); prepare every source with the same tokenizer "
+                "(data_prep --tokenizer FIRST/tokenizer.model)"
             )
-        self.epoch = int(state["epoch"])
-        self._start, self._yielded = consumed, 0
+        if same_seq_len and d.seq_len != ref.seq_len:
+            raise DataError(
+                f"sources {ref_name!r} ({ref.path}) and {name!r} ({d.path}) have different "
+                f"sequence lengths (N={ref.seq_len} vs {d.seq_len}); one mixture needs one N "
+                "(put the lengths in separate train.stages)"
+            )
 
 
-def to_device(batch: Dict[str, torch.Tensor], device: Union[str, torch.device]) -> Dict[str, Any]:
-    """A host batch (``input_ids, attention_mask, labels`` ``[B, n]``) on ``device``, with
-    ``labelled_index``: the flat indices ``[M]`` of its labelled positions, computed here on
-    the host (:func:`linformer_ds.model.labelled_positions`) so that the model's forward never
-    waits for the device to learn M. On CUDA the tensors go through pinned memory with
-    ``non_blocking``: a pageable copy would wait for the device's queue to drain."""
-    device = torch.device(device)
-    batch = dict(batch, labelled_index=labelled_positions(batch["labels"]))
-    if device.type == "cuda":
-        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-class TrainBatches:
-    """The training stream of one rank: sampler -> rows -> MLM masking -> device tensors.
-
-    ``next_batch()`` returns ``input_ids, attention_mask, labels`` ``[micro_batch, N]`` and their
-    ``labelled_index`` (see :func:`to_device`); it moves to the next epoch when the current one is exhausted. ``state_dict`` / ``load_state_dict``
-    carry the position (any world size). ``on_batch(step_epoch, indices)`` is an optional
-    observer (the trainer's sample-log debug hook).
-
-    Sequence parallel: ``rank`` / ``world_size`` are the replica's (data-parallel) rank and
-    count, so the ``sp_size`` ranks of a group read the same rows and masks; each keeps its
-    ``[B, N / sp_size]`` slice (``sp_rank``).
-    """
-
-    def __init__(
-        self,
-        dataset: ShardDataset,
-        masker: MLMMasking,
-        rank: int,
-        world_size: int,
-        micro_batch_size: int,
-        seed: int,
-        device: Union[str, torch.device] = "cpu",
-        sp_rank: int = 0,
-        sp_size: int = 1,
-    ) -> None:
-        self.dataset, self.masker = dataset, masker
-        self.sp_rank, self.sp_size = int(sp_rank), int(sp_size)
-        self.micro_batch_size = int(micro_batch_size)
-        self.device = torch.device(device)
-        self.sampler = ResumableDistributedSampler(len(dataset), rank, world_size, seed=seed)
-        self.world_size = world_size
-        self.epoch = 0
-        self._it: Optional[Iterator[int]] = None
-        self.on_batch = None
-
-    def state_dict(self) -> Dict[str, Any]:
-        """``{"epoch", "sampler": {"epoch", "consumed"}}``: the position, for any world size."""
-        return {"epoch": self.epoch, "sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s result (a ``ValueError`` if it cannot apply)."""
-        self.sampler.load_state_dict(state["sampler"])
-        self.epoch = int(state["epoch"])
-        self._it = None
-
-    def _next_index(self) -> int:
-        if self._it is None:
-            self.sampler.set_epoch(self.epoch)
-            self._it = iter(self.sampler)
+def open_sources(
+    names: Sequence[str],
+    paths: Sequence[str],
+    split: str,
+    model_config: Any = None,
+    verify_checksums: bool = False,
+    same_seq_len: bool = True,
+) -> List[ShardDataset]:
+    """Open one split of every source, checked against the model and against each other
+    (same tokenizer; same N with ``same_seq_len``); :class:`DataError` names the source."""
+    datasets = []
+    for name, path in zip(names, paths):
         try:
-            return next(self._it)
-        except StopIteration:
-            self.epoch += 1
-            self.sampler.set_epoch(self.epoch)
-            self._it = iter(self.sampler)
-            if len(self.sampler) == 0:
-                raise DataError(
-                    f"{self.dataset.path}: the {self.dataset.split} split has {len(self.dataset)} "
-                    f"rows: too few for {self.world_size} ranks"
-                ) from None
-            return next(self._it)
-
-    def next_batch(self) -> Dict[str, torch.Tensor]:
-        idx = [self._next_index() for _ in range(self.micro_batch_size)]
-        if self.on_batch is not None:
-            self.on_batch(self.epoch, idx)
-        tokens = torch.stack([self.dataset[i] for i in idx])
-        batch = self.masker(tokens, torch.tensor(idx), self.epoch)
-        if self.sp_size > 1:
-            from linformer_ds.sequence_parallel import shard_batch
-
-            batch, _ = shard_batch(batch, self.sp_rank, self.sp_size)
-        return to_device(batch, self.device)  # labelled_index of this rank's slice
+            d = ShardDataset(path, split, verify_checksums)
+            if model_config is not None:
+                check_compatible(d, model_config)
+        except DataError as e:
+            raise DataError(f"source {name!r}: {e}") from None
+        datasets.append(d)
+    check_same_tokenizer(names, datasets, same_seq_len)
+    return datasets
