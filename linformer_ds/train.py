@@ -25,10 +25,13 @@ from linformer_ds.checkpoint.io import check_writable
 from linformer_ds.checkpoint.manager import CheckpointManager
 from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
-from linformer_ds.data import IGNORE_INDEX
+from linformer_ds.data.masking import IGNORE_INDEX
+from linformer_ds.data.shards import DataError
+from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
+from linformer_ds.data.stream import TrainData
 from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
 from linformer_ds.hostsync import StepSyncLog
-from linformer_ds.metrics import NUM_STATS
+from linformer_ds.metrics import NUM_STATS, StageMeter
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -97,7 +100,6 @@ def nonfinite_verdict(
 # ========================================================================================= main
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
-    from linformer_ds.data import DataError
     from linformer_ds.dist_env import DistEnvError
 
     try:
@@ -201,8 +203,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------- components
     def _build_data(self) -> None:
-        from linformer_ds.mixture import open_stages
-
         cfg = self.cfg
         # data.path or data.sources, in train.stages (one stage by default): every source opened
         # and checked (tokenizer, N per stage, N against the model) before any collective
@@ -235,7 +235,6 @@ class Trainer:
 
     def _build_engine(self) -> None:
         from linformer_ds import engine as eng
-        from linformer_ds.mixture import TrainData
 
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -393,12 +392,10 @@ class Trainer:
             rank0_print(f"[preempted] stopped at step {step}; resume continues here")
             raise StopTraining(EXIT_PREEMPTED)
 
-    # ------------------------------------------------------ stages and mixtures (mixture.py)
+    # ------------------------------------------------------ stages and mixtures (data.stages)
     def _enter_stage(self, step: int) -> None:
         """Move the data to the stage of ``step``; throughput and MFU follow its N and batch;
         the ``[stage]`` line says what it trains on."""
-        from linformer_ds.mixture import StageMeter
-
         self.batches.begin_step(step)
         cfg, m, n = self.cfg, self.metrics, self.batches.seq_len
         m.flops_per_token = self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability)
@@ -427,11 +424,10 @@ class Trainer:
 
     def _evaluate_sources(self, evaluate) -> Dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
-        the record holds the mixture's figures and each source's (see mixture.combine_eval)."""
+        the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
         import dataclasses
 
         from linformer_ds.context_meter import with_mixture_meter
-        from linformer_ds.mixture import combine_eval
 
         stage, cfg = self.batches.stage, self.cfg
         if stage.micro_batch_size != cfg.train.micro_batch_size:
@@ -481,6 +477,7 @@ class Trainer:
 def _main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
     if args.print_config:
         return print_config(cfg)
     trainer = Trainer(cfg)
