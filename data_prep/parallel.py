@@ -1,8 +1,9 @@
 """data_prep on R ranks (``mpirun``/``srun``): the same bytes as one process, for any R.
 
 The corpus is cut into *units*, runs of consecutive documents in the single-process reading
-order (a group of consecutive files of one source of about ``unit_bytes``, or one contiguous
-shard of a Hugging Face dataset, ``Dataset.shard(n, i, contiguous=True)``). Units depend on
+order, as each spec's source kind cuts it (a group of consecutive files of one source of about
+``unit_bytes``, or one contiguous shard of a Hugging Face dataset,
+``Dataset.shard(n, i, contiguous=True)``: :class:`data_prep.sources.SourceKind`). Units depend on
 the inputs and ``unit_bytes`` only, never on R. Because the packed streams of the single-process
 run are the concatenation of the units' streams, the run goes:
 
@@ -68,12 +69,12 @@ class Quiet(DataPrepError):
 # ---------------------------------------------------------------------------------- units
 @dataclass
 class Unit:
-    """A run of consecutive documents: files of one local spec, or one shard of an hf spec."""
+    """A run of consecutive documents of one spec: ``part`` as its kind's ``units`` gave it
+    (a tuple of files of a local spec, ``(num_shards, index)`` of an hf spec)."""
 
     index: int
     spec: str
-    files: Tuple[str, ...] = ()
-    shard: Optional[Tuple[int, int]] = None  # (num_shards, index)
+    part: Any = None
     size: int = 0  # bytes, for balancing only
 
 
@@ -88,30 +89,14 @@ def make_units(source: Source, unit_bytes: int) -> List[Unit]:
     """The work units of ``source``, in reading order (independent of the number of ranks)."""
     units: List[Unit] = []
     for spec in source.specs:
-        if spec.startswith("hf:"):
-            n, size = source.hf_shards(spec, unit_bytes)
-            units += [Unit(len(units) + i, spec, shard=(n, i), size=size) for i in range(n)]
-            continue
-        group: List[str] = []
-        size = 0
-        for path in source.files(spec):
-            group.append(path)
-            size += os.path.getsize(path)
-            if size >= unit_bytes:
-                units.append(Unit(len(units), spec, tuple(group), size=size))
-                group, size = [], 0
-        if group:
-            units.append(Unit(len(units), spec, tuple(group), size=size))
+        for part, size in source.units(spec, unit_bytes):
+            units.append(Unit(len(units), spec, part, size))
     return units
 
 
 def unit_docs(source: Source, unit: Unit, limit: Optional[int]) -> Iterator[str]:
     """The documents of ``unit`` (the first ``limit`` of them), counted in ``source.stats``."""
-    docs = (
-        source.iter_hf_shard(unit.spec, *unit.shard)
-        if unit.shard is not None
-        else source.iter_files(list(unit.files))
-    )
+    docs = source.read(unit.spec, unit.part)
     if limit is None:
         yield from docs
         return

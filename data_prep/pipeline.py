@@ -34,7 +34,7 @@ import numpy as np
 from data_prep import packing as pk
 from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter
-from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding
+from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding, source_kind
 from data_prep.tokenizer import (
     MAX_SENTENCE_BYTES,
     MODEL_TYPES,
@@ -48,6 +48,7 @@ from data_prep.tokenizer import (
     train_tokenizer,
 )
 from linformer_ds import outdir
+from linformer_ds.context_meter import counts_record
 from linformer_ds.fsio import atomic_write_json
 
 FORMAT_VERSION = 1
@@ -197,22 +198,10 @@ def _log(cfg: PrepConfig, msg: str) -> None:
 
 # ----------------------------------------------------------------------------- output dir
 def source_roots(sources: List[str]) -> List[str]:
-    """The local paths the sources read below: a file or directory, a glob's fixed leading
-    directory, the stdlib directory, an ``hf:`` source's local directory."""
-    import sysconfig
-
-    roots = []
-    for spec in sources:
-        if spec == "stdlib":
-            roots.append(sysconfig.get_paths()["stdlib"])
-        elif spec.startswith("hf:"):
-            roots.append(spec[3:].split(":")[0])
-        elif any(c in spec for c in "*?["):
-            fixed = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
-            roots.append(os.path.dirname(fixed) or ".")
-        else:
-            roots.append(spec)
-    return roots
+    """The local paths the sources read below, as each spec's kind names them: a file or
+    directory, a glob's fixed leading directory, the stdlib directory, an ``hf:`` source's
+    local directory."""
+    return [root for spec in sources for root in source_kind(spec).roots(spec)]
 
 
 def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
@@ -694,6 +683,9 @@ def _manifest(
             },
             "padding_fraction": c["pad"] / total if total else 0.0,
         }
+    # the train split's token counts for the trainer's context meter (unigram_counts.npy)
+    unigram = counts_record(cfg.out, splits["train"]["shards"], vocab_size,
+                            sorted(SPECIAL_IDS.values()))  # fmt: skip
     layout = {
         "full": "each row is [cls] + N-1 tokens of the split's stream, where every document is "
         "followed by sep; documents continue across rows; only the split's last row is padded",
@@ -731,4 +723,5 @@ def _manifest(
         },
         "shard_rows": shard_rows,
         "splits": splits,
+        "unigram": unigram,
     }

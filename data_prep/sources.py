@@ -19,6 +19,10 @@ counted (``SourceStats.undecodable_bytes``, with the files that had any). A plai
 that is not text (a NUL byte, or over 5 % control bytes in its first 64 KiB, for byte-oriented
 encodings) is skipped and counted (``SourceStats.binary_files``). Directories are walked recursively in sorted order, hidden
 entries skipped; globs are expanded and sorted. Every order is deterministic.
+
+Extending: each kind of spec is a :class:`SourceKind` in a registry (:func:`register_source_kind`;
+the built-ins are ``stdlib``, ``huggingface`` and the ``files`` fallback), and each local file
+format a reader keyed by suffix (:func:`register_file_format`). See docs/extending.md.
 """
 
 import codecs
@@ -31,7 +35,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from data_prep.errors import DataPrepError
 
@@ -172,81 +176,70 @@ class Source:
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
     encoding: str = "utf-8"
     stats: SourceStats = field(default_factory=SourceStats)
-    _files: Dict[str, List[str]] = field(default_factory=dict, repr=False)
+    _state: Dict[str, Any] = field(default_factory=dict, repr=False)  # spec -> kind.resolve()
+    _kinds: Dict[str, "SourceKind"] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.specs:
             raise DataPrepError("no --source given")
-        for spec in self.specs:  # resolve local paths up front: missing paths fail before work
-            if spec == "stdlib":
-                self._files[spec] = stdlib_files()
-                if not self._files[spec]:
-                    raise DataPrepError("the stdlib source found no .py files")
-            elif spec.startswith("hf:"):
-                parse_hf(spec)
-            else:
-                self._files[spec] = expand_paths(spec)
+        for spec in self.specs:  # resolve up front: missing paths fail before work
+            kind = source_kind(spec)
+            self._kinds[spec] = kind
+            self._state[spec] = kind.resolve(spec, self)
+
+    def kind(self, spec: str) -> "SourceKind":
+        """The registered kind that reads ``spec``."""
+        return self._kinds[spec]
+
+    def state(self, spec: str) -> Any:
+        """What the kind's ``resolve`` returned for ``spec`` (a local spec: its file list)."""
+        return self._state[spec]
 
     def describe(self) -> Dict[str, Any]:
         """A JSON-able description of the inputs, recorded in the manifest."""
-        items = []
-        for spec in self.specs:
-            if spec.startswith("hf:"):
-                hf = parse_hf(spec)
-                items.append(
-                    {
-                        "kind": "huggingface",
-                        "name": hf.name,
-                        "config": hf.config,
-                        "split": hf.split,
-                        "text_column": self.text_column,
-                    }
-                )
-            else:
-                files = self._files[spec]
-                kind = "stdlib" if spec == "stdlib" else "files"
-                item = {
-                    "kind": kind,
-                    "spec": spec,
-                    "files": len(files),
-                    "bytes": sum(os.path.getsize(f) for f in files),
-                }
-                if spec == "stdlib":
-                    item["root"] = sysconfig.get_paths()["stdlib"]
-                    item["python"] = sys.version.split()[0]
-                items.append(item)
+        items = [self._kinds[spec].describe(spec, self) for spec in self.specs]
         return {"specs": list(self.specs), "text_column": self.text_column, "items": items}
 
     def total_bytes(self) -> Optional[int]:
-        """Total input size when every spec is local, else None."""
-        if any(s.startswith("hf:") for s in self.specs):
-            return None
-        return sum(os.path.getsize(f) for files in self._files.values() for f in files)
+        """Total input size when every spec's kind knows it (local specs), else None."""
+        sizes = [self._kinds[spec].total_bytes(spec, self) for spec in self.specs]
+        return None if any(n is None for n in sizes) else sum(sizes)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[str]:
         for spec in self.specs:
-            if spec.startswith("hf:"):
-                yield from self._iter_hf(parse_hf(spec))
-                continue
-            yield from self.iter_files(self._files[spec])
+            yield from self.read(spec)
+
+    def units(self, spec: str, unit_bytes: int) -> List[Tuple[Any, int]]:
+        """``spec``'s work units in reading order: ``(part, size in bytes)`` (see SourceKind)."""
+        return self._kinds[spec].units(spec, self, unit_bytes)
+
+    def read(self, spec: str, part: Any = None) -> Iterator[str]:
+        """The documents of one work unit of ``spec`` (``part=None``: all of them), in order,
+        counted in ``stats`` (documents; bytes too unless the kind counts its own)."""
+        kind = self._kinds[spec]
+        stats = self.stats
+        for doc in kind.read(spec, self, part):
+            if not kind.counts_bytes:
+                stats.bytes += len(doc.encode("utf-8"))
+            stats.documents += 1
+            yield doc
 
     def files(self, spec: str) -> List[str]:
         """The files of a local spec, in reading order."""
-        return self._files[spec]
+        return self._state[spec]
 
     def iter_files(self, paths: List[str]) -> Iterator[str]:
-        """The documents of some of the local files, in order (a run of one spec's files)."""
+        """The documents of some of the local files, in order (not counted as documents: see
+        :meth:`read`)."""
         for path in paths:
             self.stats.files += 1
-            for doc in self._iter_file(path):
-                self.stats.documents += 1
-                yield doc
+            yield from self.iter_file(path)
 
     def iter_hf_shard(self, spec: str, num_shards: int, index: int) -> Iterator[str]:
         """The documents of one contiguous shard of an ``hf:`` spec (the datasets library's own
         ``shard(num_shards, index, contiguous=True)``): shards 0..num_shards-1 in order are the
         whole dataset in order."""
-        return self._iter_hf(parse_hf(spec), (num_shards, index))
+        return self.read(spec, (num_shards, index))
 
     def hf_shards(self, spec: str, unit_bytes: int) -> Tuple[int, int]:
         """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved
@@ -262,15 +255,16 @@ class Source:
         return max(1, int(ds.n_shards)), unit_bytes
 
     # ------------------------------------------------------------------------------ readers
-    def _iter_file(self, path: str) -> Iterator[str]:
+    def iter_file(self, path: str) -> Iterator[str]:
+        """The documents of one local file, read by the format its suffix names (plain text if
+        none matches: :func:`register_file_format`)."""
         lower = path.lower()
+        reader = next(
+            (fmt for suffixes, fmt in _FILE_FORMATS if lower.endswith(suffixes)), None
+        )
         try:
-            if lower.endswith(JSONL_SUFFIXES):
-                yield from self._iter_jsonl(path)
-            elif lower.endswith(CSV_SUFFIXES):
-                yield from self._iter_csv(path, "\t" if lower.endswith(".tsv") else ",")
-            elif lower.endswith(PARQUET_SUFFIXES):
-                yield from self._iter_parquet(path)
+            if reader is not None:
+                yield from reader(self, path)
             else:
                 yield from self._iter_text(path)
         except OSError as e:
@@ -372,7 +366,7 @@ class Source:
                 if text is not None:
                     yield text
 
-    def _iter_hf(self, hf: HFSpec, shard: Optional[Tuple[int, int]] = None) -> Iterator[str]:
+    def iter_hf(self, hf: HFSpec, shard: Optional[Tuple[int, int]] = None) -> Iterator[str]:
         where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
         if is_saved_dataset(hf.name):
             rows = self._saved_dataset_rows(hf, where, shard)
@@ -386,8 +380,6 @@ class Source:
         for i, row in enumerate(_chain_first(first, rows)):
             text = self._text_value(row[self.text_column], f"{where} row {i}")
             if text is not None:
-                self.stats.bytes += len(text.encode("utf-8"))
-                self.stats.documents += 1
                 yield text
 
     @staticmethod
@@ -460,3 +452,196 @@ def is_saved_dataset(path: str) -> bool:
 def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
+
+
+# =================================================================================== registries
+FileReader = Callable[[Source, str], Iterator[str]]
+_FILE_FORMATS: List[Tuple[Tuple[str, ...], FileReader]] = []
+
+
+def register_file_format(suffixes: Tuple[str, ...], reader: FileReader) -> None:
+    """Read local files whose lower-cased name ends with one of ``suffixes`` with
+    ``reader(source, path) -> documents`` (it adds the bytes it reads to ``source.stats.bytes``).
+    Later registrations are tried first; files matching none are plain text."""
+    _FILE_FORMATS.insert(0, (tuple(s.lower() for s in suffixes), reader))
+
+
+register_file_format(PARQUET_SUFFIXES, lambda src, path: src._iter_parquet(path))
+register_file_format((".tsv",), lambda src, path: src._iter_csv(path, "\t"))
+register_file_format((".csv",), lambda src, path: src._iter_csv(path, ","))
+register_file_format(JSONL_SUFFIXES, lambda src, path: src._iter_jsonl(path))
+
+
+class SourceKind:
+    """One kind of ``--source`` spec. Register an instance with :func:`register_source_kind`.
+
+    ``read(spec, source, part)`` yields the documents (``str``) of one work unit, ``part=None``
+    meaning the whole spec; the parts ``units`` lists, read in order, must give exactly the
+    documents of ``part=None`` in the same order (so any number of ranks writes the same bytes).
+    :meth:`Source.read` counts the documents, and their UTF-8 bytes unless ``counts_bytes``.
+    """
+
+    name = ""  # the manifest's "kind"
+    counts_bytes = False  # True: read() adds the bytes it reads to source.stats.bytes itself
+
+    def matches(self, spec: str) -> bool:
+        """Whether this kind reads ``spec`` (kinds are asked in registry order)."""
+        raise NotImplementedError
+
+    def resolve(self, spec: str, source: Source) -> Any:
+        """Check ``spec`` before any work (raise :class:`DataPrepError`); the return value is
+        kept as ``source.state(spec)``."""
+        return None
+
+    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+        """Work units in reading order: ``(part, size in bytes)``, the size for balancing only;
+        units of about ``unit_bytes``. Default: one unit, the whole spec."""
+        return [(None, 0)]
+
+    def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
+        raise NotImplementedError
+
+    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+        """A JSON-able description of ``spec`` for the manifest's ``source.items``."""
+        return {"kind": self.name, "spec": spec}
+
+    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+        """The input size in bytes if known up front (sizes the default work unit), else None."""
+        return None
+
+    def roots(self, spec: str) -> List[str]:
+        """Local paths the spec reads below (``--out`` must not lie inside them)."""
+        return []
+
+
+class FilesKind(SourceKind):
+    """Local files: a file, a directory (walked) or a glob; each file read by its format."""
+
+    name = "files"
+    counts_bytes = True
+
+    def matches(self, spec: str) -> bool:
+        return True
+
+    def resolve(self, spec: str, source: Source) -> List[str]:
+        return expand_paths(spec)
+
+    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+        """Runs of consecutive files of about ``unit_bytes``."""
+        out: List[Tuple[Any, int]] = []
+        group: List[str] = []
+        size = 0
+        for path in source.files(spec):
+            group.append(path)
+            size += os.path.getsize(path)
+            if size >= unit_bytes:
+                out.append((tuple(group), size))
+                group, size = [], 0
+        if group:
+            out.append((tuple(group), size))
+        return out
+
+    def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
+        return source.iter_files(list(source.files(spec) if part is None else part))
+
+    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+        files = source.files(spec)
+        return {
+            "kind": self.name,
+            "spec": spec,
+            "files": len(files),
+            "bytes": sum(os.path.getsize(f) for f in files),
+        }
+
+    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+        return sum(os.path.getsize(f) for f in source.files(spec))
+
+    def roots(self, spec: str) -> List[str]:
+        if any(c in spec for c in "*?["):  # a glob's fixed leading directory
+            fixed = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
+            return [os.path.dirname(fixed) or "."]
+        return [spec]
+
+
+class StdlibKind(FilesKind):
+    """``stdlib``: the running interpreter's standard-library ``.py`` files."""
+
+    name = "stdlib"
+
+    def matches(self, spec: str) -> bool:
+        return spec == "stdlib"
+
+    def resolve(self, spec: str, source: Source) -> List[str]:
+        files = stdlib_files()
+        if not files:
+            raise DataPrepError("the stdlib source found no .py files")
+        return files
+
+    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+        item = super().describe(spec, source)
+        item["root"] = sysconfig.get_paths()["stdlib"]
+        item["python"] = sys.version.split()[0]
+        return item
+
+    def roots(self, spec: str) -> List[str]:
+        return [sysconfig.get_paths()["stdlib"]]
+
+
+class HFKind(SourceKind):
+    """``hf:NAME[:CONFIG][:SPLIT]``: a Hugging Face dataset; units are contiguous shards."""
+
+    name = "huggingface"
+
+    def matches(self, spec: str) -> bool:
+        return spec.startswith("hf:")
+
+    def resolve(self, spec: str, source: Source) -> HFSpec:
+        return parse_hf(spec)
+
+    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+        n, size = source.hf_shards(spec, unit_bytes)
+        return [((n, i), size) for i in range(n)]
+
+    def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
+        return source.iter_hf(parse_hf(spec), part)
+
+    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+        hf = parse_hf(spec)
+        return {
+            "kind": self.name,
+            "name": hf.name,
+            "config": hf.config,
+            "split": hf.split,
+            "text_column": source.text_column,
+        }
+
+    def roots(self, spec: str) -> List[str]:
+        return [spec[3:].split(":")[0]]
+
+
+_SOURCE_KINDS: List[SourceKind] = [StdlibKind(), HFKind()]
+_FALLBACK_KIND = FilesKind()  # anything no registered kind matches: local files
+
+
+def register_source_kind(kind: SourceKind, replace: bool = False) -> SourceKind:
+    """Add a source kind, asked before the built-ins (``replace``: drop a kind of the same
+    name first; otherwise a duplicate name is a ValueError). Returns ``kind``."""
+    names = [k.name for k in _SOURCE_KINDS] + [_FALLBACK_KIND.name]
+    if not kind.name:
+        raise ValueError("a source kind needs a name (the manifest's 'kind')")
+    if kind.name in names:
+        if not replace:
+            raise ValueError(f"source kind {kind.name!r} is already registered")
+        unregister_source_kind(kind.name)
+    _SOURCE_KINDS.insert(0, kind)
+    return kind
+
+
+def unregister_source_kind(name: str) -> None:
+    """Remove the registered kind called ``name`` (no error if there is none)."""
+    _SOURCE_KINDS[:] = [k for k in _SOURCE_KINDS if k.name != name]
+
+
+def source_kind(spec: str) -> SourceKind:
+    """The kind that reads ``spec``: the first registered one that matches, else local files."""
+    return next((k for k in _SOURCE_KINDS if k.matches(spec)), _FALLBACK_KIND)
