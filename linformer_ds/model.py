@@ -30,7 +30,7 @@ from torch import nn
 
 MODEL_FORMAT_VERSION = 1
 
-PROJECTIONS = ("linear", "conv", "dense")
+PROJECTIONS = ("linear", "conv", "dense")  # the built-in kinds (more: register_projection)
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 NORM_STYLES = ("pre", "post")
@@ -160,7 +160,7 @@ class ModelConfig:
                 "hidden_size", f"{self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
         for name, choices in (("norm", NORM_STYLES), ("sharing", SHARING_MODES),
-                              ("projection", SCHEDULES)):  # fmt: skip
+                              ("projection", projection_names() + ("hybrid",))):  # fmt: skip
             if getattr(self, name) not in choices:
                 _bad(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
@@ -188,8 +188,11 @@ class ModelConfig:
                     f"has {len(self.layer_projections)} entries, num_layers={self.num_layers}",
                 )
             for i, p in enumerate(self.layer_projections):
-                if p not in PROJECTIONS:
-                    _bad(f"layer_projections[{i}]", f"must be one of {PROJECTIONS}, got {p!r}")
+                if p not in projection_names():
+                    _bad(
+                        f"layer_projections[{i}]",
+                        f"must be one of {projection_names()}, got {p!r}",
+                    )
         if self.layer_k is not None:
             if len(self.layer_k) != self.num_layers:
                 _bad("layer_k", f"has {len(self.layer_k)} entries, num_layers={self.num_layers}")
@@ -198,8 +201,8 @@ class ModelConfig:
                     _bad(f"layer_k[{i}]", f"must be an integer, got {k!r}")
 
     def _validate_k(self) -> None:
-        """Each projected layer's k: in [1, max_seq_len], dividing N for conv, one k per kind
-        under layerwise sharing."""
+        """Each projected layer's k: in [1, max_seq_len], the kind's own check (conv: k divides
+        N), one k per kind under layerwise sharing."""
         kname = "layer_k" if self.layer_k is not None else "k"
         shared_k: dict = {}
         for i, p in enumerate(self.projection_schedule()):
@@ -209,12 +212,10 @@ class ModelConfig:
             where = f"{kname}[{i}]" if self.layer_k is not None else "k"
             if not 1 <= k <= self.max_seq_len:
                 _bad(where, f"k={k} must be in [1, max_seq_len={self.max_seq_len}]")
-            if p == "conv" and self.max_seq_len % k:
-                _bad(
-                    where,
-                    f"conv layer {i}: k={k} does not divide max_seq_len={self.max_seq_len} "
-                    "(conv kernel = stride = max_seq_len / k)",
-                )
+            kind = get_projection(p)
+            problem = kind.check(self, i) if kind.check is not None else None
+            if problem:
+                _bad(where, problem)
             if self.sharing == "layerwise" and shared_k.setdefault(p, k) != k:
                 _bad(
                     kname,
@@ -240,14 +241,13 @@ class ModelConfig:
     # -------------------------------------------------------------------------------- counting
     def num_projection_parameters(self) -> int:
         """Parameters in E/F (or conv kernels), by the sharing-mode formulas in README."""
-        h, d, n_max = self.num_heads, self.head_dim, self.max_seq_len
+        h = self.num_heads
         total = 0
         seen_layerwise: set = set()
         for i, p in enumerate(self.projection_schedule()):
             if p == "dense":
                 continue
-            k = self.k_for_layer(i)
-            one = k * n_max if p == "linear" else d * d * (n_max // k) + d
+            one = get_projection(p).parameters_of(self, i)  # one module shared by all heads
             if self.sharing == "layerwise":
                 if p not in seen_layerwise:
                     seen_layerwise.add(p)
@@ -365,6 +365,7 @@ class LinearProjection(nn.Module):
 
     sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
     shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
+    sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
 
     def __init__(self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool):
         super().__init__()
@@ -444,6 +445,7 @@ class ConvProjection(nn.Module):
     """
 
     sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
+    sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
 
     def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool):
         super().__init__()
@@ -502,15 +504,142 @@ class ConvProjection(nn.Module):
         return f"heads={self.heads}, head_dim={self.head_dim}, kernel=stride={self.stride}"
 
 
+# ============================================================================ projection registry
+@dataclass(frozen=True)
+class ProjectionKind:
+    """A kind of key/value projection along the sequence, named in ``model.projection`` /
+    ``layer_projections`` (:func:`register_projection`; see docs/extending.md).
+
+    ``factory(config, layer_idx, heads)`` builds one module mapping ``[B, n, heads, d_h]`` ->
+    ``[B, m, heads, d_h]`` (``heads`` is 1 when shared by all heads). Optional rules:
+    ``stride(config, layer_idx)``: every length N (and sequence-parallel slice) must be a
+    multiple of it (``stride_rule`` says how it is derived); ``check(config, layer_idx)``: a
+    problem with the layer's options, or None; ``num_parameters(config, layer_idx)`` of one
+    ``heads=1`` module (default: counted on the meta device); ``flops(config, layer_idx, n)``:
+    forward FLOPs per token of projecting keys and values and attending to the ``m`` summaries
+    (default: dense attention's, an upper bound); ``sequence_parallel``: the module reads its
+    ``sequence_parallel`` attribute (set by ``parallelize``) and supports P > 1.
+    A module class says whether its ``weight`` is indexed by sequence position with a
+    ``sequence_dim`` class attribute (E/F: 2; such weights are sharded under sequence
+    parallelism and sliced to the first n positions).
+    """
+
+    name: str
+    factory: Callable[["ModelConfig", int, int], nn.Module]
+    stride: Optional[Callable[["ModelConfig", int], int]] = None
+    stride_rule: str = ""
+    check: Optional[Callable[["ModelConfig", int], Optional[str]]] = None
+    num_parameters: Optional[Callable[["ModelConfig", int], int]] = None
+    flops: Optional[Callable[["ModelConfig", int, int], float]] = None
+    sequence_parallel: bool = False
+
+    def parameters_of(self, config: "ModelConfig", layer_idx: int) -> int:
+        """Parameters of one ``heads=1`` module of layer ``layer_idx``."""
+        if self.num_parameters is not None:
+            return int(self.num_parameters(config, layer_idx))
+        with torch.device("meta"):
+            module = self.factory(config, layer_idx, 1)
+        return sum(p.numel() for p in module.parameters())
+
+
+_PROJECTION_KINDS: "dict[str, ProjectionKind]" = {}
+
+
+def register_projection(
+    name: str,
+    factory: Callable[["ModelConfig", int, int], nn.Module],
+    replace: bool = False,
+    **rules: Any,
+) -> ProjectionKind:
+    """Make ``name`` a projection kind (``rules``: the optional fields of
+    :class:`ProjectionKind`); a taken name is a ValueError unless ``replace``."""
+    if not name.isidentifier() or name in ("dense", "hybrid"):
+        raise ValueError(f"projection kind name must be an identifier, not dense/hybrid: {name!r}")
+    if name in _PROJECTION_KINDS and not replace:
+        raise ValueError(f"projection kind {name!r} is already registered")
+    kind = ProjectionKind(name, factory, **rules)
+    _PROJECTION_KINDS[name] = kind
+    return kind
+
+
+def unregister_projection(name: str) -> None:
+    """Remove a registered projection kind (no error if absent)."""
+    _PROJECTION_KINDS.pop(name, None)
+
+
+def get_projection(name: str) -> ProjectionKind:
+    """The registered kind ``name`` (ModelConfigError if there is none)."""
+    try:
+        return _PROJECTION_KINDS[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown projection kind {name!r} (registered: {sorted(_PROJECTION_KINDS)})"
+        ) from None
+
+
+def projection_names() -> tuple:
+    """Every per-layer attention kind: the registered projections, then ``dense``."""
+    return tuple(_PROJECTION_KINDS) + ("dense",)
+
+
+def projection_stride(config: ModelConfig, layer_idx: int) -> Optional[int]:
+    """The stride every N (and sequence-parallel slice) must be a multiple of at layer
+    ``layer_idx`` (conv: max_seq_len / k), or None (dense, linear: any N)."""
+    kind = config.projection_schedule()[layer_idx]
+    rule = None if kind == "dense" else get_projection(kind).stride
+    return None if rule is None else int(rule(config, layer_idx))
+
+
 def _make_projection(config: ModelConfig, layer_idx: int, kind: str, heads: int) -> nn.Module:
-    if kind == "linear":
-        std = config.projection_init_std or 1.0 / math.sqrt(config.max_seq_len)
-        return LinearProjection(
-            config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection
-        )
+    module = get_projection(kind).factory(config, layer_idx, heads)
+    module.projection_kind = kind  # init_weights and parallelize find projections by it
+    return module
+
+
+def _linear(config: ModelConfig, layer_idx: int, heads: int) -> nn.Module:
+    std = config.projection_init_std or 1.0 / math.sqrt(config.max_seq_len)
+    return LinearProjection(
+        config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection
+    )
+
+
+def _conv(config: ModelConfig, layer_idx: int, heads: int) -> nn.Module:
     return ConvProjection(
         config.conv_stride(layer_idx), config.head_dim, heads, config.freeze_projection
     )
+
+
+def _conv_check(config: ModelConfig, i: int) -> Optional[str]:
+    k = config.k_for_layer(i)
+    if config.max_seq_len % k:
+        return (
+            f"conv layer {i}: k={k} does not divide max_seq_len={config.max_seq_len} "
+            "(conv kernel = stride = max_seq_len / k)"
+        )
+    return None
+
+
+def _linear_flops(config: ModelConfig, i: int, n: int) -> float:
+    k, dm = config.k_for_layer(i), config.hidden_size  # k rows even when n < k: E[:, :n] is [k, n]
+    return 2 * 2 * k * dm + 2 * 2 * k * dm  # E K and F V; scores and weighted sum over k
+
+
+def _conv_flops(config: ModelConfig, i: int, n: int) -> float:
+    # conv: per head a d_h x d_h kernel per tap; a token is one tap of one block, so it costs
+    # d_h^2 multiply-adds per head, D * d_h over all heads (for K and for V)
+    dm, c = config.hidden_size, math.ceil(n / config.conv_stride(i))
+    return 2 * 2 * config.head_dim * dm + 2 * 2 * c * dm
+
+
+register_projection(
+    "linear", _linear, flops=_linear_flops, sequence_parallel=True,
+    num_parameters=lambda c, i: c.k_for_layer(i) * c.max_seq_len,
+)  # fmt: skip
+register_projection(
+    "conv", _conv, stride=lambda c, i: c.conv_stride(i), stride_rule="max_seq_len / k",
+    check=_conv_check, flops=_conv_flops, sequence_parallel=True,
+    num_parameters=lambda c, i: c.head_dim**2 * c.conv_stride(i) + c.head_dim,
+)  # fmt: skip
 
 
 # ===================================================================================== attention
@@ -797,14 +926,15 @@ class LinformerEncoder(nn.Module):
         self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
         schedule = config.projection_schedule()
-        # The single owner of each layerwise-shared projection (one for linear, one for conv).
+        # The single owner of each layerwise-shared projection: one per kind in the schedule,
+        # ``shared_<kind>`` (shared_linear, shared_conv), in registry order.
         self.shared_linear: Optional[nn.Module] = None
         self.shared_conv: Optional[nn.Module] = None
         if config.sharing == "layerwise":
-            if "linear" in schedule:
-                self.shared_linear = _make_projection(config, schedule.index("linear"), "linear", 1)
-            if "conv" in schedule:
-                self.shared_conv = _make_projection(config, schedule.index("conv"), "conv", 1)
+            for kind in projection_names():
+                if kind != "dense" and kind in schedule:
+                    shared = _make_projection(config, schedule.index(kind), kind, 1)
+                    setattr(self, f"shared_{kind}", shared)
         self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
         self.final_ln = (
             nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -885,9 +1015,7 @@ class LinformerEncoder(nn.Module):
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
-        return (
-            self.shared_linear if kind == "linear" else self.shared_conv if kind == "conv" else None
-        )
+        return None if kind == "dense" else getattr(self, f"shared_{kind}", None)
 
     def forward(
         self,
@@ -991,7 +1119,7 @@ def init_weights(module: nn.Module, std: float) -> None:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        elif isinstance(module, (LinearProjection, ConvProjection)):
+        elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
             module.reset_parameters()
 
 
@@ -1205,22 +1333,14 @@ def flops_per_token(
     ``mlm_fraction`` of the tokens. The benchmark and the trainer's MFU both use this formula.
     """
     n = seq_len or config.max_seq_len
-    dm, ff, dh = config.hidden_size, config.intermediate_size, config.head_dim
+    dm, ff = config.hidden_size, config.intermediate_size
     fwd = 0.0
     for i, kind in enumerate(config.projection_schedule()):
         fwd += 2 * (3 * dm * dm + dm * dm + 2 * dm * ff)  # qkv, out, ffn
-        if kind == "dense":
+        proj = None if kind == "dense" else get_projection(kind).flops
+        if proj is None:  # dense, or a registered kind without a formula (an upper bound)
             fwd += 2 * 2 * n * dm  # Q K^T and A V
-        elif kind == "linear":
-            k = config.k_for_layer(i)  # k rows even when n < k: E[:, :n] is [k, n]
-            fwd += 2 * 2 * k * dm  # E K and F V: each token feeds k outputs of width D
-            fwd += 2 * 2 * k * dm  # scores against k keys and weighted sum of k values
-        else:
-            r = config.conv_stride(i)
-            c = math.ceil(n / r)
-            # conv: per head a d_h x d_h kernel per tap; a token is one tap of one block, so it
-            # costs d_h^2 multiply-adds per head, D * d_h over all heads (for K and for V)
-            fwd += 2 * 2 * dh * dm
-            fwd += 2 * 2 * c * dm
+        else:  # the kind's own: linear E K, F V + k summaries; conv: kernel taps + c blocks
+            fwd += proj(config, i, n)
     fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
     return 3.0 * fwd

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Tuple
 from linformer_ds.config import ConfigError
 from linformer_ds.data.sampler import normalized_weights
 from linformer_ds.data.shards import ShardDataset, check_same_tokenizer, open_sources
+from linformer_ds.model import get_projection, projection_stride
 from linformer_ds.sequence_parallel import config_errors
 
 
@@ -148,11 +149,12 @@ def check_stage_lengths(
                   "for the largest stage")  # fmt: skip
         if staged:
             for i, kind in enumerate(model.projection_schedule()):
-                r = model.conv_stride(i)
-                if kind == "conv" and n % r:
+                r = projection_stride(model, i)  # conv: max_seq_len / k; None: any N
+                if r is not None and n % r:
+                    rule = get_projection(kind).stride_rule
                     _fail(
-                        f"{where}: conv layer {i} has stride max_seq_len / k = {r}, which does "
-                        f"not divide N; use an N that is a multiple of {r}"
+                        f"{where}: {kind} layer {i} has stride {rule + ' = ' if rule else ''}{r}, "
+                        f"which does not divide N; use an N that is a multiple of {r}"
                     )
         sp = int(cfg.parallel.sequence_parallel_size)
         if sp > 1:
