@@ -21,10 +21,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # numpy only at run time: data_prep records the counts without torch
+    import torch
 
 IGNORE_INDEX = -100  # = linformer_ds.data.masking.IGNORE_INDEX (the labels of unscored positions)
 COUNTS_FILE = "unigram_counts.npy"  # data_prep's record of the train split's counts
@@ -151,7 +153,7 @@ class UnigramMeter:
         got = load_counts(dataset, cache_dir, write_cache)
         return cls(got["counts"], dataset.special_ids, got["from"])
 
-    def stats(self, labels: torch.Tensor) -> List[float]:
+    def stats(self, labels: "torch.Tensor") -> List[float]:
         """``[sum of -log p(label), labels equal to the top token]`` over the labelled positions
         (``!= IGNORE_INDEX``) of ``labels`` (any shape, on the host)."""
         lab = labels[labels != IGNORE_INDEX].numpy()

@@ -5,6 +5,7 @@ exact scored positions, the mixture's weighting, and a real one-rank run's eval 
 import json
 import math
 import re
+import shutil
 from collections import Counter
 from types import SimpleNamespace
 
@@ -166,25 +167,34 @@ def test_mixture_record_weights_the_meter_like_the_loss():
 
 def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
     """One rank, evals at steps 2 and 4: each ``[eval]`` line and metrics.jsonl record has the
-    meter; its unigram figures equal a reference on the eval masks; a resumed process reads
-    the cached counts instead of counting."""
+    meter; its unigram figures equal a reference on the eval masks. Data without data_prep's
+    record (older data): counted, then a resumed process reads the cached counts; data_prep's
+    record holds the same counts."""
+    recorded = load_counts(ShardDataset(tiny_corpus, "train"), None)
+    assert recorded["from"] == "manifest"
+    data = tmp_path / "old_data"  # the same data as made before data_prep recorded counts
+    shutil.copytree(tiny_corpus, data)
+    m = json.loads((data / "manifest.json").read_text())
+    (data / m.pop("unigram")["file"]).unlink()
+    (data / "manifest.json").write_text(json.dumps(m))
+    run = tmp_path / "run"
     common = ["train.eval_interval=2", "train.eval_batches=1", "logging.tensorboard=true"]
-    first = run_pretrain(tiny_corpus, tmp_path, common + ["train.max_steps=4"], nproc=1,
-                         launcher="python")  # fmt: skip
+    first = run_pretrain(data, run, common + ["train.max_steps=4"], nproc=1, launcher="python")
     assert re.search(r"\[meter\] unigram counts of the train split: .*tokens \(counted\)",
                      first.stdout)  # fmt: skip
     lines = [ln for ln in first.stdout.splitlines() if ln.startswith("[eval]")]
     assert len(lines) == 2 and all("context_gain_nats=" in ln for ln in lines)
-    ev = read_metrics(tmp_path, "eval")
+    ev = read_metrics(run, "eval")
     assert sorted(ev) == [2, 4]
     r = ev[4]
     assert r["context_gain_nats"] == pytest.approx(r["unigram_loss"] - r["loss"], abs=1e-12)
     # reference: counts of the train shards, the eval masks of rows 0-3 (seed 42 + 1)
-    train, valid = ShardDataset(tiny_corpus, "train"), ShardDataset(tiny_corpus, "valid")
+    train, valid = ShardDataset(data, "train"), ShardDataset(data, "valid")
     counts = np.zeros(train.vocab_size, dtype=np.int64)
     for i in range(len(train)):
         counts += np.bincount(train[i].numpy(), minlength=train.vocab_size)
     counts[train.special_ids] = 0
+    assert recorded["counts"].tolist() == counts.tolist()
     maskable = np.ones(train.vocab_size, bool)
     maskable[train.special_ids] = False
     p = (counts + 1) / (counts.sum() + maskable.sum())
@@ -198,10 +208,9 @@ def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
     assert r["unigram_accuracy"] == pytest.approx(float((lab == top).mean()), rel=1e-12)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     assert {f"eval/{k}" for k in FIELDS} <= set(acc.Tags()["scalars"])
-    again = run_pretrain(tiny_corpus, tmp_path, common + ["train.max_steps=6"], nproc=1,
-                         launcher="python")  # fmt: skip
+    again = run_pretrain(data, run, common + ["train.max_steps=6"], nproc=1, launcher="python")
     assert "tokens (cache)" in again.stdout
-    assert read_metrics(tmp_path, "eval")[6]["unigram_loss"] > 0
+    assert read_metrics(run, "eval")[6]["unigram_loss"] == pytest.approx(r["unigram_loss"])

@@ -182,8 +182,15 @@ def test_manifest_and_checksums(corpus):
     assert not (out / "progress.json").exists()
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     listed = [s["file"] for sp in ("train", "valid") for s in m["splits"][sp]["shards"]]
-    assert files == sorted(listed + ["manifest.json", "tokenizer.model"])
+    assert files == sorted(listed + ["manifest.json", "tokenizer.model", m["unigram"]["file"]])
     train = m["splits"]["train"]["shards"]
+    # the context meter's counts: the train shards' tokens without the special ids
+    want = sum(np.bincount(np.load(out / s["file"]).ravel(), minlength=VOCAB) for s in train)
+    want[[0, 1, 2, 3, 4]] = 0
+    assert np.load(out / m["unigram"]["file"]).tolist() == want.tolist()
+    assert m["unigram"]["sha256"] == sha256(out / m["unigram"]["file"])
+    assert m["unigram"]["split"] == "train" and m["unigram"]["tokens"] == int(want.sum())
+    assert m["unigram"]["excluded_ids"] == [0, 1, 2, 3, 4]
     assert len(train) > 2 and all(s["rows"] == 7 for s in train[:-1]) and train[-1]["rows"] <= 7
     for split in ("train", "valid"):
         for i, s in enumerate(m["splits"][split]["shards"]):
