@@ -16,6 +16,7 @@ from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
 def evaluate(
     engine, valid_ds, cfg: JobConfig, rank: int, world: int, device, sp_group=None,
     unigram: Optional[UnigramMeter] = None,
+    document_isolation: bool = False,
 ) -> Dict[str, float]:
     """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``), and
     the same rows in every layout: ``train.eval_batches`` global batches (``train_batch_size``
@@ -27,7 +28,9 @@ def evaluate(
 
     ``unigram``: the context meter (linformer_ds.context_meter) of the train split, scored on
     exactly the labels the model is scored on; adds ``unigram_loss``, ``unigram_accuracy``,
-    ``context_gain_nats`` and ``context_gain_accuracy`` to the figures."""
+    ``context_gain_nats`` and ``context_gain_accuracy`` to the figures. ``document_isolation``:
+    the rows' documents are isolated (``position_ids`` restarting after every sep), as in
+    training."""
     import deepspeed.comm as dist
 
     from linformer_ds.engine import all_reduce_sum
@@ -40,6 +43,7 @@ def evaluate(
         mlm_probability=cfg.data.mlm_probability,
         seed=cfg.train.seed + 1,
         pad_id=valid_ds.pad_id,
+        document_sep_id=valid_ds.sep_id if document_isolation else None,
     )
     mb = cfg.train.micro_batch_size
     global_batch = mb * cfg.train.gradient_accumulation_steps * world
@@ -57,8 +61,9 @@ def evaluate(
         if unigram is not None:  # this rank's labels (its slice under sequence parallelism)
             meter = [a + b for a, b in zip(meter, unigram.stats(batch["labels"]))]
         batch = to_device(batch, device)  # with the labelled positions of this rank's slice
+        extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
-                     labelled_index=batch["labelled_index"])  # fmt: skip
+                     labelled_index=batch["labelled_index"], **extra)  # fmt: skip
         stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
     engine.train()
     if unigram is not None:

@@ -288,7 +288,9 @@ class Documents(NamedTuple):
     block_mask: Optional[torch.Tensor] = None
 
 
-def document_starts(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def document_starts(
+    position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+) -> torch.Tensor:
     """``[B, N]`` bool: where a document starts (each row start, every unmasked position 0).
     Masked positions never start one (padding joins the document before it)."""
     starts = position_ids == 0
@@ -421,7 +423,8 @@ class LinearProjection(nn.Module):
                     f"document columns [{span.column}, {span.column + length}) are outside the "
                     f"E/F columns this rank holds [{self.shard_start}, {self.shard_start + width})"
                 )
-            w = self.weight if col == 0 and length == width else self.weight[:, :, col : col + length]
+            whole = col == 0 and length == width
+            w = self.weight if whole else self.weight[:, :, col : col + length]
             xi = x[span.row, span.start : span.end]  # [L, h, d]
             if self.heads == 1:
                 ys.append(torch.mm(w.squeeze(0), xi.reshape(length, h * d)).view(self.k, h, d))

@@ -117,7 +117,7 @@ FORWARD = textwrap.dedent(
         res["accepted"] = d(mlm(**right, output_attentions=False,
                                 token_type_ids=torch.zeros_like(right["input_ids"])).logits, lm_r.logits)
     errors = {}
-    for name, value in [("output_attentions", True), ("position_ids", right["input_ids"] * 0),
+    for name, value in [("output_attentions", True),
                         ("head_mask", torch.ones(2)), ("token_type_ids", right["attention_mask"]),
                         ("bogus", 1)]:
         try:
@@ -169,7 +169,6 @@ def test_forward_semantics_in_transformers_only_process(export, tmp_path):
     assert res["embeds_vs_ids"] <= 1e-6 and res["accepted"] == 0.0
     err = res["errors"]
     assert "output_attentions is not supported" in err["output_attentions"]
-    assert "position_ids is not supported" in err["position_ids"]
     assert "head_mask is not supported" in err["head_mask"]
     assert "token_type_ids" in err["token_type_ids"] and "bogus" in err["bogus"]
     assert res["config_ids"] == res["tok_ids"] == {"bos": 2, "eos": 3, "pad": 0}

@@ -189,3 +189,59 @@ def test_document_spans():
 def test_worst_deviations_reported():
     """Runs last in this file: prints the largest deviations seen (pytest -s)."""
     print("isolation worst deviations:", {k: f"{v:.2e}" for k, v in WORST.items()})
+
+
+def test_export_accepts_position_ids(tmp_path):
+    """The exported MLM (remote code, loaded by transformers) given a packed row with
+    position_ids equals the training model; right and left padding agree; a one-document row
+    gives the same logits with position_ids 0..n-1 as without."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForMaskedLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_hf_heads import tiny_export
+
+    from linformer_ds.model import LinformerForMaskedLM as TrainingMLM
+
+    out = tiny_export(tmp_path)
+    exported = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    torch.manual_seed(0)
+    training = TrainingMLM(exported.encoder.config).eval()
+    training.load_state_dict(exported.state_dict(), strict=False)
+    lengths, pad = [9, 20, 4, 15], 16
+    ids = torch.randint(5, 1000, (1, sum(lengths) + pad))
+    ids[:, sum(lengths):] = 0
+    mask = (ids != 0).long()
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
+    with torch.no_grad():
+        ref = training(ids, mask, position_ids=pos).logits
+        got = exported(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        left = exported(input_ids=ids.roll(pad, 1), attention_mask=mask.roll(pad, 1),
+                        position_ids=pos.roll(pad, 1)).logits.roll(-pad, 1)  # fmt: skip
+        one = ids[:, :30]
+        plain = exported(input_ids=one).logits
+        counted = exported(input_ids=one, position_ids=torch.arange(30)[None]).logits
+    real = mask[0].bool()
+    assert (got - ref)[:, real].abs().max() <= 1e-5
+    assert (left - ref)[:, real].abs().max() <= 1e-5
+    assert torch.equal(plain, counted)
+
+
+def test_masking_adds_position_ids_only_when_isolating():
+    """MLMMasking(document_sep_id=sep): position_ids from the row before masking (0 at the row
+    start and after every sep); without it the output is unchanged (no position_ids)."""
+    from linformer_ds.data.masking import MLMMasking, document_positions
+
+    sep = 3
+    tokens = torch.tensor(
+        [[1, 7, 8, sep, 9, sep, 5, 6, 7, 0, 0], [1, 6, 6, 6, 6, 6, sep, 5, 5, 5, 5]]
+    )
+    want = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])
+    assert torch.equal(document_positions(tokens, sep), want)
+    plain = MLMMasking(40, 4, [0, 1, 2, 3, 4], mlm_probability=0.5, seed=1)
+    iso = MLMMasking(40, 4, [0, 1, 2, 3, 4], mlm_probability=0.5, seed=1, document_sep_id=sep)
+    a, b = plain(tokens, torch.arange(2), 0), iso(tokens, torch.arange(2), 0)
+    assert "position_ids" not in a and torch.equal(b.pop("position_ids"), want)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -2,12 +2,24 @@
 row depend only on (seed, epoch, row index), never on the rank or the batch."""
 
 from collections.abc import Sequence
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+
+
+def document_positions(tokens: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """``tokens [B, N]`` -> ``position_ids [B, N]``: 0 at every row start and after every
+    ``sep_id``, counting up to the next (a packed row's documents each from 0; padding after the
+    last sep counts on from 0 too, it is masked)."""
+    b, n = tokens.shape
+    idx = torch.arange(n).expand(b, n)
+    start = torch.zeros(b, n, dtype=torch.bool)
+    start[:, 0] = True
+    start[:, 1:] = tokens[:, :-1] == sep_id
+    return idx - torch.where(start, idx, 0).cummax(dim=1).values
 
 
 def _row_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -25,6 +37,9 @@ class MLMMasking:
 
     The draws of a row depend only on ``(seed, epoch, sample index)``; the cut is drawn after the
     masking draws, so the masks of uncut rows do not depend on ``short_seq_prob``.
+
+    ``document_sep_id`` (document isolation): the output also holds ``position_ids``
+    (:func:`document_positions` of the row before masking); None (default): it does not.
     """
 
     def __init__(
@@ -36,7 +51,9 @@ class MLMMasking:
         seed: int = 0,
         pad_id: int = 0,
         short_seq_prob: float = 0.0,
+        document_sep_id: Optional[int] = None,
     ) -> None:
+        self.document_sep_id = document_sep_id
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
         if not 0.0 <= short_seq_prob <= 1.0:
@@ -90,8 +107,11 @@ class MLMMasking:
         input_ids[to_random] = torch.from_numpy(rnd)[to_random]
         labels = torch.full_like(tokens, IGNORE_INDEX)
         labels[selected] = tokens[selected]
-        return {
+        out = {
             "input_ids": input_ids,
             "attention_mask": (tokens != self.pad_id).long(),
             "labels": labels,
         }
+        if self.document_sep_id is not None:
+            out["position_ids"] = document_positions(tokens, self.document_sep_id)
+        return out

@@ -38,7 +38,8 @@ class MixtureBatches:
     ``world_size`` are the replica's; a sequence-parallel group reads the same rows and keeps
     its ``[B, N / sp_size]`` slice. ``on_batch(epoch, indices)`` is an optional observer
     (one source: the batch epoch and row indices; several: per-row epochs and
-    ``[source, row]`` pairs).
+    ``[source, row]`` pairs). ``document_isolation``: batches also hold ``position_ids``
+    restarting after every sep (:func:`~linformer_ds.data.masking.document_positions`).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class MixtureBatches:
         sp_size: int = 1,
         positions: Optional[Dict[str, Dict[str, int]]] = None,
         legacy: Optional[bool] = None,
+        document_isolation: bool = False,
     ) -> None:
         self.names, self.datasets = list(names), list(datasets)
         self.sampler = MixtureSampler(
@@ -72,6 +74,7 @@ class MixtureBatches:
                 seed=src.seed,
                 pad_id=d.pad_id,
                 short_seq_prob=short_seq_prob,
+                document_sep_id=d.sep_id if document_isolation else None,
             )
             for d, src in zip(self.datasets, self.sampler.sources)
         ]
@@ -163,12 +166,13 @@ class TrainData:
         short_seq_prob: float = 0.0,
         sp_rank: int = 0,
         sp_size: int = 1,
+        document_isolation: bool = False,
     ) -> None:
         self.stages, self.datasets = stages, datasets
         self._args = dict(
             rank=rank, world_size=world_size, seed=seed, device=device,
             mlm_probability=mlm_probability, short_seq_prob=short_seq_prob, sp_rank=sp_rank,
-            sp_size=sp_size,
+            sp_size=sp_size, document_isolation=document_isolation,
         )  # fmt: skip
         self._on_batch: Optional[Callable[[Any, List[Any]], None]] = None
         self.positions: Dict[str, Dict[str, int]] = {}  # sources' positions, across stages

@@ -8,12 +8,16 @@ consolidated training state dict loads without renaming. ``lm_head.decoder.weigh
 
 What the adapters add to ``model.py``: the HF calling conventions (``return_dict``,
 ``output_hidden_states``, ``inputs_embeds``), clear refusals of the arguments a Linformer cannot
-honour (``output_attentions``, ``position_ids``, ``head_mask``, ...), and padding on any side: a
+honour (``output_attentions``, ``head_mask``, ...), and padding on any side: a
 row whose padding is not all on the right is compacted (real tokens first, in order) before the
 encoder and its outputs are put back, so positions and the columns of ``E``/``F`` are those of
 the unpadded sequence (like RoBERTa's position ids) and the classifier pools the first real token.
 ``attn_implementation``: ``"sdpa"`` (default) lets torch pick the fused kernel, ``"eager"`` runs
 the same attention through SDPA's math backend (plain matmul + softmax).
+``position_ids [B, n]`` (optional): several documents in one row, each with positions restarting
+at 0 (document isolation, as pretraining with packed rows): every token gets its own position and
+attends only within its document, as if each document were its own row. None, or 0..n-1 per
+row: one document per row (unchanged).
 """
 
 import contextlib
@@ -47,7 +51,6 @@ from .configuration_linformer import CAUSAL_REASON, LinformerConfig
 # Arguments other HF encoders take that a Linformer cannot honour: name -> why.
 UNSUPPORTED = {
     "output_attentions": "Linformer attention has no n x n attention weights to return",
-    "position_ids": "positions are always 0..n-1 of the unpadded sequence",
     "head_mask": "heads cannot be masked",
     "encoder_hidden_states": "the model is an encoder without cross-attention",
     "encoder_attention_mask": "the model is an encoder without cross-attention",
@@ -169,6 +172,7 @@ class LinformerPreTrainedModel(PreTrainedModel):
         hidden states (``num_layers + 1`` tensors ``[B, n, D]``, caller's order) or ``None``,
         and the compaction order (``None`` = identity) for :func:`_restore`.
         """
+        position_ids = kwargs.pop("position_ids", None)  # documents restarting at 0 (isolation)
         _check_kwargs(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -186,9 +190,12 @@ class LinformerPreTrainedModel(PreTrainedModel):
         if order is not None:
             input_ids, inputs_embeds = _gather(input_ids, order), _gather(inputs_embeds, order)
             attention_mask = attention_mask.gather(1, order)
+            position_ids = _gather(position_ids, order)
         states: Optional[list] = [] if output_hidden_states else None
         with self._attention_backend():
-            hidden = self.encoder(input_ids, attention_mask, inputs_embeds, states)
+            hidden = self.encoder(
+                input_ids, attention_mask, inputs_embeds, states, position_ids=position_ids
+            )
         all_states = tuple(_restore(h, order) for h in states) if states is not None else None
         return hidden, all_states, order
 
@@ -472,6 +479,8 @@ class LinformerForMultipleChoice(LinformerPreTrainedModel):
             )
         b, c = given.shape[:2]
         flat = lambda t: None if t is None else t.reshape(b * c, *t.shape[2:])  # noqa: E731
+        if isinstance(kwargs.get("position_ids"), torch.Tensor):
+            kwargs["position_ids"] = flat(kwargs["position_ids"])
         hidden, states, _ = self._encode(
             flat(input_ids), flat(attention_mask), flat(inputs_embeds), output_hidden_states,
             kwargs,
