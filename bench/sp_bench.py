@@ -3,8 +3,8 @@
 ``python -m bench.sp_bench`` launches P CPU ranks (torch.multiprocessing spawn, gloo) per
 configuration, in fresh processes, and times full training steps (forward, backward, AdamW step)
 of a small real model through DeepSpeed, as the trainer runs it (``build_groups``,
-``parallelize``, ``partition_for_zero3``, ``SequenceParallelMPU``, ``global_label_count``,
-``backward_loss_scale``).
+``global_label_count``; from linformer_ds.parallelize ``shard_for_deepspeed``,
+``partition_for_zero3``, the mpus, ``apply_sequence_parallel``, ``LossScaling``).
 
 Phases (``--phases``):
 
@@ -318,6 +318,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     torch.set_num_threads(max(1, bc.threads // p))
     import deepspeed
 
+    from linformer_ds import parallelize as par
     from linformer_ds import sequence_parallel as sp
     from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
     from linformer_ds.model import LinformerForMaskedLMPretraining
@@ -335,14 +336,14 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     kwargs: Dict[str, Any] = {}
     scale = 1.0
     if groups is not None and case.shard:  # as the trainer: E/F and positions per SP rank
-        sp.shard_for_deepspeed(model, groups)
-        kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
+        par.shard_for_deepspeed(model, groups)
+        kwargs["mpu"] = par.ShardedSequenceParallelMPU(groups)
     elif groups is not None:
-        sp.partition_for_zero3(model, groups, cfg)
-        kwargs["mpu"] = sp.SequenceParallelMPU(groups)
-        scale = sp.backward_loss_scale(case.zero, p)
+        par.partition_for_zero3(model, groups, cfg)
+        kwargs["mpu"] = par.SequenceParallelMPU(groups)
+        scale = par.LossScaling(p, sp_size=p, zero_stage=case.zero).backward_scale
     if groups is not None:
-        sp.parallelize(model, sp_group)
+        par.apply_sequence_parallel(model, sp_group)
     if case.ac:
         from torch.utils.checkpoint import checkpoint
 

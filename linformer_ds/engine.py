@@ -1,7 +1,6 @@
-"""The DeepSpeed side of training: process group, accelerator checks, the final DeepSpeed JSON,
-activation checkpointing applied to the plain model from outside, and the engine itself."""
+"""The DeepSpeed side of training: process group, accelerator checks, the final DeepSpeed JSON
+and the engine itself (the model's layout is applied before, by linformer_ds.parallelize)."""
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -97,37 +96,6 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.copy_(buf.to(t.device))
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict) -> None:
-    """Wrap encoder layers in activation checkpointing as configured (no-op when disabled).
-
-    torch's non-reentrant checkpoint by default: correct with the layerwise-shared projection
-    under ZeRO-2/3 (reentrant checkpointing triggers DeepSpeed issue 988). DeepSpeed's own
-    (partitioned / CPU) variant when asked for; config.validate refuses it under ZeRO-3.
-    """
-    ac = cfg.deepspeed.activation_checkpointing
-    if not ac.enabled:
-        return
-    n_layers = ac.number_checkpoints or cfg.model.num_layers
-    if ac.partition_activations or ac.cpu_checkpointing:
-        import deepspeed
-        from deepspeed.runtime.activation_checkpointing.checkpointing import (
-            non_reentrant_checkpoint,
-        )
-
-        deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
-
-        def fn(block, x, *rest):
-            # Only the activation goes through DeepSpeed's checkpoint: its partitioned path
-            # mis-pairs tensors with their sizes when non-tensor arguments (the shared
-            # projection module, a None mask) are passed along (deepspeed 0.19).
-            return non_reentrant_checkpoint(lambda h: block(h, *rest), x)
-    else:
-        fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    model.encoder.set_activation_checkpointing(
-        fn, layers=list(range(n_layers)), granularity=ac.granularity
-    )
-
-
 def build_model(cfg: JobConfig) -> LinformerForMaskedLMPretraining:
     """The plain model, initialised identically on every rank (seeded)."""
     torch.manual_seed(cfg.train.seed)
@@ -144,33 +112,15 @@ def init_sequence_parallel(cfg: JobConfig):
     return build_groups(cfg.parallel.sequence_parallel_size)
 
 
-def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any], groups=None):
+def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any], mpu=None):
     """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine.
 
-    With sequence-parallel ``groups`` the model's layers exchange their key/value summaries
-    over the group and DeepSpeed reduces gradients through the groups' ``mpu`` (see
-    linformer_ds.sequence_parallel): sharded (default), each rank holds its E/F columns and
-    position rows and the SP group is DeepSpeed's model-parallel group; unsharded, ZeRO-3
-    partitions over all DP x P ranks."""
+    ``model`` is already parallelized and ``mpu`` is what
+    :func:`linformer_ds.parallelize.parallelize` returned for it (None: plain data
+    parallelism)."""
     import deepspeed
 
-    kwargs: Dict[str, Any] = {}
-    par = cfg.parallel
-    if par.shard_sequence_parameters == "auto":  # N unknown to the caller: model.max_seq_len
-        par.resolve_shard(cfg, None, None)
-    if groups is not None:
-        from linformer_ds import sequence_parallel as sp
-
-        if par.auto_shard and groups.rank == 0:
-            print(f"[setup] parallel.shard_sequence_parameters=auto: {par.auto_shard}", flush=True)
-        if par.shard_sequence_parameters:  # E/F columns, position rows per SP rank
-            sp.shard_for_deepspeed(model, groups)
-            kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
-        else:
-            sp.partition_for_zero3(model, groups, ds_config)
-            kwargs["mpu"] = sp.SequenceParallelMPU(groups)
-        sp.parallelize(model, groups.sp_group)
-    apply_activation_checkpointing(model, cfg, ds_config)
+    kwargs: Dict[str, Any] = {} if mpu is None else {"mpu": mpu}
     s = cfg.scheduler
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -212,14 +162,3 @@ def keep_fp32_grad_norm(engine) -> None:
         engine._global_grad_norm = norm.float()
 
     engine.clip_fp32_gradients = clip
-
-
-def backward_scale(cfg: JobConfig) -> float:
-    """The factor on the loss before ``engine.backward`` (1 except ZeRO-3 with P > 1 unsharded,
-    where DeepSpeed divides the summed gradients by DP x P instead of DP)."""
-    from linformer_ds.sequence_parallel import backward_loss_scale
-
-    cfg.parallel.resolve_shard(cfg, None, None)  # auto: as build_engine decided
-    if cfg.parallel.shard_sequence_parameters:  # gradients are reduced over DP only
-        return 1.0
-    return backward_loss_scale(cfg.deepspeed.zero.stage, cfg.parallel.sequence_parallel_size)

@@ -14,19 +14,12 @@ What crosses ranks, per layer (derivation in docs/sequence_parallel.md):
 * ``dense``: DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``): all-to-all
   from sequence slices to head slices and back; the full padding mask is all-gathered.
 
-The model stays plain PyTorch: :func:`parallelize` installs a :class:`SequenceParallel` object
-on the encoder, attention and projection modules; they call it where a collective is needed.
-
-The trainer's calls, in order::
-
-    groups = build_groups(sp_size)                      # after deepspeed.init_distributed
-    model = LinformerForMaskedLM(cfg)                   # same seed on every rank
-    parallelize(model, groups.sp_group)
-    model = partition_for_zero3(model, groups, ds_config)  # no-op unless ZeRO-3
-    engine = deepspeed.initialize(model=model, mpu=SequenceParallelMPU(groups), config=...)
-    batch, offset = shard_batch(batch, groups.sp_rank, groups.sp_size)
-    loss = ...sum of the rank's labelled cross-entropies / global_label_count(labels, group)
-    engine.backward(loss * backward_loss_scale(zero_stage, groups.sp_size))
+The model stays plain PyTorch: :func:`linformer_ds.parallelize.apply_sequence_parallel`
+installs a :class:`SequenceParallel` object on the encoder, attention and projection modules;
+they call it where a collective is needed. This module holds the config checks, the process
+groups, batch slicing, the collectives (autograd functions and gradient hooks) and the sharding
+of the sequence-axis parameters; :mod:`linformer_ds.parallelize` applies them to a model (with
+DeepSpeed's mpu, ZeRO-3 partitioning and the loss scaling rule) and lists the trainer's calls.
 """
 
 from __future__ import annotations
@@ -199,69 +192,6 @@ def build_groups(sp_size: int) -> SequenceParallelGroups:
     )
 
 
-class SequenceParallelMPU:
-    """The ``mpu`` for ``deepspeed.initialize``: data x sequence parallel, no model parallelism.
-
-    DeepSpeed reduces gradients over ``get_sequence_data_parallel_group`` (all DP x P ranks) and
-    divides by the DP size (ZeRO 0-2), and counts the batch with ``get_data_parallel_world_size``.
-    """
-
-    def __init__(self, groups: SequenceParallelGroups):
-        self.groups = groups
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.groups.sp_size
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.groups.sp_rank
-
-    def get_sequence_parallel_group(self) -> Any:
-        return self.groups.sp_group
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.groups.world_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.groups.rank
-
-    def get_sequence_data_parallel_group(self) -> Any:
-        return self.groups.seq_dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.groups.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
-
-    def get_data_parallel_group(self) -> Any:
-        return self.groups.dp_group
-
-    # No tensor or pipeline model parallelism: groups of one rank. DeepSpeed's universal loading
-    # (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir) asks for the tensor-parallel
-    # size and rank to cut each saved parameter into its TP shard (here: the whole parameter).
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-    def get_model_parallel_group(self) -> Any:
-        return self.groups.single_group
-
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_group = get_model_parallel_group
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.groups.rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return 0
-
-
 # ========================================================================================= batches
 def shard_batch(
     batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int
@@ -298,46 +228,6 @@ def global_label_count(labels: torch.Tensor, group: Any) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(count, group=group)
     return count.clamp_min(1.0)[0]
-
-
-def backward_loss_scale(zero_stage: int, sp_size: int) -> float:
-    """The factor to multiply the loss by before ``engine.backward`` (DeepSpeed 0.19).
-
-    ZeRO 0-2 divide the gradients summed over the DP x P ranks by DP: factor 1. ZeRO-3's
-    reduce-scatter divides them by DP x P (``reduce_scatter_coalesced``): factor P.
-    """
-    return float(sp_size) if zero_stage == 3 else 1.0
-
-
-def partition_for_zero3(model: nn.Module, groups: SequenceParallelGroups, ds_config: dict):
-    """Under ZeRO-3 with P > 1, partition the parameters over all DP x P ranks now.
-
-    Left to ``deepspeed.initialize``, ZeRO-3 partitions over ``mpu.get_data_parallel_group()``
-    (DP only), so the P ranks of a replica never sum their gradients. Returns ``model``.
-    """
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage != 3 or groups.sp_size == 1:
-        return model
-    import deepspeed
-
-    dtype = torch.float32  # what DeepSpeed's own ZeRO-3 conversion would use
-    if ds_config.get("bf16", {}).get("enabled"):
-        dtype = torch.bfloat16
-    elif ds_config.get("fp16", {}).get("enabled"):
-        dtype = torch.float16
-    for p in model.parameters():  # the engine casts only models it partitions itself
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    # With the mpu, zero.Init's config check counts replicas (DP) as deepspeed.initialize does,
-    # so the batch keys (train_batch_size = micro x GAS x DP) pass unchanged.
-    deepspeed.zero.Init(
-        module=model,
-        data_parallel_group=groups.seq_dp_group,
-        config_dict_or_path=ds_config,
-        mpu=SequenceParallelMPU(groups),
-        dtype=dtype,
-    )
-    return model
 
 
 # ==================================================================================== collectives
@@ -456,30 +346,6 @@ class SequenceParallel:
         return self._ulysses(q, k, v, 0, None, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
-def parallelize(model: nn.Module, group: Any) -> SequenceParallel:
-    """Make every encoder, attention and projection module of ``model`` split the sequence over
-    ``group``. ``group=None`` removes it again (the unmodified P = 1 path). Returns the hooks."""
-    from linformer_ds.model import (
-        ConvProjection,
-        LinearProjection,
-        LinformerEncoder,
-        LinformerSelfAttention,
-    )
-
-    if hasattr(model, "classifier"):
-        raise ValueError(
-            "sequence parallelism supports the MLM model only: a sequence classifier pools "
-            "token 0, which only the first rank of each group holds"
-        )
-    sp = SequenceParallel(group) if group is not None else None
-    for module in model.modules():
-        if isinstance(
-            module, (LinformerEncoder, LinformerSelfAttention, LinearProjection, ConvProjection)
-        ):
-            module.sequence_parallel = sp
-    return sp  # type: ignore[return-value]
-
-
 # ================================================================== sharded sequence-axis parameters
 SHARD_ATTR = "sequence_shard"  # on a sharded parameter: (dim, full size along dim)
 
@@ -507,7 +373,7 @@ def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[s
     exactly the ones its slice uses, so its gradient of them is complete on the rank (no other
     rank's slice touches them) and needs only the data-parallel reduction. The parameters keep
     their names; each carries ``sequence_shard = (dim, full size)``. Call after initialising
-    the whole model identically on every rank, before ``parallelize``'s users run it. Returns
+    the whole model identically on every rank, before the model runs split. Returns
     the sharded parameter names.
     """
     from linformer_ds.model import LinearProjection, LinformerEncoder
@@ -557,49 +423,10 @@ def full_state_dict(model: nn.Module, group: Any) -> Dict[str, torch.Tensor]:
     return sd
 
 
-class ShardedSequenceParallelMPU(SequenceParallelMPU):
-    """The ``mpu`` when the sequence-axis parameters are sharded (:func:`shard_for_deepspeed`).
+def sum_over_group(group: Any) -> Any:
+    """A gradient hook: the gradient summed over ``group`` (a replicated parameter's shares
+    of the P slices, under sharded sequence parallelism)."""
 
-    DeepSpeed sees the SP group as a tensor-parallel group and reduces every gradient over the
-    data-parallel group only (DP ranks: the same slice position, so the same shards). Sharded
-    parameters carry ``tensor_model_parallel = True``: the gradient norm counts them on every
-    rank and the replicated ones once (DeepSpeed sums the norm over the model-parallel group).
-    The replicated parameters' gradients are summed over the SP group by hooks beforehand.
-    """
-
-    def get_sequence_parallel_world_size(self) -> int:  # DeepSpeed: no sequence-data group
-        return 1
-
-    def get_sequence_parallel_rank(self) -> int:
-        return 0
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.groups.dp_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
-
-    def get_sequence_data_parallel_group(self) -> Any:
-        return self.groups.dp_group
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.groups.sp_size
-
-    def get_model_parallel_rank(self) -> int:
-        return self.groups.sp_rank
-
-    def get_model_parallel_group(self) -> Any:
-        return self.groups.sp_group
-
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_group = get_model_parallel_group
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.groups.rank - self.groups.sp_rank
-
-
-def _sum_over(group: Any) -> Any:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         g = grad.contiguous().clone()
         dist.all_reduce(g, group=group)
@@ -608,30 +435,10 @@ def _sum_over(group: Any) -> Any:
     return hook
 
 
-def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> List[str]:
-    """Sharded sequence parallelism under DeepSpeed: shard E/F and the positions
-    (:func:`shard_sequence_parameters`), mark them model-parallel, and make every other
-    parameter's gradient the sum over the SP group (a hook per parameter, before DeepSpeed's
-    data-parallel reduction). Use with :class:`ShardedSequenceParallelMPU` and a backward loss
-    scale of 1 at every ZeRO stage. Returns the sharded parameter names."""
-    names = shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
-    model.universal_checkpoint_info = universal_checkpoint_info(model, groups.sp_size)
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name in names:
-            p.tensor_model_parallel = True
-        elif p.requires_grad:
-            p.register_hook(_sum_over(groups.sp_group))
-    return names
-
-
 def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
     """How DeepSpeed's ``ds_to_universal`` merges the SP ranks' pieces (they are its "tensor
-    parallel" slices under :class:`ShardedSequenceParallelMPU`): every sharded parameter is one
-    sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
+    parallel" slices under ``parallelize.ShardedSequenceParallelMPU``): every sharded parameter
+    is one sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
     position table: dim 0), every other parameter is replicated. Loading cuts the whole
     tensor again for any P (``tp_world_size`` = P), or keeps it whole at P = 1."""
     import re

@@ -25,13 +25,10 @@ from linformer_ds.checkpoint.io import check_writable
 from linformer_ds.checkpoint.manager import CheckpointManager
 from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
-from linformer_ds.data.masking import IGNORE_INDEX
-from linformer_ds.data.shards import DataError
-from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
-from linformer_ds.data.stream import TrainData
 from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
 from linformer_ds.hostsync import StepSyncLog
-from linformer_ds.metrics import NUM_STATS, StageMeter
+from linformer_ds.metrics import NUM_STATS
+from linformer_ds.parallelize import LossScaling, parallelize
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -100,6 +97,7 @@ def nonfinite_verdict(
 # ========================================================================================= main
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
+    from linformer_ds.data import DataError
     from linformer_ds.dist_env import DistEnvError
 
     try:
@@ -203,6 +201,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------- components
     def _build_data(self) -> None:
+        from linformer_ds.mixture import open_stages
+
         cfg = self.cfg
         # data.path or data.sources, in train.stages (one stage by default): every source opened
         # and checked (tokenizer, N per stage, N against the model) before any collective
@@ -235,6 +235,7 @@ class Trainer:
 
     def _build_engine(self) -> None:
         from linformer_ds import engine as eng
+        from linformer_ds.mixture import TrainData
 
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -251,11 +252,9 @@ class Trainer:
         # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
         # model's own check would read min and max back from the device every micro-batch
         self.model.encoder.check_token_ids = False
-        self.engine = eng.build_engine(self.model, cfg, self.ds_config, g)
-        # DeepSpeed scales gradients by 1 / (accumulation steps x its data-parallel divisor);
-        # backward_scale: what it divides more under ZeRO-3 with sequence parallelism
-        gas = cfg.train.gradient_accumulation_steps
-        self.grad_factor = float(self.replicas * gas) * eng.backward_scale(cfg)
+        mpu = parallelize(self.model, cfg, self.ds_config, g)  # SP, ZeRO-3 partitions, AC
+        self.engine = eng.build_engine(self.model, cfg, self.ds_config, mpu)
+        self.loss_scaling = LossScaling.for_job(cfg, self.world)  # the step's count, DeepSpeed's
         self.batches = TrainData(
             self.stages, self.train_sets, self.replica, self.replicas, cfg.train.seed,
             self.device, mlm_probability=cfg.data.mlm_probability,
@@ -293,10 +292,10 @@ class Trainer:
 
         The step's loss is the sum of cross-entropies over every labelled token of the global
         batch (all ranks, all micro-batches, all sequence slices) over their global count, in
-        every layout (see :meth:`_loss_denominator`). Statistics stay on the device; one
-        all-reduce (statistics, non-finite count and the stop request together) and one read
-        to the host follow the micro-batches. Raises :class:`StopTraining` when the non-finite
-        policy stops the run."""
+        every layout (see :class:`linformer_ds.parallelize.LossScaling`). Statistics stay on
+        the device; one all-reduce (statistics, non-finite count and the stop request together)
+        and one read to the host follow the micro-batches. Raises :class:`StopTraining` when
+        the non-finite policy stops the run."""
         from linformer_ds.metrics import STAT_NONFINITE
 
         cfg, step = self.cfg, self.step + 1
@@ -305,7 +304,7 @@ class Trainer:
         t0 = time.perf_counter()
         gas = cfg.train.gradient_accumulation_steps
         micro = [self.metrics.timed_batch(self.batches.next_batch) for _ in range(gas)]
-        denom = self._loss_denominator(micro)
+        denom = self.loss_scaling.denominator([b["labels"] for b in micro], self.device)
         stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro):
             stats += self._forward_backward(batch, step, denom)
@@ -325,28 +324,14 @@ class Trainer:
         self.stop_requested = bool(agreed[-1])
         self.metrics.step_done(step, agreed[:-1], time.perf_counter() - t0, skipped=not applied)
 
-    def _loss_denominator(self, micro: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
-        """The number of labelled tokens of the whole optimizer step: every micro-batch of every
-        rank (data and sequence parallel), summed by one all-reduce on the device. None on one
-        rank without accumulation (the model's own count: the same number, the same bits)."""
-        from linformer_ds.engine import all_reduce_sum
-
-        if self.world == 1 and len(micro) == 1:
-            return None
-        count = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).reshape(1)
-        if self.world > 1:
-            all_reduce_sum(count, self.device)
-        return count.to(torch.float32).clamp_min(1.0)[0]
-
     def _forward_backward(
         self, batch: Dict[str, torch.Tensor], step: int, denom: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; its ``[4]`` statistics (on the device).
 
-        The loss is this micro-batch's sum of cross-entropies over the step's global count.
-        DeepSpeed divides the gradients by the accumulation steps and averages them over the
-        data-parallel ranks: ``grad_factor`` undoes both, so the update follows the gradient of
-        the global mean."""
+        The loss is this micro-batch's sum of cross-entropies over the step's global count
+        ``denom``; ``loss_scaling.scale`` undoes DeepSpeed's division by the accumulation steps
+        and the data-parallel ranks, so the update follows the gradient of the global mean."""
         from linformer_ds.metrics import step_stats
 
         out = self.engine(
@@ -358,7 +343,7 @@ class Trainer:
         # keeps its own softmax), and at 1M tokens they are ~150 MiB held through backward
         stats = step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
         del out
-        self.engine.backward(loss * self.grad_factor if self.grad_factor != 1.0 else loss)
+        self.engine.backward(self.loss_scaling.scale(loss))
         return stats
 
     def _all_reduce_to_host(self, stats: torch.Tensor) -> List[float]:
@@ -392,10 +377,12 @@ class Trainer:
             rank0_print(f"[preempted] stopped at step {step}; resume continues here")
             raise StopTraining(EXIT_PREEMPTED)
 
-    # ------------------------------------------------------ stages and mixtures (data.stages)
+    # ------------------------------------------------------ stages and mixtures (mixture.py)
     def _enter_stage(self, step: int) -> None:
         """Move the data to the stage of ``step``; throughput and MFU follow its N and batch;
         the ``[stage]`` line says what it trains on."""
+        from linformer_ds.mixture import StageMeter
+
         self.batches.begin_step(step)
         cfg, m, n = self.cfg, self.metrics, self.batches.seq_len
         m.flops_per_token = self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability)
@@ -424,10 +411,11 @@ class Trainer:
 
     def _evaluate_sources(self, evaluate) -> Dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
-        the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
+        the record holds the mixture's figures and each source's (see mixture.combine_eval)."""
         import dataclasses
 
         from linformer_ds.context_meter import with_mixture_meter
+        from linformer_ds.mixture import combine_eval
 
         stage, cfg = self.batches.stage, self.cfg
         if stage.micro_batch_size != cfg.train.micro_batch_size:
@@ -477,7 +465,6 @@ class Trainer:
 def _main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
     if args.print_config:
         return print_config(cfg)
     trainer = Trainer(cfg)

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
 from linformer_ds.model import ModelConfig
+from linformer_ds.parallelize import LossScaling
 from linformer_ds.sequence_parallel import (
     SequenceParallelConfigError,
-    backward_loss_scale,
     check_config,
     config_errors,
     group_layout,
@@ -115,6 +115,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
 
     from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
+    from linformer_ds.parallelize import apply_sequence_parallel
 
     groups = sp.build_groups(world)
     results: dict = {"cases": {}, "bytes": {}}
@@ -148,7 +149,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
             for n in sharded:  # each rank holds 1/P of them
                 held = dict(model.named_parameters())[n].numel()
                 assert held * groups.sp_size == dict(ref.named_parameters())[n].numel(), n
-        sp.parallelize(model, groups.sp_group)
+        apply_sequence_parallel(model, groups.sp_group)
         if checkpointing:
             fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
             model.encoder.set_activation_checkpointing(fn, granularity=checkpointing)
@@ -178,7 +179,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         torch.manual_seed(0)
         cfg = ModelConfig(**{**BASE, "projection": kind, "sharing": "headwise"})
         model = LinformerForMaskedLM(cfg)
-        sp.parallelize(model, groups.sp_group)
+        apply_sequence_parallel(model, groups.sp_group)
         with count_collectives() as fwd:
             hidden = model.encoder(local["input_ids"], local["attention_mask"])
         with count_collectives() as bwd:
@@ -210,7 +211,7 @@ def _ds_config(stage: int) -> dict:
 
 DS_MODEL = dict(num_layers=3, layer_projections=["linear", "conv", "dense"], sharing="headwise")
 SHARDED_STAGES = (0, 1, 2, 3)  # sharded E/F and positions: DP-only reduction through the mpu
-# (name, ZeRO stage, apply partition_for_zero3, apply backward_loss_scale)
+# (name, ZeRO stage, apply partition_for_zero3, apply LossScaling.backward_scale)
 DS_CASES = [
     ("z0", 0, True, True),
     ("z1", 1, True, True),
@@ -225,6 +226,7 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
     """One SGD step per case: the reduced gradients and the parameters after the step."""
     from deepspeed.utils import safe_get_full_grad
 
+    from linformer_ds import parallelize as par
     from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
 
@@ -243,21 +245,22 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
         cfg = _ds_config(stage)
         kwargs = {}
         if groups is not None and shard:
-            sp.shard_for_deepspeed(model, groups)
-            sp.parallelize(model, groups.sp_group)
-            kwargs["mpu"] = sp.ShardedSequenceParallelMPU(groups)
+            par.shard_for_deepspeed(model, groups)
+            par.apply_sequence_parallel(model, groups.sp_group)
+            kwargs["mpu"] = par.ShardedSequenceParallelMPU(groups)
         elif groups is not None:
-            sp.parallelize(model, groups.sp_group)
+            par.apply_sequence_parallel(model, groups.sp_group)
             if partition:
-                sp.partition_for_zero3(model, groups, cfg)
-            kwargs["mpu"] = sp.SequenceParallelMPU(groups)
+                par.partition_for_zero3(model, groups, cfg)
+            kwargs["mpu"] = par.SequenceParallelMPU(groups)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, **kwargs
         )
         if groups is not None:
             local, _ = shard_batch(rows, groups.sp_rank, groups.sp_size)
             loss = sp_loss(engine.module, local, groups.sp_group)
-            factor = backward_loss_scale(stage, sp_size) if scale else 1.0
+            rule = LossScaling(world, sp_size=sp_size, zero_stage=stage)
+            factor = rule.backward_scale if scale else 1.0
         else:
             loss, factor = reference_loss(engine.module, rows), 1.0
         engine.backward(loss * factor)
@@ -293,6 +296,7 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
     """SP = 2, DP = 1: a bias-free Linear(4, 1) with weight 1, each rank feeds its slice's token
     ``x_r`` and its share of the loss; one SGD step with lr 1 must leave ``1 - (x_0 + x_1)``,
     exactly (small integers are exact in bf16), whatever the precision and stage."""
+    from linformer_ds import parallelize as par
     from linformer_ds import sequence_parallel as sp
 
     groups = sp.build_groups(world)
@@ -313,11 +317,12 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
         if fp32_accum:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         if shard:  # the sharded path: the replicated weight's gradient summed over SP by a hook
-            sp.shard_for_deepspeed(model, groups)
-            mpu, scale = sp.ShardedSequenceParallelMPU(groups), 1.0
+            par.shard_for_deepspeed(model, groups)
+            mpu, scale = par.ShardedSequenceParallelMPU(groups), 1.0
         else:
-            sp.partition_for_zero3(model, groups, cfg)
-            mpu, scale = sp.SequenceParallelMPU(groups), sp.backward_loss_scale(stage, world)
+            par.partition_for_zero3(model, groups, cfg)
+            rule = LossScaling(world, sp_size=world, zero_stage=stage)
+            mpu, scale = par.SequenceParallelMPU(groups), rule.backward_scale
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu
         )
@@ -436,7 +441,25 @@ def test_bytes_formula_scaling():
         "forward": 0,
         "backward": 0,
     }
-    assert backward_loss_scale(3, 4) == 4.0 and backward_loss_scale(2, 4) == 1.0
+
+
+def test_loss_scaling_rule():
+    """DeepSpeed divides by DP x GAS (ZeRO 0-2, and sharded ZeRO-3), by DP x P x GAS under
+    ZeRO-3 unsharded with P > 1: the factor on the loss undoes exactly that."""
+    assert LossScaling(8, sp_size=4, zero_stage=3).backward_scale == 4.0
+    assert LossScaling(8, sp_size=4, zero_stage=2).backward_scale == 1.0
+    assert LossScaling(8, sp_size=4, zero_stage=3, sharded=True).backward_scale == 1.0
+    assert LossScaling(1, zero_stage=3).backward_scale == 1.0
+    assert LossScaling(8, sp_size=4, zero_stage=3, accumulation_steps=3).grad_factor == 24.0
+    assert LossScaling(8, sp_size=2, zero_stage=1, accumulation_steps=3).grad_factor == 12.0
+    assert LossScaling(2).grad_factor == 2.0 and LossScaling(1).grad_factor == 1.0
+    loss = torch.tensor(2.5)
+    assert LossScaling(1).scale(loss) is loss and LossScaling(2).scale(loss).item() == 5.0
+    labels = torch.tensor([[1, -100, 3], [-100, -100, -100]])
+    assert LossScaling(1).denominator([labels], torch.device("cpu")) is None  # the model counts
+    count = LossScaling(1, accumulation_steps=2).denominator([labels, labels[:1]], "cpu")
+    assert count.dtype == torch.float32 and count.item() == 4.0
+    assert LossScaling(1, accumulation_steps=2).denominator([labels[1:]] * 2, "cpu").item() == 1
 
 
 @pytest.mark.slow
@@ -483,7 +506,7 @@ def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
 def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(tmp_path):
     """deepspeed.initialize with the SP mpu on 4 ranks (DP 2 x SP 2) vs 2 ranks DP only, same
     global batch: the parameter updates of one SGD step agree to 1e-5 under ZeRO 0, 1, 2, 3.
-    Without partition_for_zero3 or backward_loss_scale ZeRO-3 is wrong, as documented."""
+    Without partition_for_zero3 or LossScaling.backward_scale ZeRO-3 is wrong, as documented."""
     sp_runs = _run_ranks("ds_sp2", 4, tmp_path / "sp")
     dp_runs = _run_ranks("ds_sp1", 2, tmp_path / "dp")
     ref = dp_runs[0]
