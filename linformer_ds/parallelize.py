@@ -15,8 +15,8 @@ The trainer's calls, in order::
 rows sharded per SP rank with the gradient hooks and :class:`ShardedSequenceParallelMPU`, or
 whole with ZeRO-3 partitioned over all DP x P ranks and :class:`SequenceParallelMPU`; then the
 layers' :class:`~linformer_ds.sequence_parallel.SequenceParallel` hooks) and activation
-checkpointing. The collectives, groups and parameter sharding themselves are in
-:mod:`linformer_ds.sequence_parallel`.
+checkpointing; and it installs this engine's ``mpu`` as DeepSpeed's process-wide one. The
+collectives, groups and parameter sharding themselves are in :mod:`linformer_ds.sequence_parallel`.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def parallelize(
             print(f"[setup] parallel.shard_sequence_parameters=auto: {cfg.parallel.auto_shard}",
                   flush=True)  # fmt: skip
         mpu = ShardedSequenceParallelMPU(groups) if sharded else SequenceParallelMPU(groups)
+    use_deepspeed_mpu(mpu)  # before zero.Init and deepspeed.initialize read it
     if groups is not None:
         if isinstance(mpu, ShardedSequenceParallelMPU):  # E/F columns, position rows per rank
             shard_for_deepspeed(model, groups)
@@ -154,6 +155,18 @@ def parallelize(
         apply_sequence_parallel(model, groups.sp_group)
     apply_activation_checkpointing(model, cfg, ds_config)
     return mpu
+
+
+def use_deepspeed_mpu(mpu: Optional[SequenceParallelMPU]) -> None:
+    """Make ``mpu`` (None: plain data parallelism) DeepSpeed's process-wide one
+    (``deepspeed.utils.groups.mpu``), which its engine and ZeRO optimizers query for the
+    data-parallel group and size. ``deepspeed.initialize`` sets it only when given an mpu, so
+    without this an engine built with none inherited the previous engine's: a DP = 2 run after
+    a sequence-parallel one in the same process reduced over the old groups (twice the
+    gradient, or a crash on the sharded mpu's model-parallel rank)."""
+    from deepspeed.utils import groups as ds_groups
+
+    ds_groups.mpu = mpu
 
 
 def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequenceParallel]:
