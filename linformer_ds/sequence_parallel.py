@@ -115,6 +115,30 @@ def config_errors(
     return errors
 
 
+ISOLATION_KEY = "data.document_isolation"
+
+
+def isolation_errors(sp_size: int, model: ModelConfig, shard: Any) -> List[str]:
+    """Why document isolation cannot run with ``sp_size`` ranks per sequence (empty: it can):
+    linear layers sum each document's partial summaries over the group, dense layers mask the
+    gathered documents; conv windows that cross a slice boundary are not implemented, and
+    documents need the whole position table and E/F on every rank (no sharding)."""
+    if int(sp_size) == 1:
+        return []
+    errors = []
+    if "conv" in model.projection_schedule():
+        errors.append(
+            f"{ISOLATION_KEY}: conv layers under sequence parallelism (P={sp_size}) are not "
+            "supported with document isolation (windows crossing slices); use P=1 or no conv"
+        )
+    if shard is True:
+        errors.append(
+            f"{ISOLATION_KEY}: needs {SHARD_KEY}=false under sequence parallelism: documents "
+            "start anywhere, so every rank needs all positions and E/F columns"
+        )
+    return errors
+
+
 def check_config(sp_size: int, **kwargs: Any) -> None:
     """Raise :class:`SequenceParallelConfigError` with the first of :func:`config_errors`."""
     errors = config_errors(sp_size, **kwargs)
@@ -324,6 +348,34 @@ class SequenceParallel:
     def gather_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """``[B, n/P]`` bool -> ``[B, n]`` bool (no gradient)."""
         return _gather_dim1(mask.to(torch.uint8), self.group, self.world_size).bool()
+
+    def gather_documents(
+        self, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This slice's ``position_ids`` and mask ``[B, n/P]`` -> the whole rows ``[B, n]``
+        (one all-gather; document isolation finds the documents from them)."""
+        local = position_ids.long()
+        if mask is not None:
+            local = torch.stack([local, mask.long()], dim=-1)  # [B, n/P, 2]
+        whole = _gather_dim1(local, self.group, self.world_size)
+        return (whole, None) if mask is None else (whole[..., 0], whole[..., 1])
+
+    def reduce_documents(self, y: torch.Tensor, documents: Any) -> torch.Tensor:
+        """Per-span summaries ``[S, k, h, d]``: the spans of documents that continue on other
+        ranks (``span.shared >= 0``) get the sum of every rank's part (one all-reduce of
+        ``[documents.num_shared, k, h, d]``; backward: the sum of the gradients)."""
+        if documents.num_shared == 0:
+            return y
+        mine = [i for i, s in enumerate(documents.spans) if s.shared >= 0]
+        rows = torch.tensor(mine, dtype=torch.long, device=y.device)
+        slots = torch.tensor(
+            [documents.spans[i].shared for i in mine], dtype=torch.long, device=y.device
+        )
+        parts = y.new_zeros((documents.num_shared,) + tuple(y.shape[1:]))
+        if mine:
+            parts = parts.index_add(0, slots, y.index_select(0, rows))
+        total = _AllReduceSum.apply(parts, self.group)
+        return y.index_copy(0, rows, total.index_select(0, slots)) if mine else y
 
     def dense_attention(
         self,
