@@ -30,7 +30,7 @@ from torch import nn
 
 from linformer_ds import sequence_parallel as sp
 from linformer_ds.config import JobConfig
-from linformer_ds.data import IGNORE_INDEX
+from linformer_ds.data.masking import IGNORE_INDEX
 from linformer_ds.engine import all_reduce_sum
 from linformer_ds.sequence_parallel import SequenceParallel, SequenceParallelGroups
 
@@ -115,13 +115,15 @@ class LossScaling:
 
 
 def resolved_shard(cfg: JobConfig) -> bool:
-    """``parallel.shard_sequence_parameters`` as a bool. The config resolves ``auto`` when it
-    validates with N known; one still ``auto`` here (N unknown to the caller) is resolved for
-    N = ``model.max_seq_len``, once (the config then records the choice)."""
-    par = cfg.parallel
-    if par.shard_sequence_parameters == "auto":
-        par.resolve_shard(cfg, None, None)
-    return bool(par.shard_sequence_parameters)
+    """``parallel.shard_sequence_parameters`` of a resolved config (``auto`` is decided once,
+    where the config is resolved with N known; ``auto_shard`` says why)."""
+    shard = cfg.parallel.shard_sequence_parameters
+    if shard == "auto":
+        raise ValueError(
+            "parallel.shard_sequence_parameters is still auto: resolve the config (N known) "
+            "before parallelize / LossScaling"
+        )
+    return bool(shard)
 
 
 # ================================================================================== parallelize
