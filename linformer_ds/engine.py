@@ -6,7 +6,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from linformer_ds.config import ConfigError, JobConfig, deepspeed_config
+from linformer_ds.config import ConfigError, JobConfig
+from linformer_ds.ds_config import deepspeed_config
 from linformer_ds.model import LinformerForMaskedLMPretraining
 from linformer_ds.optim import lr_scheduler, param_groups
 
@@ -73,7 +74,7 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
     backend = cfg.deepspeed.dist_backend or ("gloo" if on_cpu else acc.communication_backend_name())
     disable_deepspeed_shm_allreduce()  # training never uses it; it leaks /dev/shm on CPU
     # the rendezvous with its deadline (parallel.init_timeout_s); DeepSpeed adopts the group
-    init_process_group(backend, rank, world_size, getattr(cfg.parallel, "init_timeout_s", 300.0))
+    init_process_group(backend, rank, world_size, cfg.parallel.init_timeout_s)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     device = torch.device("cpu") if on_cpu else torch.device(acc.device_name(local_rank))
     if not on_cpu:

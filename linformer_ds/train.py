@@ -12,6 +12,7 @@ logged metrics) of an uninterrupted one.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -24,11 +25,15 @@ import torch
 from linformer_ds.checkpoint.io import check_writable
 from linformer_ds.checkpoint.manager import CheckpointManager
 from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
-from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml, validate
-from linformer_ds.debug import SAMPLE_LOG_ENV, TEST_NAN_ENV  # noqa: F401  (re-exported)
+from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
+from linformer_ds.data.shards import DataError, ShardDataset
+from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
+from linformer_ds.data.stream import TrainData
+from linformer_ds.debug import TEST_NAN_ENV, DebugHooks  # noqa: F401  (TEST_NAN_ENV re-exported)
 from linformer_ds.hostsync import StepSyncLog
-from linformer_ds.metrics import NUM_STATS
+from linformer_ds.metrics import NUM_STATS, StageMeter
 from linformer_ds.parallelize import LossScaling, parallelize
+from linformer_ds.resolve import resolve
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -97,7 +102,6 @@ def nonfinite_verdict(
 # ========================================================================================= main
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
-    from linformer_ds.data import DataError
     from linformer_ds.dist_env import DistEnvError
 
     try:
@@ -147,11 +151,22 @@ def print_config(cfg: JobConfig) -> int:
 
     setup_distributed_env()
     world = int(os.environ["WORLD_SIZE"])
-    validate(cfg, world_size=world)
+    cfg = resolve(cfg, world)  # N unknown here: model.max_seq_len
     rank0_print(to_yaml(cfg))
     ds = final_deepspeed_config(cfg, world)
     rank0_print("# derived DeepSpeed config\n" + json.dumps(ds, indent=2))
     return 0
+
+
+def data_seq_len(cfg: JobConfig) -> Optional[int]:
+    """N of the run's first stage (its first source's train split), read before the data is
+    opened so the config is resolved first; None when it cannot be read (opening the data then
+    says why)."""
+    try:
+        path = resolve_stages(cfg)[0].paths[0]
+        return ShardDataset(path, cfg.data.train_split).seq_len
+    except (ConfigError, DataError, OSError):
+        return None
 
 
 class Trainer:
@@ -165,7 +180,6 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         from linformer_ds.compile import compile_engine
-        from linformer_ds.debug import DebugHooks
         from linformer_ds.dist_env import setup_distributed_env, start_watchdog
 
         self.cfg = cfg
@@ -177,10 +191,13 @@ class Trainer:
         self.watchdog = start_watchdog(
             EXIT_PREEMPTED,
             self.env["launcher"] != "single",
-            getattr(cfg.parallel, "init_timeout_s", 300.0),
+            cfg.parallel.init_timeout_s,
         )
-        validate(cfg, world_size=self.world)
+        # the config's one resolution (auto precision and sharding for the data's N, the checks
+        # that need the world or N); every component is built from the frozen result
+        self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_len(cfg))
         self._build_data()  # data and checkpoints: checked before any collective starts
+        self.debug = DebugHooks(self.rank, cfg.debug.sample_log)  # test hooks: when configured
         self._build_engine()
         self._build_metrics()
         self.compiled = compile_engine(self.engine, cfg, self.metrics)  # train.compile
@@ -191,8 +208,10 @@ class Trainer:
             rank0_print(to_yaml(cfg))
         self._print_setup()
         self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
-        self.debug = DebugHooks(self.rank)
-        self.sync_log = StepSyncLog(self.rank, self.device, cfg.logging.dir)  # env: a test hook
+        self.sync_log: Optional[StepSyncLog] = None
+        if cfg.debug.sync_log:  # a test instrument: host syncs of debug.sync_steps counted
+            self.sync_log = StepSyncLog(self.rank, self.device, cfg.debug.sync_log,
+                                        cfg.debug.sync_steps, cfg.logging.dir)  # fmt: skip
         self.batches.on_batch = self.debug.sample_observer(lambda: self.step + 1)
         self.end = cfg.train.max_steps
         if cfg.train.stop_at_step is not None:
@@ -201,21 +220,40 @@ class Trainer:
 
     # ------------------------------------------------------------------------- components
     def _build_data(self) -> None:
-        from linformer_ds.mixture import open_stages
-
         cfg = self.cfg
         # data.path or data.sources, in train.stages (one stage by default): every source opened
         # and checked (tokenizer, N per stage, N against the model) before any collective
         evaluating = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
         self.stages, self.train_sets, self.valid_sets = open_stages(cfg, self.world, evaluating)
         self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
-        if cfg.parallel.sequence_parallel_size > 1:  # N is known now: slices, conv alignment
-            validate(cfg, world_size=self.world, seq_len=self.train_ds.seq_len)
+        self.isolation, self.isolation_why = self._document_isolation()
         self.checkpoints = CheckpointManager(cfg, self.rank, self.world, self.train_ds)
         if self.rank == 0:
             check_writable(cfg.logging.dir, "logging.dir")
         self.checkpoints.prepare()
         self.unigram = self._context_meters() if evaluating else {}
+
+    def _document_isolation(self) -> "tuple[bool, str]":
+        """``data.document_isolation`` decided (auto: on when every source is packed ``full``,
+        from its manifest) and why; a combination the model cannot run is refused (true) or
+        turns auto off."""
+        from linformer_ds.sequence_parallel import isolation_errors
+
+        cfg, setting = self.cfg, self.cfg.data.document_isolation
+        if setting is False:
+            return False, "off"
+        if setting == "auto":
+            packings = sorted({str(ds.manifest.get("packing")) for ds in self.train_sets.values()})
+            if packings != ["full"]:
+                return False, f"off (auto: packing {'/'.join(packings)})"
+        errors = isolation_errors(
+            cfg.parallel.sequence_parallel_size, cfg.model, cfg.parallel.shard_sequence_parameters
+        )
+        if errors and setting is True:
+            raise ConfigError(errors[0])
+        if errors:
+            return False, f"off (auto: {errors[0].split(': ', 1)[1].split(';')[0]})"
+        return True, "on" if setting is True else "on (auto: full packing)"
 
     def _context_meters(self) -> Dict[str, Any]:
         """The context meter of each source (linformer_ds.context_meter): its train split's
@@ -235,7 +273,6 @@ class Trainer:
 
     def _build_engine(self) -> None:
         from linformer_ds import engine as eng
-        from linformer_ds.mixture import TrainData
 
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -259,7 +296,7 @@ class Trainer:
             self.stages, self.train_sets, self.replica, self.replicas, cfg.train.seed,
             self.device, mlm_probability=cfg.data.mlm_probability,
             short_seq_prob=cfg.data.short_seq_prob, sp_rank=g.sp_rank if g is not None else 0,
-            sp_size=cfg.parallel.sequence_parallel_size,
+            sp_size=cfg.parallel.sequence_parallel_size, document_isolation=self.isolation,
         )  # fmt: skip
 
     def _build_metrics(self) -> None:
@@ -283,7 +320,8 @@ class Trainer:
             f"precision={cfg.deepspeed.precision_text()} "
             f"params={self.model.num_parameters() / 1e6:.2f}M "
             f"schedule={cfg.model.projection_schedule()} "
-            f"train_rows={len(self.train_ds)} seq_len={self.train_ds.seq_len}"
+            f"train_rows={len(self.train_ds)} seq_len={self.train_ds.seq_len} "
+            f"isolation={self.isolation_why}"
         )
 
     # ------------------------------------------------------------------------------- loop
@@ -334,11 +372,12 @@ class Trainer:
         and the data-parallel ranks, so the update follows the gradient of the global mean."""
         from linformer_ds.metrics import step_stats
 
+        extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         out = self.engine(
             batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
-            loss_denominator=denom, labelled_index=batch["labelled_index"],
+            loss_denominator=denom, labelled_index=batch["labelled_index"], **extra,
         )  # fmt: skip
-        loss = self.debug.poison(out.loss, step)
+        loss = self.debug.poison(out.loss, step) if self.debug.active else out.loss
         # statistics first, then the logits go: backward does not need them (cross-entropy
         # keeps its own softmax), and at 1M tokens they are ~150 MiB held through backward
         stats = step_stats(loss, out.labelled_logits, out.labelled_targets, denom)
@@ -377,12 +416,10 @@ class Trainer:
             rank0_print(f"[preempted] stopped at step {step}; resume continues here")
             raise StopTraining(EXIT_PREEMPTED)
 
-    # ------------------------------------------------------ stages and mixtures (mixture.py)
+    # ------------------------------------------------------ stages and mixtures (data.stages)
     def _enter_stage(self, step: int) -> None:
         """Move the data to the stage of ``step``; throughput and MFU follow its N and batch;
         the ``[stage]`` line says what it trains on."""
-        from linformer_ds.mixture import StageMeter
-
         self.batches.begin_step(step)
         cfg, m, n = self.cfg, self.metrics, self.batches.seq_len
         m.flops_per_token = self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability)
@@ -411,11 +448,10 @@ class Trainer:
 
     def _evaluate_sources(self, evaluate) -> Dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
-        the record holds the mixture's figures and each source's (see mixture.combine_eval)."""
+        the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
         import dataclasses
 
         from linformer_ds.context_meter import with_mixture_meter
-        from linformer_ds.mixture import combine_eval
 
         stage, cfg = self.batches.stage, self.cfg
         if stage.micro_batch_size != cfg.train.micro_batch_size:
@@ -423,7 +459,8 @@ class Trainer:
             cfg = dataclasses.replace(cfg, train=train)
         figures = {
             name: evaluate(self.engine, self.valid_sets[name], cfg, self.replica, self.replicas,
-                           self.device, self.sp_group, unigram=self.unigram.get(name))
+                           self.device, self.sp_group, unigram=self.unigram.get(name),
+                           document_isolation=self.isolation)
             for name in stage.names
         }  # fmt: skip
         record = combine_eval(stage, figures, self.batches.legacy)
@@ -435,7 +472,8 @@ class Trainer:
         self.watchdog.training_started()  # a signal now means: checkpoint at the next step
         try:
             while self.step < self.end:
-                with self.sync_log.step(self.step + 1):  # LINFORMER_DS_SYNC_LOG: counted
+                sync_log = self.sync_log  # debug.sync_log: this step counted (a test instrument)
+                with sync_log.step(self.step + 1) if sync_log else contextlib.nullcontext():
                     self.train_step()
                 self._after_step()
         except StopTraining as stop:
@@ -465,6 +503,7 @@ class Trainer:
 def _main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
     if args.print_config:
         return print_config(cfg)
     trainer = Trainer(cfg)

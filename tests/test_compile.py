@@ -26,7 +26,8 @@ from typing import Dict, List
 import pytest
 import torch
 
-from linformer_ds.config import ConfigError, load_config, validate
+from linformer_ds.config import ConfigError, load_config
+from linformer_ds.resolve import resolve
 from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, free_port, read_metrics
 
 WORKER = str(REPO / "tests" / "layout_worker.py")
@@ -169,7 +170,7 @@ def test_compiled_trains_like_eager_and_counts_graph_breaks(trained):
 def test_bad_compile_config_is_one_line_naming_the_field(override, named):
     with pytest.raises(ConfigError) as e:
         cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, "train.compile=true", override])
-        validate(cfg, world_size=1)
+        resolve(cfg, 1)
     msg = str(e.value)
     assert named in msg and "\n" not in msg, msg
 

@@ -17,18 +17,11 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from linformer_ds import config as config_mod
-from linformer_ds.config import (
-    OWNED_DS_KEYS,
-    ConfigError,
-    JobConfig,
-    deepspeed_config,
-    from_dict,
-    load_config,
-    to_dict,
-    validate,
-)
+from linformer_ds import ds_config as ds_mod
+from linformer_ds.config import ConfigError, JobConfig, from_dict, load_config, to_dict
+from linformer_ds.ds_config import OWNED_DS_KEYS, deepspeed_config
 from linformer_ds.model import ModelConfig, ModelConfigError
+from linformer_ds.resolve import resolve
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
 
 # CONFIG_FUZZ_EXAMPLES=2000 for a long run (the suite runs 60 per generated test)
@@ -65,8 +58,7 @@ def _number_kind(tp: Any) -> Any:
 
 def _load(*overrides: str, path: str = TINY_CONFIG, world_size: int = 2):
     cfg = load_config(path, [*TEST_OVERRIDES, "data.path=/nonexistent", *overrides])
-    validate(cfg, world_size=world_size)
-    return cfg
+    return resolve(cfg, world_size)
 
 
 def _refused(*overrides: str, **kw: Any) -> str:
@@ -170,7 +162,7 @@ def _assert_owned_unchanged(cfg: JobConfig) -> None:
         c["train_batch_size"] = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
     parsed, reference = DeepSpeedConfig(ds), DeepSpeedConfig(base)
     assert parsed.zero_optimization_stage == cfg.deepspeed.zero.stage
-    for what, (read, _) in config_mod._OWNED_SETTINGS.items():
+    for what, (read, _) in ds_mod._OWNED_SETTINGS.items():
         assert read(parsed) == read(reference), what
 
 
@@ -377,7 +369,7 @@ def test_every_owned_key_is_refused():
     for key in OWNED_DS_KEYS:
         msg = _refused(f"deepspeed.extra.{key}=1")
         assert f"deepspeed.extra.{key}: the job config sets it; use " in msg, msg
-    for key in config_mod.FIXED_DS_KEYS:
+    for key in ds_mod.FIXED_DS_KEYS:
         msg = _refused(f"deepspeed.extra.{key}=1")
         assert f"deepspeed.extra.{key}: the trainer sets it (" in msg and "; remove it" in msg
 
@@ -416,7 +408,7 @@ def test_job_and_model_agree_on_model_errors():
 
 def test_shipped_configs_validate(tmp_path):
     for path in sorted(Path(TINY_CONFIG).parent.glob("*.yaml")):
-        validate(load_config(str(path)), world_size=8)
+        resolve(load_config(str(path)), 8)
 
 
 # ------------------------------------------------------------------------- the data a run uses
@@ -555,3 +547,98 @@ def test_export_refuses_a_tokenizer_of_another_vocabulary(
     want = f"--tokenizer {other_tokenizer}: another vocabulary than the checkpoint was trained "
     assert want + "with (500 pieces vs 2000" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ resolve: once, then frozen
+def test_resolved_config_is_frozen_and_the_loaded_one_untouched():
+    """resolve returns a frozen copy: no field of any section (the model's included) can be set
+    or deleted; the loaded config keeps its ``auto``; a copy (replace, from_dict) can change."""
+    import pickle
+
+    from linformer_ds.config import Resolved
+
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, "data.path=/nonexistent"])
+    job = resolve(cfg, 2, seq_len=128)
+    for record, name in ((job, "name"), (job.train, "max_steps"), (job.model, "k"),
+                         (job.parallel, "shard_sequence_parameters"), (job.deepspeed.zero, "stage"),
+                         (job.debug, "sync_log")):  # fmt: skip
+        with pytest.raises(dataclasses.FrozenInstanceError, match="frozen once resolved"):
+            setattr(record, name, getattr(record, name))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del job.train.seed
+    assert job.parallel.shard_sequence_parameters is False and job.parallel.auto_shard
+    assert cfg.parallel.shard_sequence_parameters == "auto" and cfg.parallel.auto_shard is None
+    assert job.resolved == Resolved(world_size=2, data_parallel_size=2, seq_len=128)
+    with pytest.raises(RuntimeError, match="not resolved"):
+        cfg.resolved  # noqa: B018
+    train = dataclasses.replace(job.train, micro_batch_size=2)
+    train.seed = 7  # a replaced record is a new, changeable one
+    assert from_dict(to_dict(job)) == job and pickle.loads(pickle.dumps(job)) == job
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pickle.loads(pickle.dumps(job)).train.seed = 7
+    assert resolve(job, 4).resolved.data_parallel_size == 4  # a resolved config re-resolves
+
+
+def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch):
+    """launch -> load_config -> Trainer: every section's checks run once, the config is resolved
+    once (precision auto, sharding, world checks) before the engine, and the components get the
+    frozen result."""
+    import collections
+
+    from linformer_ds import config as config_mod
+    from linformer_ds import resolve as resolve_mod
+    from linformer_ds import train
+
+    calls: collections.Counter = collections.Counter()
+
+    def counted(owner: Any, name: str, key: Any = None) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            calls[key(*args) if key else name] += 1
+            return original(*args, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    counted(config_mod.Section, "validate", key=lambda section, job: section.key)
+    counted(config_mod, "validate")
+    for name in ("resolve_precision", "_resolve_shard", "check_deepspeed_extra"):
+        counted(resolve_mod, name)
+    counted(train, "resolve")
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def stop(self: Any) -> None:  # the engine would start the process group: stop before
+        seen["cfg"] = self.cfg
+        raise Built
+
+    monkeypatch.setattr(train.Trainer, "_build_engine", stop)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
+            f"logging.dir={tmp_path}", "train.max_steps=2"]  # fmt: skip
+    try:
+        with pytest.raises(Built):
+            train.main(argv)
+    finally:
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(var, None)
+    sections = {f"{s}" for s in config_mod.SECTIONS} | {
+        "deepspeed.zero", "deepspeed.activation_checkpointing"}  # fmt: skip
+    assert {k: v for k, v in calls.items() if k in sections} == dict.fromkeys(sections, 1)
+    assert calls["validate"] == 1 and calls["resolve"] == 1, calls
+    assert calls["resolve_precision"] == calls["_resolve_shard"] == 1, calls
+    assert calls["check_deepspeed_extra"] == 1, calls
+    job = seen["cfg"]
+    assert job.resolved.world_size == 1 and job.resolved.seq_len == 128
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.parallel.shard_sequence_parameters = True
+
+
+@pytest.mark.parametrize("key", ["debug.sample_log", "debug.sync_log"])
+@pytest.mark.parametrize("path", ["/proc/nope", "/etc/hostname/sub", ""])
+def test_unusable_debug_directory_is_one_line(key, path):
+    msg = _refused(f"{key}={path}" if path else f"{key}=''")
+    assert msg.startswith(f"{key}: "), msg

@@ -133,7 +133,7 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
     deepspeed, dist = _init_rank(rank, world, port)
 
     from linformer_ds.config import JobConfig
-    from linformer_ds.config import deepspeed_config as make_ds_config
+    from linformer_ds.ds_config import deepspeed_config as make_ds_config
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
     from linformer_ds.optim import param_groups
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from linformer_ds.config import load_config
 from linformer_ds.perf import cpu_flags, matmul_probe_size, measure_matmul_peak_tflops, native_bf16
+from linformer_ds.resolve import resolve
 from tests.pretrain_utils import TINY_CONFIG, run_pretrain
 
 BF16_UNITS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX, x86 AVX-512 BF16, Arm
@@ -51,12 +52,14 @@ def test_cpu_flags_of_x86_and_arm_cpuinfo(tmp_path):
     assert native_bf16("mps", {"amx_bf16"}) is None  # an accelerator it does not know
 
 
-def test_auto_resolves_at_load_from_this_machine():
+def test_auto_resolves_from_this_machine():
     precision, why = _this_cpu()
-    cfg = load_config(TINY_CONFIG)  # the shipped CPU config says auto
+    loaded = load_config(TINY_CONFIG)  # the shipped CPU config says auto
+    assert loaded.deepspeed.precision == "auto"  # decided by resolve, once
+    cfg = resolve(loaded, 1)
     assert (cfg.deepspeed.precision, cfg.deepspeed.auto_precision) == (precision, why)
     assert cfg.deepspeed.precision_text() == f"{precision} (auto: {why})"
-    fixed = load_config(TINY_CONFIG, ["deepspeed.precision=fp32"])
+    fixed = resolve(load_config(TINY_CONFIG, ["deepspeed.precision=fp32"]), 1)
     assert (fixed.deepspeed.precision, fixed.deepspeed.auto_precision) == ("fp32", None)
     assert fixed.deepspeed.precision_text() == "fp32"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from linformer_ds.config import ConfigError, deepspeed_config, load_config
+from linformer_ds.config import ConfigError, load_config
+from linformer_ds.ds_config import deepspeed_config
 from tests.pretrain_utils import PRETRAIN, REPO, TINY_CONFIG, read_metrics, run_pretrain
 
 FP32 = ["deepspeed.precision=fp32", "model.attention_dropout=0.0"]

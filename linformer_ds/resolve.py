@@ -1,0 +1,215 @@
+"""The one place a job config is resolved for a run: what ``auto`` means on this machine and in
+this world, the checks that need the world size or the data's N, and the frozen result.
+
+``load_config`` checks every field once (``config.validate``); :func:`resolve` then decides
+``deepspeed.precision: auto``, ``parallel.shard_sequence_parameters: auto`` (with the reason
+for the ``[setup]`` line) and the data-parallel size, once, before any component that holds the
+config is built, and returns a frozen copy: nothing changes it afterwards.
+"""
+
+import copy
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
+from linformer_ds.ds_config import check_deepspeed_extra
+from linformer_ds.perf import native_bf16
+from linformer_ds.sequence_parallel import config_errors
+
+
+def resolve(cfg: JobConfig, world_size: int, seq_len: Optional[int] = None) -> JobConfig:
+    """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len``
+    (None: ``model.max_seq_len``), frozen; ``cfg`` itself is left as it was. The first problem
+    is a :class:`ConfigError` naming its key. ``result.resolved`` holds the world's figures."""
+    job = thawed_copy(cfg)
+    if not cfg.__dict__.get("_validated"):  # built by from_dict or by hand, not load_config
+        validate(job)
+    resolve_precision(job)
+    _check_precision_rules(job)
+    _check_global_batch(job, world_size)
+    check_deepspeed_extra(job, world_size)
+    n = int(seq_len or job.model.max_seq_len)
+    _resolve_shard(job, world_size, n)
+    if job.parallel.sequence_parallel_size > 1:
+        errors = _sp_errors(job, world_size, n, job.parallel.shard_sequence_parameters)
+        if errors:
+            raise ConfigError(errors[0])
+    job.__dict__["_resolved"] = Resolved(world_size, data_parallel_size(job, world_size), n)
+    return freeze(job)
+
+
+# ================================================================================ resolutions
+def resolve_precision(job: JobConfig) -> None:
+    """``deepspeed.precision: auto`` becomes bf16 where this machine's accelerator multiplies
+    bf16 natively (``linformer_ds.perf.native_bf16``) and fp32 elsewhere; ``auto_precision``
+    records why (the ``[setup]`` line shows it; checkpoints save the resolved precision)."""
+    ds = job.deepspeed
+    ds.auto_precision = None
+    if ds.precision != "auto":
+        return
+    from deepspeed.accelerator import get_accelerator  # heavy: only when auto
+
+    why = native_bf16(get_accelerator().device_name())
+    ds.precision = "bf16" if why else "fp32"
+    ds.auto_precision = why or "no native bf16"
+
+
+def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]:
+    zero_extra = job.deepspeed.extra_dict().get("zero_optimization", {})
+    return config_errors(
+        job.parallel.sequence_parallel_size,
+        world_size=world_size,
+        seq_len=n,
+        model=job.model,
+        zero_stage=job.deepspeed.zero.stage,
+        zero_reduce_scatter=bool(zero_extra.get("reduce_scatter", True)),
+        shard=shard,
+        precision=job.deepspeed.precision,
+    )
+
+
+def _resolve_shard(job: JobConfig, world_size: int, n: int) -> None:
+    """``shard_sequence_parameters: auto`` becomes true or false for sequence length ``n``: true
+    unless a rule refuses sharding only (not the run); ``auto_shard`` records the choice and the
+    reason. Nothing changes unless auto."""
+    par = job.parallel
+    par.auto_shard = None
+    if par.shard_sequence_parameters != "auto":
+        return
+    p = par.sequence_parallel_size
+    if p == 1:
+        par.shard_sequence_parameters, par.auto_shard = False, "whole: P = 1"
+        return
+    whole = set(_sp_errors(job, world_size, n, False))
+    refused = [e for e in _sp_errors(job, world_size, n, True) if e not in whole]
+    par.shard_sequence_parameters = not refused
+    par.auto_shard = (
+        f"whole: {refused[0].split(': ', 1)[1].split('; ')[0]}"  # the rule, not the advice
+        if refused
+        else f"sharded: P = {p}, N = model.max_seq_len = {n}"
+    )
+
+
+# ===================================================================== checks of the run's values
+def _check_precision_rules(job: JobConfig) -> None:
+    """The rules that read the precision (known once ``auto`` is decided)."""
+    ds, t = job.deepspeed, job.train
+    if t.nonfinite == "skip" and ds.precision == "fp32" and ds.zero.stage == 0:
+        raise ConfigError(
+            "train.nonfinite: 'skip' needs an optimizer that DeepSpeed can make skip a step "
+            "(zero.stage >= 1, or precision bf16/fp16); ZeRO-0 fp32 applies every update"
+        )
+    if ds.zero.stage == 0 and ds.precision != "fp32" and ds.fp32_grad_accum:
+        raise ConfigError(
+            f"deepspeed.fp32_grad_accum: zero.stage=0 with {ds.precision} cannot accumulate "
+            "gradients in fp32 (DeepSpeed 0.19 raises 'unsupported mix'); set "
+            "deepspeed.fp32_grad_accum=false or deepspeed.zero.stage >= 1"
+        )
+
+
+def _check_global_batch(job: JobConfig, world_size: int) -> None:
+    t = job.train
+    if t.global_batch_size is None:
+        return
+    replicas = data_parallel_size(job, world_size)
+    per_step = t.micro_batch_size * t.gradient_accumulation_steps * replicas
+    if t.global_batch_size != per_step:
+        sp = job.parallel.sequence_parallel_size
+        what = "ranks" if sp == 1 else "replicas = ranks / sequence_parallel_size"
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not micro_batch_size "
+            f"({t.micro_batch_size}) x {what} ({replicas}) x gradient_accumulation_steps "
+            f"({t.gradient_accumulation_steps}) = {per_step}"
+        )
+
+
+# ====================================================================================== freezing
+# A resolved config's records (JobConfig, its sections, ModelConfig, lists of sources/stages)
+# get a subclass whose __setattr__ refuses while the instance is marked frozen; isinstance,
+# dataclasses.fields/asdict/replace (which gives an unfrozen copy), ==, copy and pickle work.
+_FROZEN_CLASSES: Dict[type, type] = {}
+
+
+class FrozenConfigError(dataclasses.FrozenInstanceError):
+    """An attempt to change a resolved (frozen) job config."""
+
+
+def _refuse(self: Any, name: str) -> None:
+    raise FrozenConfigError(
+        f"{type(self).__name__}.{name}: the job config is frozen once resolved "
+        "(linformer_ds.resolve); change a copy (dataclasses.replace) and resolve that"
+    )
+
+
+def _frozen_class(cls: type) -> type:
+    base = cls.__dict__.get("_frozen_of", cls)
+    if base not in _FROZEN_CLASSES:
+
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            if self.__dict__.get("_frozen"):
+                _refuse(self, name)
+            base.__setattr__(self, name, value)
+
+        def __delattr__(self: Any, name: str) -> None:
+            if self.__dict__.get("_frozen"):
+                _refuse(self, name)
+            base.__delattr__(self, name)
+
+        def __eq__(self: Any, other: Any) -> Any:
+            if not isinstance(other, base):
+                return NotImplemented
+            return all(getattr(self, f.name) == getattr(other, f.name)
+                       for f in dataclasses.fields(base))  # fmt: skip
+
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            return _rebuild, (base, dict(self.__dict__))
+
+        _FROZEN_CLASSES[base] = type(base.__name__, (base,), {
+            "__setattr__": __setattr__, "__delattr__": __delattr__, "__eq__": __eq__,
+            "__hash__": None, "__reduce_ex__": __reduce_ex__, "_frozen_of": base,
+            "__module__": base.__module__, "__qualname__": base.__qualname__,
+        })  # fmt: skip
+    return _FROZEN_CLASSES[base]
+
+
+def _rebuild(base: type, state: Dict[str, Any]) -> Any:
+    """Unpickle / copy a record: frozen again if it was."""
+    obj = object.__new__(base)
+    obj.__dict__.update(state)
+    if state.get("_frozen"):
+        obj.__class__ = _frozen_class(base)
+    return obj
+
+
+def _records(obj: Any) -> List[Any]:
+    """``obj`` and every dataclass instance inside it (fields, lists, dicts)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = [obj]
+        for f in dataclasses.fields(obj):
+            out += _records(getattr(obj, f.name))
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [r for item in obj for r in _records(item)]
+    if isinstance(obj, dict):
+        return [r for item in obj.values() for r in _records(item)]
+    return []
+
+
+def freeze(cfg: JobConfig) -> JobConfig:
+    """Mark ``cfg`` and every record inside it frozen (in place); returns it."""
+    for rec in _records(cfg):
+        if not isinstance(rec, Resolved):
+            rec.__class__ = _frozen_class(type(rec))
+            rec.__dict__["_frozen"] = True
+    return cfg
+
+
+def thawed_copy(cfg: JobConfig) -> JobConfig:
+    """A deep copy of ``cfg`` that can be changed (and resolved), frozen or not."""
+    job = copy.deepcopy(cfg)
+    for rec in _records(job):
+        if "_frozen" in rec.__dict__:
+            del rec.__dict__["_frozen"]
+            rec.__class__ = type(rec).__dict__.get("_frozen_of", type(rec))
+    job.__dict__.pop("_resolved", None)
+    return job
