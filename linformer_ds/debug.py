@@ -1,5 +1,6 @@
-"""Test hooks of the trainer, read from environment variables that normal runs never set
-(documented in docs/reliability.md). All of them live behind one small object."""
+"""Test hooks of the trainer (documented in docs/reliability.md), attached only when asked for:
+the sample-index log (``debug.sample_log=DIR``, a job config key) and the NaN loss of one step
+(``LINFORMER_DS_TEST_HOOK_NAN_AT_STEP``, an environment variable that normal runs never set)."""
 
 import json
 import os
@@ -9,7 +10,6 @@ import torch
 
 from linformer_ds.config import ConfigError
 
-SAMPLE_LOG_ENV = "LINFORMER_DS_SAMPLE_LOG"  # dir: each rank appends the sample indices per step
 TEST_NAN_ENV = "LINFORMER_DS_TEST_HOOK_NAN_AT_STEP"  # "STEP[:RANK]": TEST HOOK, loss *= NaN
 
 
@@ -25,17 +25,22 @@ def _parse_nan_hook(value: str):
 
 
 class DebugHooks:
-    """``record_samples`` (sample-index log per step) and ``poison`` (a NaN loss at one step)."""
+    """``sample_observer`` (the sample-index log of ``debug.sample_log``) and ``poison`` (a NaN
+    loss at one step); ``active``: whether the step must call ``poison`` at all."""
 
-    def __init__(self, rank: int, environ: Optional[dict] = None):
+    def __init__(self, rank: int, sample_log: Optional[str] = None, environ: Optional[dict] = None):
         env = os.environ if environ is None else environ
         self.rank = rank
         self.nan_step, self.nan_rank = _parse_nan_hook(env.get(TEST_NAN_ENV, ""))
+        self.active = self.nan_step > 0
         self._sample_log: Optional[TextIO] = None
-        if env.get(SAMPLE_LOG_ENV):
-            os.makedirs(env[SAMPLE_LOG_ENV], exist_ok=True)
-            path = os.path.join(env[SAMPLE_LOG_ENV], f"samples.rank{rank}.jsonl")
-            self._sample_log = open(path, "a")
+        if sample_log:
+            path = os.path.join(sample_log, f"samples.rank{rank}.jsonl")
+            try:
+                os.makedirs(sample_log, exist_ok=True)
+                self._sample_log = open(path, "a")
+            except OSError as e:
+                raise ConfigError(f"debug.sample_log: cannot write {path}: {e}") from None
 
     def sample_observer(self, step_fn):
         """A ``TrainData.on_batch`` callback logging ``{step, epoch, rank, indices}``, or None.

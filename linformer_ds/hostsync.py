@@ -13,8 +13,8 @@ makes it wait until the device's queue has drained. Two counters:
   warnings: CUDA's own count (it also sees waits inside kernels' launch code, e.g. a
   non-pinned copy from the host), for the GPU kit.
 
-The trainer's hook (``LINFORMER_DS_SYNC_LOG=DIR``, steps ``LINFORMER_DS_SYNC_STEPS``, default
-``2,3``) runs those steps under both and appends one record per step to
+The trainer's hook (``debug.sync_log=DIR``, steps ``debug.sync_steps``, default ``[2, 3]``:
+job config keys) runs those steps under both and appends one record per step to
 ``DIR/syncs.rank{R}.jsonl``.
 """
 
@@ -30,8 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNC_LOG_ENV = "LINFORMER_DS_SYNC_LOG"  # dir: per-step sync counts of the steps below
-SYNC_STEPS_ENV = "LINFORMER_DS_SYNC_STEPS"  # "2,3" (default): the optimizer steps counted
+from linformer_ds.config import ConfigError
 
 aten = torch.ops.aten
 # Operations that always wait for the device: a value or a data-dependent size reaches the host.
@@ -218,21 +217,21 @@ def count_cuda_syncs(device: Any) -> Iterator[Dict[str, Any]]:
 
 
 class StepSyncLog:
-    """The trainer's hook: the chosen optimizer steps run under :class:`SyncCounter` and
-    :func:`count_cuda_syncs`; one JSON line per step (counts, step seconds) per rank.
-    Inactive (a no-op) unless ``LINFORMER_DS_SYNC_LOG`` is set."""
+    """The trainer's hook (attached only with ``debug.sync_log``): the optimizer ``steps`` run
+    under :class:`SyncCounter` and :func:`count_cuda_syncs`; one JSON line per step (counts,
+    step seconds) per rank, in ``directory/syncs.rank{R}.jsonl``."""
 
-    def __init__(self, rank: int, device: Any, run: str = "", environ: Optional[dict] = None):
-        env = os.environ if environ is None else environ
+    def __init__(
+        self, rank: int, device: Any, directory: str, steps: List[int], run: str = ""
+    ) -> None:
         self.rank, self.device, self.run = rank, device, run
-        self.dir = env.get(SYNC_LOG_ENV) or None
-        raw = env.get(SYNC_STEPS_ENV, "2,3")
+        self.dir, self.steps = directory, list(steps)
+        self.path = os.path.join(directory, f"syncs.rank{rank}.jsonl")
         try:
-            self.steps: List[int] = [int(s) for s in raw.split(",") if s.strip()]
-        except ValueError:
-            from linformer_ds.config import ConfigError
-
-            raise ConfigError(f"{SYNC_STEPS_ENV}={raw!r}: expected steps like 2,3") from None
+            os.makedirs(directory, exist_ok=True)
+            open(self.path, "a").close()
+        except OSError as e:
+            raise ConfigError(f"debug.sync_log: cannot write {self.path}: {e}") from None
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -240,7 +239,7 @@ class StepSyncLog:
         step after the last counted one is timed without counting (``counted: false``): the
         counters' own cost shows beside it."""
         last = max(self.steps, default=0)
-        if self.dir is None or not (step in self.steps or step == last + 1):
+        if not (step in self.steps or step == last + 1):
             yield
             return
         cuda = torch.device(self.device).type == "cuda"
@@ -267,6 +266,5 @@ class StepSyncLog:
             "cuda_syncs": syncs["count"],
             "cuda_sync_sites": syncs["sites"],
         }
-        os.makedirs(self.dir, exist_ok=True)
-        with open(os.path.join(self.dir, f"syncs.rank{self.rank}.jsonl"), "a") as f:
+        with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -63,7 +63,7 @@ SWEEP_WORKERS = {"gpu": 12, "dry": 2}  # GPU: 16 CPU cores; 2 waves of the 24 po
 MAIN_STEPS = {"gpu": 300, "dry": 6}
 LOG_INTERVAL = {"gpu": 25, "dry": 2}
 OPT_STEPS = {"gpu": 25, "dry": 4}  # inside the warm-up (30 steps): the main job's LR at each step
-# Steps of the main job counted for host synchronisations (LINFORMER_DS_SYNC_LOG), and the step
+# Steps of the main job counted for host synchronisations (debug.sync_log), and the step
 # after them timed uncounted: inside the first logged interval, which the medians leave out.
 SYNC_STEPS = {"gpu": (5, 6), "dry": (2,)}
 JIT_BUDGET_S = 240  # FusedAdam's nvcc build, in the background
@@ -369,14 +369,12 @@ class Kit:
 
     def do_main(self, budget: float) -> Dict[str, Any]:
         """The main job: tokens/s, MFU against the trainer's GEMM peak, peak memory, loss, and
-        the host synchronisations of a few steps (the trainer's LINFORMER_DS_SYNC_LOG hook)."""
+        the host synchronisations of a few steps (the trainer's debug.sync_log hook)."""
         t0 = time.perf_counter()
         syncs = self.work / "main" / "syncs"
-        env = {
-            "LINFORMER_DS_SYNC_LOG": str(syncs),
-            "LINFORMER_DS_SYNC_STEPS": ",".join(map(str, SYNC_STEPS[self.mode])),
-        }
-        proc = self.launch_main("main", MAIN_STEPS[self.mode], [], env)
+        hook = [f"debug.sync_log={syncs}",
+                f"debug.sync_steps=[{','.join(map(str, SYNC_STEPS[self.mode]))}]"]  # fmt: skip
+        proc = self.launch_main("main", MAIN_STEPS[self.mode], hook)
         res = finish(proc, budget)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         rec = {**res, "command": "deepspeed " + shlex.join(proc.args[3:])}  # type: ignore[index]

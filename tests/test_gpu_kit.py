@@ -117,7 +117,7 @@ def test_dry_run_main_job(dry) -> None:
 
 
 def test_dry_run_main_job_counts_host_syncs(dry) -> None:
-    """The main job's step 2 ran under the sync counters (the trainer's LINFORMER_DS_SYNC_LOG
+    """The main job's step 2 ran under the sync counters (the trainer's debug.sync_log
     hook), step 3 uncounted: on the CPU the dispatch-mode count fills the field (CUDA's is
     None); the model asked for nothing, the trainer for its one read of the step's statistics,
     and the total is the owners' sum (DeepSpeed's included, the data pipeline's host work not)."""

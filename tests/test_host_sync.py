@@ -9,7 +9,7 @@ the host...), with whose code asked. Checked here:
   generated batches, and its forward + backward asks for nothing;
 - the data pipeline gives every sequence-parallel slice the labelled positions of its slice;
 - real DeepSpeed runs (1 rank with accumulation, 2 data-parallel ranks, sequence parallel 2)
-  under ZeRO 0-3, through the trainer's own hook (``LINFORMER_DS_SYNC_LOG``): per optimizer
+  under ZeRO 0-3, through the trainer's own hook (``debug.sync_log``): per optimizer
   step the model asks for nothing and the trainer for exactly one read (the agreed
   statistics); DeepSpeed's own counts are recorded (``syncs_deepspeed.json``) and printed.
 """
@@ -152,11 +152,9 @@ STAGES = (0, 1, 2, 3)
 
 
 def _run_ranks(ranks: int, spec: Path, log: Path) -> List[subprocess.Popen]:
-    """tests/layout_worker.py on ``ranks`` gloo ranks with the sync hook on."""
+    """tests/layout_worker.py on ``ranks`` gloo ranks (the runs turn the sync hook on)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.update(LINFORMER_DS_SYNC_LOG=str(spec.parent / f"syncs_world{ranks}"),
-               LINFORMER_DS_SYNC_STEPS=",".join(map(str, COUNTED)))  # fmt: skip
     procs = []
     for r in range(ranks):
         out = open(f"{log}.rank{r}", "w")
@@ -180,7 +178,10 @@ def counted(tiny_corpus, tmp_path_factory) -> List[dict]:
                 f"train.gradient_accumulation_steps={gas}", "train.micro_batch_size=2",
                 f"train.max_steps={STEPS}", "checkpoint.resume=never",
                 "checkpoint.save_final=false", "checkpoint.save_interval=0",
-                "data.short_seq_prob=0.5",  # bf16; ZeRO-0 bf16 accumulates in bf16:
+                "data.short_seq_prob=0.5",  # the hook: debug.sync_log, debug.sync_steps
+                f"debug.sync_log={out / f'syncs_world{ranks}'}",
+                f"debug.sync_steps=[{','.join(map(str, COUNTED))}]",
+                # bf16; ZeRO-0 bf16 accumulates in bf16:
             ] + (["deepspeed.fp32_grad_accum=false"] if stage == 0 else [])})  # fmt: skip
     launches = []
     for ranks, runs in by_world.items():

@@ -23,7 +23,6 @@ from linformer_ds.data.sampler import MixtureSampler, normalized_weights
 from linformer_ds.data.shards import DataError, ShardDataset, check_same_tokenizer, open_sources
 from linformer_ds.data.stages import Stage, combine_eval
 from linformer_ds.data.stream import MixtureBatches
-from linformer_ds.debug import SAMPLE_LOG_ENV
 from tests.legacy_batches import TrainBatches
 from tests.pretrain_utils import (
     PRETRAIN,
@@ -350,9 +349,9 @@ def sample_picks(run_dir) -> Dict[int, List]:
 
 
 def launch(run_dir, overrides) -> subprocess.Popen:
-    ov = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + list(overrides)
+    ov = TEST_OVERRIDES + [f"logging.dir={run_dir}", f"debug.sample_log={run_dir / 'samples'}"]
+    ov += list(overrides)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env[SAMPLE_LOG_ENV] = str(run_dir / "samples")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN,
@@ -397,9 +396,8 @@ def mixture_runs(tiny_corpus, second_source, tmp_path_factory):
     a few steps after the step-10 checkpoint) then restarted to the end."""
     ov = mix_overrides(tiny_corpus, second_source)
     ref = tmp_path_factory.mktemp("mix_ref")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(ref / "samples"))
-        run_pretrain(tiny_corpus, ref, ov)  # data.path is ignored when data.sources is set
+    # data.path is ignored when data.sources is set
+    run_pretrain(tiny_corpus, ref, ov + [f"debug.sample_log={ref / 'samples'}"])
     crashed = tmp_path_factory.mktemp("mix_crash")
     proc = launch(crashed, ov)
     ranks = rank_processes(proc)
@@ -410,9 +408,7 @@ def mixture_runs(tiny_corpus, second_source, tmp_path_factory):
     ranks[1].send_signal(signal.SIGKILL)
     rc = proc.wait(timeout=120)
     killed_after = max(logged_steps(crashed))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(crashed / "samples"))
-        final = run_pretrain(tiny_corpus, crashed, ov)
+    final = run_pretrain(tiny_corpus, crashed, ov + [f"debug.sample_log={crashed / 'samples'}"])
     return ref, crashed, final, rc, killed_after, tiny_corpus, second_source
 
 

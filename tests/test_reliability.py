@@ -3,7 +3,7 @@ another number of ranks (DeepSpeed universal checkpoint), non-finite losses, a f
 checkpoint disk, checkpoints that carry pickled code.
 
 One uninterrupted 2-rank bf16 ZeRO-2 run (8 steps, a checkpoint every 2) is the reference of
-every test here; the sample indices each rank consumes are logged (LINFORMER_DS_SAMPLE_LOG).
+every test here; the sample indices each rank consumes are logged (debug.sample_log).
 """
 
 import json
@@ -25,7 +25,7 @@ from linformer_ds.checkpoint.io import safe_torch_load
 from linformer_ds.checkpoint.tags import latest_tag, tag_dirs, tag_problem
 from linformer_ds.data.shards import ShardDataset
 from linformer_ds.fsio import read_jsonl
-from linformer_ds.train import SAMPLE_LOG_ENV, TEST_NAN_ENV
+from linformer_ds.train import TEST_NAN_ENV
 from tests.legacy_batches import ResumableDistributedSampler
 from tests.pretrain_utils import (
     PRETRAIN,
@@ -92,25 +92,23 @@ def copy_tag(src: Path, dst_run: Path, tag: str) -> None:
     (dst_run / "checkpoints" / "latest").write_text(tag)
 
 
-def sample_env(run_dir: Path) -> Dict[str, str]:
-    return {SAMPLE_LOG_ENV: str(run_dir / "samples")}
+def sample_log(run_dir: Path) -> str:
+    """The override that logs each rank's sample indices per step into ``run_dir/samples``."""
+    return f"debug.sample_log={run_dir / 'samples'}"
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     """The uninterrupted 2-rank run: checkpoints at steps 2, 4, 6, 8."""
     run = tmp_path_factory.mktemp("reference")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(run / "samples"))
-        run_pretrain(tiny_corpus, run, COMMON)
+    run_pretrain(tiny_corpus, run, COMMON + [sample_log(run)])
     return run
 
 
 # ==================================================================================== SIGKILL
 def _launch(data: Path, run: Path, overrides: List[str], log: Path) -> subprocess.Popen:
-    ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run}"] + overrides
+    ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run}", sample_log(run)] + overrides
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(sample_env(run))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN]
@@ -186,9 +184,7 @@ def crashed_run(tiny_corpus, tmp_path_factory):
     info["rc2"] = _finish_killed(proc, ranks)
     info["latest_after_kill2"] = (run / "checkpoints" / "latest").read_text()
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(run / "samples"))
-        info["final"] = run_pretrain(tiny_corpus, run, COMMON)
+    info["final"] = run_pretrain(tiny_corpus, run, COMMON + [sample_log(run)])
     info["log"] = log.read_text()
     return run, info
 
@@ -315,16 +311,11 @@ def resized(reference, tiny_corpus, tmp_path_factory):
     """
     one = tmp_path_factory.mktemp("resize_2to1")
     copy_tag(reference, one, "step_00000004")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(one / "samples"))
-        p1 = run_pretrain(
-            tiny_corpus, one, COMMON + ["train.micro_batch_size=8"], nproc=1, launcher="python"
-        )
+    p1 = run_pretrain(tiny_corpus, one, COMMON + ["train.micro_batch_size=8", sample_log(one)],
+                      nproc=1, launcher="python")  # fmt: skip
     two = tmp_path_factory.mktemp("resize_1to2")
     copy_tag(one, two, "step_00000006")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SAMPLE_LOG_ENV, str(two / "samples"))
-        p2 = run_pretrain(tiny_corpus, two, COMMON)
+    p2 = run_pretrain(tiny_corpus, two, COMMON + [sample_log(two)])
     return one, p1, two, p2
 
 
