@@ -204,7 +204,7 @@ def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> Lis
     :class:`ShardedSequenceParallelMPU` and a backward loss scale of 1 at every ZeRO stage.
     Returns the sharded parameter names."""
     names = sp.shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
-    model.universal_checkpoint_info = sp.universal_checkpoint_info(model, groups.sp_size)
+    model.universal_checkpoint_info = universal_checkpoint_info(model, groups.sp_size)
     seen = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
@@ -215,6 +215,35 @@ def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> Lis
         elif p.requires_grad:
             p.register_hook(sp.sum_over_group(groups.sp_group))
     return names
+
+
+def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
+    """How DeepSpeed's ``ds_to_universal`` merges the SP ranks' pieces (they are its "tensor
+    parallel" slices under :class:`ShardedSequenceParallelMPU`): every sharded parameter
+    is one sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
+    position table: dim 0), every other parameter is replicated. Loading cuts the whole
+    tensor again for any P (``tp_world_size`` = P), or keeps it whole at P = 1."""
+    import re
+
+    from deepspeed.checkpoint import constants as c
+
+    shards, shard_widths, replicated = [], {}, []
+    for name, p in model.named_parameters():
+        pattern = f"^{re.escape(name)}$"
+        if not hasattr(p, sp.SHARD_ATTR):
+            replicated.append(pattern)
+            continue
+        dim, size = getattr(p, sp.SHARD_ATTR)
+        shape: List[Any] = list(p.shape)
+        shape[dim] = (size,)
+        shards.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
+        shard_widths[pattern] = [[size // sp_size] * sp_size]
+    return {
+        c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+        c.PARAMETER_WITH_SUB_PARAMS: shards,
+        c.SUB_PARAM_SHARD_WIDTHS: shard_widths,
+    }
 
 
 def partition_for_zero3(model: nn.Module, groups: SequenceParallelGroups, ds_config: dict):

@@ -487,35 +487,6 @@ def sum_over_group(group: Any) -> Any:
     return hook
 
 
-def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
-    """How DeepSpeed's ``ds_to_universal`` merges the SP ranks' pieces (they are its "tensor
-    parallel" slices under ``parallelize.ShardedSequenceParallelMPU``): every sharded parameter
-    is one sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
-    position table: dim 0), every other parameter is replicated. Loading cuts the whole
-    tensor again for any P (``tp_world_size`` = P), or keeps it whole at P = 1."""
-    import re
-
-    from deepspeed.checkpoint import constants as c
-
-    shards, shard_widths, replicated = [], {}, []
-    for name, p in model.named_parameters():
-        pattern = f"^{re.escape(name)}$"
-        if not hasattr(p, SHARD_ATTR):
-            replicated.append(pattern)
-            continue
-        dim, size = getattr(p, SHARD_ATTR)
-        shape: List[Any] = list(p.shape)
-        shape[dim] = (size,)
-        shards.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
-        shard_widths[pattern] = [[size // sp_size] * sp_size]
-    return {
-        c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        c.TP_REPLICATED_PARAMETER_PATTERNS: replicated,
-        c.PARAMETER_WITH_SUB_PARAMS: shards,
-        c.SUB_PARAM_SHARD_WIDTHS: shard_widths,
-    }
-
-
 def sequence_dim(name: str, ndim: int) -> Optional[int]:
     """The sequence dim of a parameter of the Linformer models by its name and rank: 2 for a
     linear projection's E/F ``[H, k, N_max]``, 0 for the position table, None otherwise."""
