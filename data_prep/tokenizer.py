@@ -15,10 +15,16 @@ from collections.abc import Iterable
 from typing import Any, Dict, List, Optional
 
 from data_prep.errors import DataPrepError
+from linformer_ds.special_tokens import (  # noqa: F401  (re-exported to data_prep's modules)
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    SPECIAL_PIECES,
+    UNK_ID,
+)
 
-PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
-SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "cls": CLS_ID, "sep": SEP_ID, "mask": MASK_ID}
-SPECIAL_PIECES = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
 MODEL_TYPES = ("unigram", "bpe")
 MAX_SENTENCE_BYTES = 4192  # SentencePiece's default max_sentence_length: longer lines are split
 # Byte fallback (characters outside the vocabulary become their UTF-8 bytes, never <unk>) costs

@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from data_prep.tokenizer import SPECIAL_IDS, SPECIAL_PIECES
 from linformer_ds import outdir
 from linformer_ds.checkpoint.io import safe_torch_load, weights_only_torch_load
 from linformer_ds.checkpoint.tags import (
@@ -46,6 +45,7 @@ from linformer_ds.checkpoint.tags import (
 )
 from linformer_ds.checkpoint.tags import read_meta as read_tag_meta
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
+from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
 
 EXPORT_FORMAT_VERSION = 1
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
