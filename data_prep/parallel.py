@@ -45,6 +45,20 @@ from data_prep.distributed import PeerFailed, Transport, World, connect, remove_
 from data_prep.errors import DataPrepError
 from data_prep.shards import fsync_dir, npy_header, shard_name
 from data_prep.sources import Source, SourceStats
+from data_prep.steps import (
+    MANIFEST,
+    PROGRESS,
+    SHARD_TARGET_BYTES,
+    TOKENIZER,
+    PrepResult,
+    _Encoder,
+    _manifest,
+    _prepare_out_dir,
+    _tasks,
+    copy_given_tokenizer,
+    dtype_for_vocab,
+    train_on_sample,
+)
 from data_prep.tokenizer import (
     CLS_ID,
     PAD_ID,
@@ -53,6 +67,7 @@ from data_prep.tokenizer import (
     split_long_line,
     tokenizer_info,
 )
+from linformer_ds.fsio import atomic_write_json
 
 UNITS_DIR = ".units"
 MIN_UNIT_BYTES = 1 << 20
@@ -268,7 +283,6 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
     print it); a rank that died, by rank 0 (rank 1 if rank 0 died). The other ranks exit 2
     without a message (:class:`Quiet`).
     """
-    from data_prep.pipeline import PrepResult
 
     t_start = time.time()
     try:
@@ -349,14 +363,6 @@ def _clean_unstarted(out: str, created: bool) -> None:
 
 
 def _run(ctx: _Ctx, t_start: float) -> Any:
-    from data_prep.pipeline import (
-        PROGRESS,
-        SHARD_TARGET_BYTES,
-        TOKENIZER,
-        _prepare_out_dir,
-        dtype_for_vocab,
-    )
-    from linformer_ds.fsio import atomic_write_json
 
     cfg, comm, source = ctx.cfg, ctx.comm, ctx.source
     # ---- output directory (rank 0), units, resume state
@@ -453,7 +459,6 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
     gathered = comm.gather(entries, "shards")
     if ctx.rank != 0:
         return None
-    from data_prep.pipeline import PrepResult, _manifest
 
     shards: Dict[str, List[Dict[str, Any]]] = {s: [] for s in pk.SPLITS}
     for part in gathered or []:
@@ -462,7 +467,6 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
     writers = {s: _Done([e for _, e in sorted(shards[s], key=lambda x: x[0])]) for s in pk.SPLITS}
     source.stats = SourceStats(binary_files=counters.pop("binary_files"))
     manifest = _manifest(cfg, source, tok_info, vocab_size, dtype, shard_rows, counters, writers)
-    from data_prep.pipeline import MANIFEST
 
     atomic_write_json(os.path.join(cfg.out, MANIFEST), manifest)
     os.remove(os.path.join(cfg.out, PROGRESS))
@@ -496,7 +500,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
 
 
 class _Done:
-    """Stands in for a ShardWriter in :func:`data_prep.pipeline._manifest`."""
+    """Stands in for a ShardWriter in :func:`data_prep.steps._manifest`."""
 
     def __init__(self, shards: List[Dict[str, Any]]) -> None:
         self.shards = shards
@@ -592,7 +596,6 @@ def _train(
     tok_info: Dict[str, Any] = {}
     proto = b""
     if ctx.rank == 0:
-        from data_prep.pipeline import TOKENIZER
 
         pieces: Dict[int, str] = {}
         for p in parts or []:
@@ -610,7 +613,6 @@ def _train(
             "sampled_lines": len(sample),
             "sampled_bytes": sum(len(s.encode("utf-8")) for s in sample),
         }
-        from data_prep.pipeline import train_on_sample
 
         _log(cfg, f"tokenizer sample drawn across {ctx.size} ranks")
         _sp, tok_info = train_on_sample(cfg, sample, sampled, t0)
@@ -644,7 +646,6 @@ def _copy_tokenizer(ctx: _Ctx) -> Tuple[bytes, Dict[str, Any]]:
     cfg = ctx.cfg
     proto, info = b"", {}
     if ctx.rank == 0:
-        from data_prep.pipeline import TOKENIZER, copy_given_tokenizer
 
         dest = os.path.join(cfg.out, TOKENIZER)
         sp = copy_given_tokenizer(cfg, dest)
@@ -663,8 +664,6 @@ def _tokenize(
     proto: bytes,
     dtype: np.dtype,
 ) -> Tuple[Dict[int, Dict[str, Any]], int]:
-    from data_prep.pipeline import _Encoder, _tasks
-    from linformer_ds.fsio import atomic_write_json
 
     cfg = ctx.cfg
     todo = [(i, units[i].size) for i in range(plan["units"]) if i not in done]

@@ -379,9 +379,9 @@ def test_interrupted_run_resumes_to_identical_output(corpus, tmp_path, monkeypat
 
 
 def test_interrupted_tokenizer_training_resumes(corpus, tmp_path, monkeypatch):
-    import data_prep.pipeline as pipeline
+    import data_prep.steps as steps
 
-    _interrupt_on_call(monkeypatch, pipeline, "train_tokenizer", 1)
+    _interrupt_on_call(monkeypatch, steps, "train_tokenizer", 1)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "t", [str(corpus["dir"])], shard_rows=7)
     assert (tmp_path / "t" / "progress.json").exists()
