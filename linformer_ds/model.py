@@ -368,6 +368,7 @@ class LinearProjection(nn.Module):
     sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
     shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
     sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
+    projection_kind = "linear"  # its registered kind (_make_projection sets it on every module)
 
     def __init__(self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool):
         super().__init__()
@@ -449,6 +450,7 @@ class ConvProjection(nn.Module):
 
     sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
     sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
+    projection_kind = "conv"
 
     def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool):
         super().__init__()

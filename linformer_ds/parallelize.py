@@ -175,12 +175,7 @@ def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequencePa
     """Make every encoder, attention and projection module of ``model`` split the sequence over
     ``group`` (an instance attribute per module). ``group=None`` removes it again (the
     unmodified P = 1 path). Returns the hooks."""
-    from linformer_ds.model import (
-        ConvProjection,
-        LinearProjection,
-        LinformerEncoder,
-        LinformerSelfAttention,
-    )
+    from linformer_ds.model import LinformerEncoder, LinformerSelfAttention, get_projection
 
     if hasattr(model, "classifier"):
         raise ValueError(
@@ -189,8 +184,9 @@ def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequencePa
         )
     hooks = SequenceParallel(group) if group is not None else None
     for module in model.modules():
-        if isinstance(
-            module, (LinformerEncoder, LinformerSelfAttention, LinearProjection, ConvProjection)
+        kind = getattr(module, "projection_kind", None)  # a projection (model.register_projection)
+        if isinstance(module, (LinformerEncoder, LinformerSelfAttention)) or (
+            kind is not None and get_projection(kind).sequence_parallel
         ):
             module.sequence_parallel = hooks
     return hooks

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_ds.model import ModelConfig
+from linformer_ds.model import ModelConfig, get_projection, projection_stride
 
 KEY = "parallel.sequence_parallel_size"
 SHARD_KEY = "parallel.shard_sequence_parameters"
@@ -80,11 +80,19 @@ def config_errors(
         )
     n_local = seq_len // p
     schedule = model.projection_schedule()
-    for i, kind in enumerate(schedule):
-        if kind == "conv" and seq_len % p == 0 and n_local % model.conv_stride(i):
+    for i, kind in enumerate(schedule):  # the registered kind's own support and stride
+        if kind != "dense" and not get_projection(kind).sequence_parallel:
             errors.append(
-                f"{KEY}: conv layer {i}: the slice length N/P={n_local} is not a multiple of the "
-                f"conv stride {model.conv_stride(i)} (max_seq_len / k); pick N, P or k so it is"
+                f"{KEY}: layer {i}: the {kind} projection does not support sequence parallelism "
+                "(its kind is registered without sequence_parallel=True); use P=1"
+            )
+            break
+        r = projection_stride(model, i)
+        if r is not None and seq_len % p == 0 and n_local % r:
+            rule = get_projection(kind).stride_rule
+            errors.append(
+                f"{KEY}: {kind} layer {i}: the slice length N/P={n_local} is not a multiple of "
+                f"the {kind} stride {r}{f' ({rule})' if rule else ''}; pick N, P or k so it is"
             )
             break
     if "dense" in schedule and model.num_heads % p:
@@ -404,18 +412,27 @@ SHARD_ATTR = "sequence_shard"  # on a sharded parameter: (dim, full size along d
 
 def sequence_parameters(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
     """``(name, module, dim)`` of every parameter indexed by sequence position: the weight of
-    every linear projection (E/F, any sharing mode, per-layer ones too; columns, dim 2) and the
-    position table (rows, dim 0). Conv kernels are not: they are the same for every block."""
-    from linformer_ds.model import LinearProjection, LinformerEncoder
+    every projection whose class sets ``sequence_dim`` (linear E/F, any sharing mode, per-layer
+    ones too; columns, dim 2) and the position table (rows, dim 0). Conv kernels are not: they
+    are the same for every block."""
+    from linformer_ds.model import LinformerEncoder
 
     out = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, LinearProjection):
-            out.append((f"{prefix}weight", module, 2))
+        if _sequence_shaped(module):
+            out.append((f"{prefix}weight", module, int(module.sequence_dim)))
         elif isinstance(module, LinformerEncoder):
             out.append((f"{prefix}position_embeddings.weight", module.position_embeddings, 0))
     return out
+
+
+def _sequence_shaped(module: nn.Module) -> bool:
+    """A projection module (``projection_kind`` set) whose ``weight`` has a ``sequence_dim``."""
+    return (
+        getattr(module, "projection_kind", None) is not None
+        and getattr(module, "sequence_dim", None) is not None
+    )
 
 
 def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[str]:
@@ -428,7 +445,7 @@ def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[s
     the whole model identically on every rank, before the model runs split. Returns
     the sharded parameter names.
     """
-    from linformer_ds.model import LinearProjection, LinformerEncoder
+    from linformer_ds.model import LinformerEncoder
 
     names = []
     for name, module, dim in sequence_parameters(model):
@@ -449,8 +466,8 @@ def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[s
     for module in model.modules():
         if isinstance(module, LinformerEncoder):
             module.position_shard_start = rank * (module.config.max_seq_len // world)
-        elif isinstance(module, LinearProjection):
-            module.shard_start = rank * (module.max_seq_len // world)
+        elif _sequence_shaped(module):  # E/F: the global column of its local column 0
+            module.shard_start = rank * (getattr(module.weight, SHARD_ATTR)[1] // world)
     return names
 
 

@@ -1,0 +1,344 @@
+"""The recipes of docs/extending.md, each added from outside the package and run for real:
+
+* a data source kind (``zip:ARCHIVE``, every member a document) through data_prep to shards,
+  in one process and on two ranks;
+* a projection kind (``pool``: a learned weighted sum over windows of r = max_seq_len / k
+  tokens) through the model's forward and backward, then a short trainer run;
+* a metrics sink receiving that run's real records.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from data_prep import DataPrepError, PrepConfig, prepare
+from data_prep.sources import Source, SourceKind, register_source_kind, unregister_source_kind
+from linformer_ds.metrics import Sink
+from linformer_ds.model import (
+    LinformerForMaskedLM,
+    ModelConfig,
+    ModelConfigError,
+    flops_per_token,
+    register_projection,
+    unregister_projection,
+)
+from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, make_corpus
+from tests.test_data_prep import make_docs, shard_hashes, write_text_corpus
+
+
+# ============================================================================ a data source kind
+class ZipKind(SourceKind):
+    """``zip:ARCHIVE``: every member of a zip archive is one document (UTF-8), in name order."""
+
+    name = "zip"
+
+    def matches(self, spec: str) -> bool:
+        return spec.startswith("zip:")
+
+    def resolve(self, spec: str, source: Source) -> List[Tuple[str, int]]:
+        path = spec[4:]
+        if not zipfile.is_zipfile(path):
+            raise DataPrepError(f"{spec!r}: not a zip archive")
+        with zipfile.ZipFile(path) as z:
+            return sorted((i.filename, i.file_size) for i in z.infolist() if not i.is_dir())
+
+    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+        units, group, size = [], [], 0
+        for member, n in source.state(spec):
+            group.append(member)
+            size += n
+            if size >= unit_bytes:
+                units.append((tuple(group), size))
+                group, size = [], 0
+        return units + ([(tuple(group), size)] if group else [])
+
+    def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
+        members = [m for m, _ in source.state(spec)] if part is None else part
+        with zipfile.ZipFile(spec[4:]) as z:
+            for member in members:
+                yield z.read(member).decode("utf-8")
+
+    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+        return {"kind": self.name, "spec": spec, "members": len(source.state(spec))}
+
+    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+        return sum(n for _, n in source.state(spec))
+
+    def roots(self, spec: str) -> List[str]:
+        return [spec[4:]]
+
+
+@pytest.fixture
+def zip_kind():
+    kind = register_source_kind(ZipKind())
+    yield kind
+    unregister_source_kind(kind.name)
+
+
+def _prep(out: Path, sources: List[str], **kw) -> Dict:
+    kw = {"seq_len": 32, "vocab_size": 120, "workers": 0, "progress": False,
+          "valid_fraction": 0.2, "shard_rows": 7, **kw}  # fmt: skip
+    return prepare(PrepConfig(sources=sources, out=str(out), **kw)).manifest
+
+
+def _tree(root: Path) -> Dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
+
+
+def test_source_kind_zip_to_shards(zip_kind, tmp_path):
+    """A zip archive's members give the same tokenizer and shards as the same documents as text
+    files, and two ranks (threads, srun's file transport) write the same bytes as one process."""
+    docs = make_docs(30)
+    write_text_corpus(tmp_path / "txt", docs)
+    archive = tmp_path / "docs.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for i, doc in enumerate(docs):
+            z.writestr(f"doc_{i:04d}.txt", doc)
+    spec = f"zip:{archive}"
+
+    ref = _prep(tmp_path / "ref", [str(tmp_path / "txt")])
+    got = _prep(tmp_path / "zip", [spec])
+    assert got["tokenizer"]["sha256"] == ref["tokenizer"]["sha256"]
+    assert shard_hashes(tmp_path / "zip", got) == shard_hashes(tmp_path / "ref", ref)
+    assert got["source"]["items"] == [{"kind": "zip", "spec": spec, "members": len(docs)}]
+    assert got["source"]["documents"] == ref["source"]["documents"] == len(docs)
+    assert got["source"]["bytes"] == ref["source"]["bytes"]  # UTF-8 bytes, counted by Source
+
+    from data_prep.distributed import World
+    from data_prep.parallel import prepare_distributed
+
+    errors: List[BaseException] = []
+    cfg = dict(sources=[spec], out=str(tmp_path / "ranks"), seq_len=32, vocab_size=120,
+               workers=0, progress=False, valid_fraction=0.2, shard_rows=7, unit_bytes=2000,
+               rank_timeout=60.0)  # fmt: skip
+
+    def rank(r: int) -> None:
+        try:
+            prepare_distributed(PrepConfig(**cfg), World("slurm", r, 2, "ext"))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert _tree(tmp_path / "ranks") == _tree(tmp_path / "zip")
+
+    with pytest.raises(DataPrepError, match="not a zip archive"):  # resolved before any work
+        _prep(tmp_path / "bad", [f"zip:{tmp_path / 'txt' / 'doc_0000.txt'}"])
+
+
+# ============================================================================ a projection kind
+class WindowPool(nn.Module):
+    """``[B, n, H, d] -> [B, ceil(n / r), H, d]``: each window of r tokens summed with learned
+    weights ``weight [H, r]`` (one set per head group; the same for every window)."""
+
+    def __init__(self, stride: int, heads: int, frozen: bool):
+        super().__init__()
+        self.stride, self.heads = stride, heads
+        self.weight = nn.Parameter(torch.empty(heads, stride), requires_grad=not frozen)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 / self.stride)
+
+    def forward(self, x: torch.Tensor, documents: Any = None) -> torch.Tensor:
+        if documents is not None:
+            raise NotImplementedError("pool: document isolation")
+        b, n, h, d = x.shape
+        r = self.stride
+        x = nn.functional.pad(x, (0, 0, 0, 0, 0, (-n) % r))
+        x = x.view(b, -1, r, h // self.heads, self.heads, d)  # heads = 1 or h
+        return torch.einsum("bcrgjd,jr->bcgjd", x, self.weight).reshape(b, -1, h, d)
+
+
+def register_pool() -> None:
+    """Register the ``pool`` projection kind (also run by the trainer driver below)."""
+    register_projection(
+        "pool",
+        lambda cfg, i, heads: WindowPool(cfg.conv_stride(i), heads, cfg.freeze_projection),
+        stride=lambda cfg, i: cfg.conv_stride(i),
+        stride_rule="max_seq_len / k",
+        check=lambda cfg, i: None if cfg.max_seq_len % cfg.k_for_layer(i) == 0 else (
+            f"pool layer {i}: k={cfg.k_for_layer(i)} does not divide max_seq_len"
+        ),
+        flops=lambda cfg, i, n: 2 * 2 * cfg.hidden_size  # the weighted sums of K and V
+        + 2 * 2 * math.ceil(n / cfg.conv_stride(i)) * cfg.hidden_size,  # scores, weighted sum
+        replace=True,
+    )
+
+
+@pytest.fixture
+def pool_kind():
+    register_pool()
+    yield "pool"
+    unregister_projection("pool")
+
+
+SMALL = dict(vocab_size=50, max_seq_len=16, hidden_size=16, num_layers=2, num_heads=2,
+             intermediate_size=32, k=4, dropout=0.0, attention_dropout=0.0)  # fmt: skip
+
+
+def _pool_ref(t: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
+    """``[B, n, h, d] -> [B, ceil(n / r), h, d]`` by hand: zero-pad, weight each window's taps."""
+    b, n, h, d = t.shape
+    t = nn.functional.pad(t, (0, 0, 0, 0, 0, (-n) % r)).view(b, -1, r, h, d)
+    return torch.einsum("bcrhd,hr->bchd", t, w.expand(h, r))
+
+
+def test_projection_kind_forward_backward(pool_kind):
+    with pytest.raises(ModelConfigError, match="must be one of"):
+        unregister_projection("pool")
+        ModelConfig(**SMALL, projection="pool")
+    register_pool()
+    with pytest.raises(ModelConfigError, match="pool layer 0: k=5 does not divide"):
+        ModelConfig(**{**SMALL, "k": 5}, projection="pool")
+
+    torch.manual_seed(0)
+    ids = torch.randint(5, 50, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    for sharing in ("none", "headwise", "kv", "layerwise"):
+        cfg = ModelConfig(**SMALL, layer_projections=["linear", "pool"], sharing=sharing)
+        model = LinformerForMaskedLM(cfg)
+        pools = [m for m in model.modules() if isinstance(m, WindowPool)]
+        assert pools and all(m.projection_kind == "pool" for m in pools)
+        if sharing == "layerwise":
+            assert model.encoder.shared_pool is pools[0] and len(pools) == 1
+        assert cfg.num_projection_parameters() == sum(
+            p.numel() for n, p in model.named_parameters() if "proj_" in n or "shared_" in n
+        )
+        # the attention of the pool layer against a hand-written reference
+        attn = model.encoder.layers[1].attention
+        x = torch.randn(3, 12, 16, dtype=torch.float64)
+        attn.double()
+        shared = model.encoder.shared_pool.double() if sharing == "layerwise" else None
+        q, k, v = attn.qkv(x).view(3, 12, 3, 2, 8).unbind(2)
+        proj_k = attn.proj_k or shared
+        proj_v = attn.proj_v or proj_k
+        kp, vp = _pool_ref(k, proj_k.weight, 4), _pool_ref(v, proj_v.weight, 4)
+        ref = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2)
+        )
+        want = attn.out(ref.transpose(1, 2).reshape(3, 12, 16))
+        torch.testing.assert_close(attn(x, None, shared), want)
+        attn.float()
+        if shared is not None:
+            shared.float()
+        # the whole model: forward, backward, every projection weight gets a gradient
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        for m in pools:
+            assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+    assert flops_per_token(cfg) > 0
+    # sequence parallelism: refused for a kind registered without sequence_parallel=True
+    from linformer_ds.sequence_parallel import config_errors
+
+    errors = config_errors(2, world_size=2, seq_len=16, model=cfg)
+    assert any("the pool projection does not support sequence parallelism" in e for e in errors)
+
+
+# ====================================================================== a sink and a trainer run
+class CollectSink(Sink):
+    """Keeps every record and counts the steps (what a sink sees of a real run)."""
+
+    def __init__(self) -> None:
+        self.records: List[Dict[str, Any]] = []
+        self.steps: List[int] = []
+
+    def record(self, step, split, values, console) -> None:
+        self.records.append({"step": step, "split": split, **values})
+
+    def step_done(self, step, seconds, tokens, skipped, eta) -> None:
+        self.steps.append(step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+DRIVER = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+from linformer_ds.config import load_config
+from linformer_ds.train import Trainer
+from tests.test_extending import CollectSink, register_pool
+
+register_pool()
+trainer = Trainer(load_config({config!r}, {overrides!r}))
+sink = CollectSink()
+trainer.metrics.sinks.append(sink)
+try:
+    code = trainer.train()
+    kinds = sorted({{type(m).__name__ for m in trainer.engine.module.modules()}})
+finally:
+    trainer.close()
+with open({out!r}, "w") as f:
+    json.dump({{"code": code, "records": sink.records, "steps": sink.steps,
+               "closed": getattr(sink, "closed", False), "modules": kinds}}, f)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory):
+    """4 steps of the real trainer (one rank) on a pool/linear model, with a CollectSink."""
+    tmp = tmp_path_factory.mktemp("ext")
+    data = make_corpus(tmp / "data", max_docs=40)
+    run_dir = tmp / "run"
+    overrides = TEST_OVERRIDES + [
+        f"data.path={data}", f"logging.dir={run_dir}", "model.num_layers=2",
+        "model.layer_projections=[linear, pool]", "model.sharing=headwise",
+        "train.max_steps=4", "train.micro_batch_size=2", "checkpoint.save_interval=0",
+        "deepspeed.precision=fp32",
+    ]  # fmt: skip
+    out = tmp / "result.json"
+    script = tmp / "driver.py"
+    script.write_text(
+        DRIVER.format(repo=str(REPO), config=TINY_CONFIG, overrides=overrides, out=str(out))
+    )
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    with open(run_dir / "metrics.jsonl") as f:
+        result["jsonl"] = [json.loads(line) for line in f]
+    return result
+
+
+def test_projection_kind_trains(pool_run):
+    assert pool_run["code"] == 0
+    assert "WindowPool" in pool_run["modules"]
+    losses = [r["loss"] for r in pool_run["records"] if r["split"] == "train"]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+
+
+def test_sink_receives_real_metrics(pool_run):
+    """The sink saw every optimizer step and the same train records as metrics.jsonl."""
+    assert pool_run["steps"] == [1, 2, 3, 4]
+    assert pool_run["closed"]
+    train = [r for r in pool_run["records"] if r["split"] == "train"]
+    want = [r for r in pool_run["jsonl"] if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["loss"] for r in train] == [r["loss"] for r in want]
+    assert {"loss", "mlm_accuracy", "lr", "tokens_per_s"} <= set(train[0])
