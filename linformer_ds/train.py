@@ -34,6 +34,7 @@ from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import NUM_STATS, StageMeter
 from linformer_ds.parallelize import LossScaling, parallelize
 from linformer_ds.resolve import resolve
+from linformer_ds.versions import check_versions
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -182,6 +183,7 @@ class Trainer:
         from linformer_ds.compile import compile_engine
         from linformer_ds.dist_env import setup_distributed_env, start_watchdog
 
+        check_versions()  # deepspeed/torch in the tested range (LINFORMER_DS_UNTESTED_DEPS=1)
         self.cfg = cfg
         # the signal handler first: a preemption notice is never lost
         self.stop = SignalFlag(cfg.train.save_on_signal)

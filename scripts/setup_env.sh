@@ -12,8 +12,17 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
+# Every other dependency at the tested version (constraints.txt, what CI runs); the torch pin is
+# dropped when another torch is already installed (a GPU user's CUDA build), which the trainer
+# then checks against its tested range (linformer_ds/versions.py).
 if ! python -c "import linformer_ds, deepspeed, omegaconf, datasets, sentencepiece, transformers, pytest, hypothesis" 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ]; then
-  pip install -q -e ".[dev]"
+   || [ pyproject.toml -nt .venv/.installed ] || [ constraints.txt -nt .venv/.installed ]; then
+  torch_now=$(python -c "import torch; print(torch.__version__.split('+')[0])")
+  if grep -qx "torch==$torch_now" constraints.txt; then
+    cp constraints.txt .venv/constraints.txt
+  else
+    grep -v '^torch==' constraints.txt > .venv/constraints.txt
+  fi
+  pip install -q -c .venv/constraints.txt -e ".[dev]"
   touch .venv/.installed
 fi

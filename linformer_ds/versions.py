@@ -1,0 +1,76 @@
+"""The dependency versions the trainer is tested with, and the start-up check against them.
+
+``linformer_ds.engine`` patches DeepSpeed internals (``engine._global_grad_norm``,
+``engine.clip_fp32_gradients``) and ``linformer_ds.checkpoint`` repairs what DeepSpeed 0.19.8's
+universal checkpoints carry: another DeepSpeed (or torch) may change them silently, so
+:class:`linformer_ds.train.Trainer` refuses to start outside the tested range unless
+``LINFORMER_DS_UNTESTED_DEPS=1`` (then it prints a one-line warning). The ranges match
+``pyproject.toml``; ``constraints.txt`` pins the whole tested set (torch 2.13.0+cpu here, the
+GPU kit runs the device image's torch 2.11).
+"""
+
+import os
+import sys
+from importlib import metadata
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from linformer_ds.dist_env import DistEnvError
+
+# package -> (tested range, why it matters); keep in step with pyproject.toml's dependencies.
+TESTED: Dict[str, Tuple[str, str]] = {
+    "deepspeed": (">=0.19.8,<0.20", "engine.py patches its internals"),
+    "torch": (">=2.11,<2.14", "the tested releases"),
+}
+UNTESTED_ENV = "LINFORMER_DS_UNTESTED_DEPS"
+
+
+class UntestedVersionError(DistEnvError):
+    """An installed dependency is outside the tested range (one line, names the range)."""
+
+
+def installed_version(name: str) -> Optional[str]:
+    """The installed distribution's version, or None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_problems(versions: Optional[Mapping[str, Optional[str]]] = None) -> List[str]:
+    """One message per installed dependency outside its tested range (``versions``: name ->
+    version, default: what is installed)."""
+    problems = []
+    for name, (spec, why) in TESTED.items():
+        got = versions[name] if versions is not None else installed_version(name)
+        if got is None:
+            continue
+        try:
+            ok = Version(got) in SpecifierSet(spec, prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            problems.append(f"{name} {got} is outside the tested range {spec} ({why})")
+    return problems
+
+
+def check_versions(
+    versions: Optional[Mapping[str, Optional[str]]] = None,
+    env: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Raise :class:`UntestedVersionError` (one line) when a dependency is outside its tested
+    range; with ``LINFORMER_DS_UNTESTED_DEPS=1`` print the same line as a warning instead."""
+    problems = version_problems(versions)
+    if not problems:
+        return
+    env = os.environ if env is None else env
+    line = "; ".join(problems)
+    if env.get(UNTESTED_ENV, "") not in ("", "0"):
+        print(f"[warn] {line}; running anyway ({UNTESTED_ENV} is set)", file=sys.stderr, flush=True)
+        return
+    raise UntestedVersionError(
+        f"{line}: install the tested set (pip install -c constraints.txt -e .) or set "
+        f"{UNTESTED_ENV}=1 to run anyway"
+    )
