@@ -5,8 +5,8 @@
 universal checkpoints carry: another DeepSpeed (or torch) may change them silently, so
 :class:`linformer_ds.train.Trainer` refuses to start outside the tested range unless
 ``LINFORMER_DS_UNTESTED_DEPS=1`` (then it prints a one-line warning). The ranges match
-``pyproject.toml``; ``constraints.txt`` pins the whole tested set (torch 2.13.0+cpu here, the
-GPU kit runs the device image's torch 2.11).
+``pyproject.toml``; ``constraints.txt`` pins the whole tested set (torch 2.13.0+cpu); the
+torch range also admits 2.11, the device image's, for the GPU kit.
 """
 
 import os
