@@ -324,13 +324,16 @@ class ParallelConfig(Section):
 
 @dataclass
 class DebugConfig(Section):
-    """Test instruments of the trainer (docs/reliability.md); null: off. Each rank appends to
-    its own file in the directory."""
+    """Test instruments of the trainer (docs/reliability.md), never set in normal runs; null:
+    off. Each rank appends to its own file in the directory."""
 
     key: ClassVar[str] = "debug"
     sample_log: Optional[str] = None  # DIR: samples.rank{R}.jsonl, the sample indices per step
     sync_log: Optional[str] = None  # DIR: syncs.rank{R}.jsonl, host syncs of sync_steps
     sync_steps: List[int] = field(default_factory=lambda: [2, 3])  # the optimizer steps counted
+    # TEST HOOK: the loss of this optimizer step times NaN (on rank nan_rank; null: every rank)
+    nan_at_step: Optional[int] = bounded(None, 1, MAX_STEPS, note="or null: off")
+    nan_rank: Optional[int] = bounded(None, 0, MAX_COUNT, note="or null: every rank")
 
     def rules(self, job: "JobConfig") -> None:
         for name in ("sample_log", "sync_log"):

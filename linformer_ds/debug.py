@@ -1,6 +1,6 @@
-"""Test hooks of the trainer (documented in docs/reliability.md), attached only when asked for:
-the sample-index log (``debug.sample_log=DIR``, a job config key) and the NaN loss of one step
-(``LINFORMER_DS_TEST_HOOK_NAN_AT_STEP``, an environment variable that normal runs never set)."""
+"""Test hooks of the trainer (docs/reliability.md), set by the job config's ``debug:`` keys
+that normal runs never set, and attached only then: the sample-index log
+(``debug.sample_log=DIR``) and the NaN loss of one step (``debug.nan_at_step``, ``nan_rank``)."""
 
 import json
 import os
@@ -10,29 +10,21 @@ import torch
 
 from linformer_ds.config import ConfigError
 
-TEST_NAN_ENV = "LINFORMER_DS_TEST_HOOK_NAN_AT_STEP"  # "STEP[:RANK]": TEST HOOK, loss *= NaN
-
-
-def _parse_nan_hook(value: str):
-    """``"STEP[:RANK]"`` of the NaN test hook -> (step, rank or None for all); 0 when unset."""
-    if not value:
-        return 0, None
-    step, _, rank = value.partition(":")
-    try:
-        return int(step), (int(rank) if rank else None)
-    except ValueError:
-        raise ConfigError(f"{TEST_NAN_ENV}={value!r}: expected STEP or STEP:RANK") from None
-
 
 class DebugHooks:
     """``sample_observer`` (the sample-index log of ``debug.sample_log``) and ``poison`` (a NaN
     loss at one step); ``active``: whether the step must call ``poison`` at all."""
 
-    def __init__(self, rank: int, sample_log: Optional[str] = None, environ: Optional[dict] = None):
-        env = os.environ if environ is None else environ
+    def __init__(
+        self,
+        rank: int,
+        sample_log: Optional[str] = None,
+        nan_at_step: Optional[int] = None,
+        nan_rank: Optional[int] = None,
+    ) -> None:
         self.rank = rank
-        self.nan_step, self.nan_rank = _parse_nan_hook(env.get(TEST_NAN_ENV, ""))
-        self.active = self.nan_step > 0
+        self.nan_step, self.nan_rank = nan_at_step, nan_rank
+        self.active = nan_at_step is not None
         self._sample_log: Optional[TextIO] = None
         if sample_log:
             path = os.path.join(sample_log, f"samples.rank{rank}.jsonl")

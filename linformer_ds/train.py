@@ -29,7 +29,7 @@ from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
-from linformer_ds.debug import TEST_NAN_ENV, DebugHooks  # noqa: F401  (TEST_NAN_ENV re-exported)
+from linformer_ds.debug import DebugHooks
 from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import NUM_STATS, StageMeter
 from linformer_ds.parallelize import LossScaling, parallelize
@@ -199,7 +199,8 @@ class Trainer:
         # that need the world or N); every component is built from the frozen result
         self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_len(cfg))
         self._build_data()  # data and checkpoints: checked before any collective starts
-        self.debug = DebugHooks(self.rank, cfg.debug.sample_log)  # test hooks: when configured
+        d = cfg.debug  # test hooks: only when configured
+        self.debug = DebugHooks(self.rank, d.sample_log, d.nan_at_step, d.nan_rank)
         self._build_engine()
         self._build_metrics()
         self.compiled = compile_engine(self.engine, cfg, self.metrics)  # train.compile

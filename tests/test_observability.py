@@ -19,7 +19,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from linformer_ds.config import load_config
-from linformer_ds.debug import TEST_NAN_ENV
 from linformer_ds.metrics import Metrics, format_duration
 from linformer_ds.prometheus import TARGETS_FILE
 from tests.pretrain_utils import (
@@ -87,8 +86,9 @@ def scraped_run(tiny_corpus, tmp_path_factory):
         "train.nonfinite=skip",
         "train.eval_interval=10",
         "train.eval_batches=1",
+        "debug.nan_at_step=15",
     ]
-    proc, log = popen_pretrain(tiny_corpus, run, overrides, {TEST_NAN_ENV: "15"})
+    proc, log = popen_pretrain(tiny_corpus, run, overrides, {})
     targets_file = run / TARGETS_FILE
     endpoints: Optional[List[str]] = None
     targets: Optional[list] = None

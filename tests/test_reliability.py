@@ -25,7 +25,6 @@ from linformer_ds.checkpoint.io import safe_torch_load
 from linformer_ds.checkpoint.tags import latest_tag, tag_dirs, tag_problem
 from linformer_ds.data.shards import ShardDataset
 from linformer_ds.fsio import read_jsonl
-from linformer_ds.train import TEST_NAN_ENV
 from tests.legacy_batches import ResumableDistributedSampler
 from tests.pretrain_utils import (
     PRETRAIN,
@@ -373,8 +372,9 @@ def test_nonfinite_stop_keeps_last_good_checkpoint(tiny_corpus, tmp_path):
     proc = _single(
         tiny_corpus,
         tmp_path,
-        ["train.max_steps=6", "checkpoint.save_interval=2", "train.nonfinite=stop"],
-        {TEST_NAN_ENV: "3"},
+        ["train.max_steps=6", "checkpoint.save_interval=2", "train.nonfinite=stop",
+         "debug.nan_at_step=3"],
+        {},
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "[error] non-finite loss at step 3 on 1 micro-batch(es); stopping" in proc.stdout
@@ -395,8 +395,9 @@ def test_nonfinite_skip_leaves_weights_untouched_and_continues(tiny_corpus, tmp_
             "checkpoint.save_interval=1",
             "checkpoint.keep_last=0",
             "train.nonfinite=skip",
+            "debug.nan_at_step=3",
         ],
-        {TEST_NAN_ENV: "3"},
+        {},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[warn] step 3: non-finite loss; step skipped (train.nonfinite=skip)" in proc.stdout
