@@ -286,6 +286,64 @@ class Documents(NamedTuple):
     num_shared: int = 0
     whole_rows: bool = False
     block_mask: Optional[torch.Tensor] = None
+    plans: Optional[dict] = None  # chunk plans by size (document_chunks), built once per batch
+
+    def chunks(self, size: int, tokens: int, device: torch.device) -> "DocumentChunks":
+        """:func:`document_chunks` of these spans (``tokens`` = B * n), cached per size."""
+        plans = self.plans if self.plans is not None else {}
+        if size not in plans:
+            plans[size] = document_chunks(self.spans, size, tokens, device)
+        return plans[size]
+
+
+class DocumentChunks(NamedTuple):
+    """The documents cut into chunks of ``size`` document positions (chunk j of a document holds
+    its positions ``[j size, (j+1) size)``), so that per-document work runs as a few batched
+    ops: ``tokens [C, size]`` the flat index (into ``B * n`` tokens) of each slot, ``B * n``
+    for an empty slot; ``span [C]`` each chunk's span; ``block [C]`` its j; ``slot [B * n]``
+    each token's place ``chunk * size + offset``; ``key_index [S, J]`` span i's chunk j (``C``:
+    none), J the most chunks of one span."""
+
+    size: int
+    tokens: torch.Tensor
+    span: torch.Tensor
+    block: torch.Tensor
+    slot: torch.Tensor
+    key_index: torch.Tensor
+
+
+def document_chunks(
+    spans: List[DocumentSpan], size: int, tokens: int, device: torch.device
+) -> DocumentChunks:
+    """The :class:`DocumentChunks` of ``spans`` (covering ``tokens`` flat tokens in order),
+    computed on the host and copied to ``device`` once."""
+    num = len(spans)
+    lens = torch.tensor([s.end - s.start for s in spans], dtype=torch.long)
+    cols = torch.tensor([s.column for s in spans], dtype=torch.long)
+    first = cols // size
+    count = (cols + lens - 1) // size - first + 1  # chunks of each span
+    base = torch.cumsum(count, 0) - count
+    total = int(count.sum())
+    tok_span = torch.repeat_interleave(torch.arange(num), lens)  # spans cover tokens in order
+    flat_start = torch.cumsum(lens, 0) - lens
+    pos = cols[tok_span] + torch.arange(tokens) - flat_start[tok_span]  # document position
+    chunk = base[tok_span] + pos // size - first[tok_span]
+    slot = chunk * size + pos % size
+    index = torch.full((total * size,), tokens, dtype=torch.long)
+    index[slot] = torch.arange(tokens)
+    chunk_span = torch.repeat_interleave(torch.arange(num), count)
+    within = torch.arange(total) - base[chunk_span]
+    width = int(count.max())
+    key_index = torch.full((num * width,), total, dtype=torch.long)
+    key_index[chunk_span * width + within] = torch.arange(total)
+    return DocumentChunks(
+        size,
+        index.view(total, size).to(device),
+        chunk_span.to(device),
+        (first[chunk_span] + within).to(device),
+        slot.to(device),
+        key_index.view(num, width).to(device),
+    )
 
 
 def document_starts(
@@ -338,7 +396,7 @@ def document_spans(
             if ls < le:
                 padded = bool(pad[r, ls:le].any())
                 spans.append(DocumentSpan(r, ls - lo, le - lo, ls - s, padded, shared))
-    return Documents(spans, num_shared, whole)
+    return Documents(spans, num_shared, whole, None, {})
 
 
 def document_block_mask(
@@ -413,25 +471,24 @@ class LinearProjection(nn.Module):
 
     def _project_documents(self, x: torch.Tensor, documents: Documents) -> torch.Tensor:
         """``x [B, n, h, d]`` -> ``[S, k, h, d]``: span i's tokens times E's columns
-        ``[column, column + length)`` (the slicing a lone document of that length uses)."""
-        _, _, h, d = x.shape
-        width = self.weight.shape[-1]
-        ys = []
-        for span in documents.spans:
-            length, col = span.end - span.start, span.column - self.shard_start
-            if not 0 <= col <= width - length:
-                raise ValueError(
-                    f"document columns [{span.column}, {span.column + length}) are outside the "
-                    f"E/F columns this rank holds [{self.shard_start}, {self.shard_start + width})"
-                )
-            whole = col == 0 and length == width
-            w = self.weight if whole else self.weight[:, :, col : col + length]
-            xi = x[span.row, span.start : span.end]  # [L, h, d]
-            if self.heads == 1:
-                ys.append(torch.mm(w.squeeze(0), xi.reshape(length, h * d)).view(self.k, h, d))
-            else:
-                ys.append(torch.einsum("hkn,nhd->khd", w, xi))
-        y = torch.stack(ys)
+        ``[column, column + length)`` (the slicing a lone document of that length uses), as one
+        batched product over chunks of k positions (:class:`DocumentChunks`) summed per span."""
+        b, n, h, d = x.shape
+        if self.shard_start or self.weight.shape[-1] != self.max_seq_len:
+            raise ValueError("document isolation needs the whole E/F (not sharded)")
+        plan = documents.chunks(self.k, b * n, x.device)
+        c, num = plan.size, len(documents.spans)
+        flat = torch.cat([x.reshape(b * n, h * d), x.new_zeros(1, h * d)])  # + an empty slot
+        xc = flat.index_select(0, plan.tokens.reshape(-1)).view(-1, c, h * d)  # [C, c, hd]
+        w = self.weight
+        if w.shape[-1] % c:
+            w = F.pad(w, (0, c - w.shape[-1] % c))
+        wc = w.view(self.heads, self.k, -1, c).index_select(2, plan.block)  # [H, k, C, c]
+        if self.heads == 1:
+            y = torch.bmm(wc[0].transpose(0, 1), xc).view(-1, self.k, h, d)  # [C, k, h, d]
+        else:
+            y = torch.einsum("hkjc,jchd->jkhd", wc, xc.view(-1, c, h, d))
+        y = y.new_zeros((num,) + tuple(y.shape[1:])).index_add(0, plan.span, y)
         sp = self.sequence_parallel
         return y if sp is None else sp.reduce_documents(y, documents)
 
@@ -471,13 +528,11 @@ class ConvProjection(nn.Module):
         if documents is not None:
             if self.sequence_parallel is not None:
                 raise ValueError("conv projection: document isolation under sequence parallelism")
-            r = self.stride
-            pieces = []
-            for span in documents.spans:
-                xi = x[span.row, span.start : span.end]
-                pad = (-(span.end - span.start)) % r
-                pieces.append(F.pad(xi, (0, 0, 0, 0, 0, pad)) if pad else xi)
-            return self._blocks(torch.cat(pieces)[None])[0]
+            b, n, h, d = x.shape
+            plan = documents.chunks(self.stride, b * n, x.device)  # one chunk = one window
+            flat = torch.cat([x.reshape(b * n, h * d), x.new_zeros(1, h * d)])
+            windows = flat.index_select(0, plan.tokens.reshape(-1)).view(1, -1, h, d)
+            return self._blocks(windows)[0]
         b, n, h, d = x.shape
         r = self.stride
         pad = (-n) % r
@@ -764,9 +819,10 @@ class LinformerSelfAttention(nn.Module):
         documents: Documents,
         dropout_p: float,
     ) -> torch.Tensor:
-        """Document-isolated attention of ``qkv [B, n, 3D]`` -> ``[B, n, D]``: one attention
-        per document span, against its own keys (dense), summaries (linear) or blocks (conv);
-        the work of running each document alone."""
+        """Document-isolated attention of ``qkv [B, n, 3D]`` -> ``[B, n, D]``: each document
+        against its own keys (dense: one attention per document), summaries (linear) or
+        windows (conv); linear and conv run batched over chunks of k document positions
+        (:class:`DocumentChunks`), the work of each document alone plus the chunks' padding."""
         b, n, _ = qkv.shape
         h, d = self.num_heads, self.head_dim
         spans, sp = documents.spans, self.sequence_parallel
@@ -798,27 +854,31 @@ class LinformerSelfAttention(nn.Module):
         else:
             k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
             kp, vp = proj_k(k_in, documents), self.proj_v(v_in, documents)
-        if self.kind == "conv":
-            r = proj_k.stride
-            sizes = [-(-(s.end - s.start) // r) for s in spans]
-            kps, vps = kp.split(sizes), vp.split(sizes)  # each [c_i, h, d]
-        else:
-            kps, vps = kp.unbind(0), vp.unbind(0)  # each [k, h, d]
-        for i, s in enumerate(spans):
-            am = None
-            if self.kind == "conv" and s.padded and mask is not None:
-                pad = (-(s.end - s.start)) % r
-                blocks = F.pad(mask[s.row, s.start : s.end], (0, pad)).view(-1, r).any(dim=-1)
-                am = _nonempty(blocks[None])[:, None, None, :]
-            y = sdpa(
-                q[s.row, :, s.start : s.end][None],
-                kps[i].transpose(0, 1)[None],
-                vps[i].transpose(0, 1)[None],
-                attn_mask=am,
-                dropout_p=dropout_p,
+        # queries in chunks of k positions of a document, each chunk against its document's
+        # summaries (linear: k of them; conv: its windows, padded to the most of one document)
+        plan = documents.chunks(self.config.k_for_layer(self.layer_idx), b * n, qkv.device)
+        am = None
+        if self.kind == "conv":  # [C_w, h, d] windows -> [S, J, h, d], empty ones masked
+            win = documents.chunks(proj_k.stride, b * n, qkv.device)
+            valid = win.key_index < win.tokens.shape[0]  # [S, J]
+            if mask is not None:  # windows made only of padding are ignored
+                m = torch.cat([mask.reshape(-1), mask.new_zeros(1)])
+                real = m.index_select(0, win.tokens.reshape(-1)).view(win.tokens.shape).any(-1)
+                real = torch.cat([real, real.new_zeros(1)])
+                valid = real.index_select(0, win.key_index.reshape(-1)).view(valid.shape)
+            kp, vp = (
+                torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
+                .index_select(0, win.key_index.reshape(-1))
+                .view(win.key_index.shape + (h, d))
+                for t in (kp, vp)
             )
-            ys.append(y[0].transpose(0, 1))  # [L, h, d]
-        return self.out(torch.cat(ys).view(b, n, self.hidden_size))
+            am = _nonempty(valid).index_select(0, plan.span)[:, None, None, :]
+        flat = torch.cat([q.transpose(1, 2).reshape(b * n, h * d), q.new_zeros(1, h * d)])
+        qc = flat.index_select(0, plan.tokens.reshape(-1)).view(-1, plan.size, h, d)
+        kc, vc = (t.index_select(0, plan.span).transpose(1, 2) for t in (kp, vp))
+        y = sdpa(qc.transpose(1, 2), kc, vc, attn_mask=am, dropout_p=dropout_p)  # [C, h, c, d]
+        y = y.transpose(1, 2).reshape(-1, h * d).index_select(0, plan.slot)  # [B n, D]
+        return self.out(y.view(b, n, self.hidden_size))
 
 
 # ======================================================================================= encoder

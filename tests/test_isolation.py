@@ -2,6 +2,7 @@
 document gives the outputs, loss (sum of per-token cross-entropies) and every parameter gradient
 of its documents run alone, each as its own row with positions from 0 (fp32, within 1e-6)."""
 
+import json
 from typing import Dict, List, Tuple
 
 import pytest
@@ -117,10 +118,9 @@ def rows_strategy(draw):
     out = []
     for _ in range(draw(st.integers(1, 2))):
         used = draw(st.integers(1, N))  # real tokens; the rest is padding
-        lengths, left = [], used
-        while left:
-            lengths.append(draw(st.integers(1, left)))
-            left -= lengths[-1]
+        cuts = draw(st.sets(st.integers(1, max(1, used - 1)), max_size=3)) if used > 1 else set()
+        bounds = [0] + sorted(cuts) + [used]  # at most 4 documents
+        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         out.append((lengths, N - used, draw(st.booleans())))
     return out
 
@@ -245,3 +245,43 @@ def test_masking_adds_position_ids_only_when_isolating():
     a, b = plain(tokens, torch.arange(2), 0), iso(tokens, torch.arange(2), 0)
     assert "position_ids" not in a and torch.equal(b.pop("position_ids"), want)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_isolation_auto_on_full_packing(tmp_path):
+    """A one-rank run on full-packed data: ``data.document_isolation=auto`` turns isolation on
+    (the [setup] line says so), training and evaluation run, and the first loss differs from
+    the same run without isolation (the documents no longer see each other)."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from tests.pretrain_utils import REPO, read_metrics, run_pretrain
+
+    # short documents (8 lines of stdlib source each): several per 128-token row
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = [ln for f in sorted((stdlib / "email").glob("*.py"))
+             for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]  # fmt: skip
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 8])}) + "\n"
+                            for i in range(0, len(lines), 8)))  # fmt: skip
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "data_prep", "--source", str(docs), "--out", str(data),
+         "--seq-len", "128", "--vocab-size", "2000", "--valid-fraction", "0.05", "--quiet"],
+        check=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    losses = {}
+    for setting in ("auto", "false"):
+        run_dir = tmp_path / setting
+        proc = run_pretrain(
+            data, run_dir, nproc=1, launcher="python",
+            overrides=[f"data.document_isolation={setting}", "train.max_steps=2",
+                       "train.eval_interval=2", "train.eval_batches=1", "model.num_layers=2"],
+        )  # fmt: skip
+        setup = [ln for ln in proc.stdout.splitlines() if ln.startswith("[setup]")][0]
+        want = "isolation=on (auto: full packing)" if setting == "auto" else "isolation=off"
+        assert want in setup, setup
+        losses[setting] = read_metrics(run_dir)[1]["loss"]
+        assert read_metrics(run_dir, "eval"), "no eval record"
+    assert losses["auto"] != losses["false"], losses
