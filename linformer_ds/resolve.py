@@ -9,7 +9,7 @@ config is built, and returns a frozen copy: nothing changes it afterwards.
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Sequence, Union
 
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
@@ -17,10 +17,13 @@ from linformer_ds.perf import native_bf16
 from linformer_ds.sequence_parallel import config_errors
 
 
-def resolve(cfg: JobConfig, world_size: int, seq_len: Optional[int] = None) -> JobConfig:
-    """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len``
-    (None: ``model.max_seq_len``), frozen; ``cfg`` itself is left as it was. The first problem
-    is a :class:`ConfigError` naming its key. ``result.resolved`` holds the world's figures."""
+def resolve(
+    cfg: JobConfig, world_size: int, seq_len: Union[None, int, Sequence[int]] = None
+) -> JobConfig:
+    """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len`` (the
+    N of every stage in order, or one N; None: ``model.max_seq_len``), frozen; ``cfg`` itself is
+    left as it was. The first problem is a :class:`ConfigError` naming its key (the data layer
+    checks the later stages' N). ``result.resolved`` holds the world's figures."""
     job = thawed_copy(cfg)
     if not cfg.__dict__.get("_validated"):  # built by from_dict or by hand, not load_config
         validate(job)
@@ -28,8 +31,10 @@ def resolve(cfg: JobConfig, world_size: int, seq_len: Optional[int] = None) -> J
     _check_precision_rules(job)
     _check_global_batch(job, world_size)
     check_deepspeed_extra(job, world_size)
-    n = int(seq_len or job.model.max_seq_len)
-    _resolve_shard(job, world_size, n)
+    ns = [int(n) for n in ([seq_len] if isinstance(seq_len, int) else seq_len or [])]
+    ns = ns or [int(job.model.max_seq_len)]
+    n = ns[0]
+    _resolve_shard(job, world_size, ns)
     if job.parallel.sequence_parallel_size > 1:
         errors = _sp_errors(job, world_size, n, job.parallel.shard_sequence_parameters)
         if errors:
@@ -68,10 +73,10 @@ def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]
     )
 
 
-def _resolve_shard(job: JobConfig, world_size: int, n: int) -> None:
-    """``shard_sequence_parameters: auto`` becomes true or false for sequence length ``n``: true
-    unless a rule refuses sharding only (not the run); ``auto_shard`` records the choice and the
-    reason. Nothing changes unless auto."""
+def _resolve_shard(job: JobConfig, world_size: int, ns: List[int]) -> None:
+    """``shard_sequence_parameters: auto`` becomes true or false for the sequence lengths ``ns``
+    (every stage's N): true unless a rule refuses sharding only (not the run) for one of them;
+    ``auto_shard`` records the choice and the reason. Nothing changes unless auto."""
     par = job.parallel
     par.auto_shard = None
     if par.shard_sequence_parameters != "auto":
@@ -80,13 +85,15 @@ def _resolve_shard(job: JobConfig, world_size: int, n: int) -> None:
     if p == 1:
         par.shard_sequence_parameters, par.auto_shard = False, "whole: P = 1"
         return
-    whole = set(_sp_errors(job, world_size, n, False))
-    refused = [e for e in _sp_errors(job, world_size, n, True) if e not in whole]
+    refused = []
+    for n in ns:
+        whole = set(_sp_errors(job, world_size, n, False))
+        refused += [e for e in _sp_errors(job, world_size, n, True) if e not in whole]
     par.shard_sequence_parameters = not refused
     par.auto_shard = (
         f"whole: {refused[0].split(': ', 1)[1].split('; ')[0]}"  # the rule, not the advice
         if refused
-        else f"sharded: P = {p}, N = model.max_seq_len = {n}"
+        else f"sharded: P = {p}, N = model.max_seq_len = {ns[0]}"
     )
 
 

@@ -159,15 +159,15 @@ def print_config(cfg: JobConfig) -> int:
     return 0
 
 
-def data_seq_len(cfg: JobConfig) -> Optional[int]:
-    """N of the run's first stage (its first source's train split), read before the data is
-    opened so the config is resolved first; None when it cannot be read (opening the data then
-    says why)."""
+def data_seq_lens(cfg: JobConfig) -> List[int]:
+    """N of every stage of the run (its first source's train split), read before the data is
+    opened so the config is resolved first; empty when one cannot be read (opening the data
+    then says why)."""
     try:
-        path = resolve_stages(cfg)[0].paths[0]
-        return ShardDataset(path, cfg.data.train_split).seq_len
+        return [ShardDataset(s.paths[0], cfg.data.train_split).seq_len
+                for s in resolve_stages(cfg)]  # fmt: skip
     except (ConfigError, DataError, OSError):
-        return None
+        return []
 
 
 class Trainer:
@@ -197,7 +197,7 @@ class Trainer:
         )
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
-        self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_len(cfg))
+        self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_lens(cfg))
         self._build_data()  # data and checkpoints: checked before any collective starts
         d = cfg.debug  # test hooks: only when configured
         self.debug = DebugHooks(self.rank, d.sample_log, d.nan_at_step, d.nan_rank)

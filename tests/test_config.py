@@ -642,3 +642,16 @@ def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch)
 def test_unusable_debug_directory_is_one_line(key, path):
     msg = _refused(f"{key}={path}" if path else f"{key}=''")
     assert msg.startswith(f"{key}: "), msg
+
+
+def test_shard_auto_looks_at_every_stage():
+    """auto shards only when every stage's N allows it (a later, shorter stage holds E/F whole)."""
+    model = {"max_seq_len": 64, "hidden_size": 16, "num_heads": 4, "num_layers": 1,
+             "intermediate_size": 32, "k": 8, "vocab_size": 50}  # fmt: skip
+    cfg = from_dict({"model": model, "deepspeed": {"precision": "fp32", "zero": {"stage": 2}},
+                     "parallel": {"sequence_parallel_size": 2}})  # fmt: skip
+    assert resolve(cfg, 2, seq_len=[64]).parallel.shard_sequence_parameters is True
+    staged = resolve(cfg, 2, seq_len=[64, 32])
+    assert staged.parallel.shard_sequence_parameters is False
+    assert staged.parallel.auto_shard.startswith("whole: sharding needs model.max_seq_len == N")
+    assert staged.resolved.seq_len == 64
