@@ -4,10 +4,11 @@ import argparse
 import sys
 from typing import List, Optional
 
+from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES
-from linformer_ds import outdir
+from linformer_ds import dirlock, outdir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +134,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     if args.workers is not None:
         kwargs["workers"] = args.workers
+    world = detect_world()
+    lock = dirlock.output_lock(args.out, "data_prep")  # one data_prep per --out (rank 0 holds it)
+    if world is None or world.rank == 0:
+        try:
+            lock.acquire()
+        except (dirlock.LockError, OSError) as e:
+            why = e if isinstance(e, dirlock.LockError) else f"--out {args.out}: {e.strerror or e}"
+            print(f"data_prep: error: {why}", file=sys.stderr)
+            return 2
+        if lock.stale_note():
+            print(lock.stale_note(), file=sys.stderr)
     try:
         prepare(PrepConfig(**kwargs))
     except DataPrepError as e:  # bad input, options or output directory: one line, exit 2
@@ -142,6 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("data_prep: interrupted; rerun with --resume to continue", file=sys.stderr)
         return 130
+    finally:
+        lock.release()
     return 0
 
 

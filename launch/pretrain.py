@@ -12,7 +12,7 @@ import sys
 
 
 class _EarlySignals:
-    """Records SIGUSR1/SIGTERM from the first line on (importing torch takes seconds, and the
+    """Records SIGUSR1/SIGTERM/SIGINT from the first line on (importing torch takes seconds, and the
     default action would kill the rank); the trainer's SignalFlag adopts ``pending``."""
 
     def __init__(self) -> None:
@@ -23,7 +23,7 @@ class _EarlySignals:
 
 
 _early = _EarlySignals()
-for _s in (signal.SIGUSR1, signal.SIGTERM):
+for _s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
     signal.signal(_s, _early)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -421,8 +421,8 @@ def _alive(pid: int) -> bool:
 class Watchdog:
     """A daemon thread that keeps a rank from waiting forever.
 
-    - Start-up (from construction until :meth:`training_started`): SIGTERM/SIGUSR1 end the
-      process at once (exit 75, one line), also while the main thread is blocked inside a
+    - Start-up (from construction until :meth:`training_started`): SIGTERM/SIGUSR1/SIGINT end
+      the process at once (exit 75, one line), also while the main thread is blocked inside a
       rendezvous or builds indices: no optimizer step has run, so the last checkpoint is
       current. (Signals recorded before the watchdog started are adopted by the trainer.)
     - Always, when ``watch_launcher``: if the launcher process exits (see :func:`launcher_pids`),
@@ -473,7 +473,8 @@ class Watchdog:
             ready, _, _ = select.select([self._read], [], [], self.poll_s)
             if ready:
                 for signum in os.read(self._read, 64):
-                    if signum in (signal.SIGTERM, signal.SIGUSR1) and self.phase is not None:
+                    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+                    if signum in stops and self.phase is not None:
                         name = signal.Signals(signum).name
                         self._leave(
                             f"{name} during {self.phase}: stopped before the first step (the "

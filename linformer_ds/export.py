@@ -19,10 +19,15 @@ writes (JSON, never a pickle). ``OUT`` holds::
     linformer_export.json       provenance: checkpoint (a relative path), tag, step, dtype, config
 
 and loads with ``transformers`` alone (``trust_remote_code=True``), no linformer_ds installed.
+``config.json`` records the sha256 of each code file (``linformer_code_sha256``): finetune runs
+the code only when they still match (:func:`check_remote_code`). The tag read is pinned (a shared
+lock the trainer's pruning respects) and ``OUT`` is locked while the export runs.
 """
 
 import argparse
+import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -34,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from linformer_ds import outdir
+from linformer_ds import dirlock, outdir
 from linformer_ds.checkpoint.io import safe_torch_load, weights_only_torch_load
 from linformer_ds.checkpoint.tags import (
     META_FILE,
@@ -42,6 +47,7 @@ from linformer_ds.checkpoint.tags import (
     CheckpointError,
     resolve_checkpoint,
     sharded_sp_size,
+    tag_problem,
 )
 from linformer_ds.checkpoint.tags import read_meta as read_tag_meta
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
@@ -73,6 +79,8 @@ REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
         (("from ..model import", "from .linformer_model import"),),
     ),
 }
+# config.json key: {code file name: sha256 of its text} as written by the export
+CODE_SHA_KEY = "linformer_code_sha256"
 AUTO_MAP = {
     "AutoConfig": "configuration_linformer.LinformerConfig",
     "AutoModel": "modeling_linformer.LinformerModel",
@@ -142,8 +150,17 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
 def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
-        with weights_only_torch_load():
-            return _consolidate_zero(checkpoint_dir, tag)
+        try:
+            with weights_only_torch_load():
+                return _consolidate_zero(checkpoint_dir, tag)
+        except CheckpointError as e:  # a file holding a pickled payload (it did not run)
+            raise ExportError(str(e)) from None
+        except (RuntimeError, ValueError, KeyError, OSError, EOFError, AssertionError) as e:
+            lines = str(e).strip().splitlines()
+            raise ExportError(
+                f"{tag_dir}: DeepSpeed's zero_to_fp32 could not read it ({type(e).__name__}: "
+                f"{lines[0] if lines else 'no detail'})"
+            ) from None
     return _consolidate_stage0(tag_dir)
 
 
@@ -364,15 +381,68 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
     return tok
 
 
-def write_remote_code(out: str) -> None:
-    """Copy ``model.py`` and the HF wrappers, with their package imports made flat."""
+def remote_code() -> Dict[str, str]:
+    """``{file name: text}`` of the remote code: ``model.py`` and the HF wrappers, with their
+    package imports made flat."""
+    out = {}
     for name, (src, rewrites) in REMOTE_CODE.items():
         text = src.read_text()
         for old, new in rewrites:
             if old not in text:
                 raise ExportError(f"{src}: expected import {old!r} not found (remote code layout)")
             text = text.replace(old, new)
+        out[name] = text
+    return out
+
+
+def write_remote_code(out: str) -> Dict[str, str]:
+    """Write the remote code files into ``out``; returns ``{file name: sha256}``."""
+    digests = {}
+    for name, text in remote_code().items():
         Path(out, name).write_text(text)
+        digests[name] = _sha256(Path(out, name).read_bytes())
+    return digests
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_remote_code(model_dir: str) -> Optional[str]:
+    """Why the code files of the export ``model_dir`` must not run unasked, or None when each
+    ``*.py`` there has the sha256 recorded in its ``config.json`` at export time and every
+    ``auto_map`` entry (config and tokenizer) names one of them (no other file, no Hub repo)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its config.json cannot be read ({e})"
+    recorded = config.get(CODE_SHA_KEY) if isinstance(config, dict) else None
+    if not (isinstance(recorded, dict) and recorded
+            and all(isinstance(v, str) for v in recorded.values())):  # fmt: skip
+        return (f"its config.json records no sha256 of its code files ({CODE_SHA_KEY}: exported "
+                "before linformer_ds recorded them, or edited)")  # fmt: skip
+    present = sorted(p.name for p in Path(model_dir).glob("*.py"))
+    problems = [f"{n} is not recorded" for n in present if n not in recorded]
+    problems += [f"{n} is missing" for n in sorted(recorded) if n not in present]
+    problems += [
+        f"{n} differs from the sha256 recorded at export"
+        for n in sorted(recorded)
+        if n in present and _sha256(Path(model_dir, n).read_bytes()) != recorded[n]
+    ]
+    maps = [config.get("auto_map")]
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            maps.append(json.load(f).get("auto_map"))
+    for auto_map in maps:
+        for value in (auto_map or {}).values() if isinstance(auto_map, dict) else [auto_map]:
+            for ref in value if isinstance(value, list) else [value]:
+                if ref is not None and (
+                    not isinstance(ref, str) or "--" in ref
+                    or f"{ref.split('.')[0]}.py" not in recorded
+                ):  # fmt: skip
+                    problems.append(f"auto_map names {ref!r}, not a recorded code file")
+    return "; ".join(problems) or None
 
 
 def write_model_dir(
@@ -414,8 +484,8 @@ def write_model_dir(
     hf_config.architectures = [architecture]
     hf_config.auto_map = dict(AUTO_MAP)
     hf_config.dtype = dtype
+    setattr(hf_config, CODE_SHA_KEY, write_remote_code(out))  # checked before the code runs
     hf_config.save_pretrained(out)
-    write_remote_code(out)
     write_tokenizer(out, sp_model_path, model_config.max_seq_len)
     if provenance is not None:
         _write_json(
@@ -482,6 +552,29 @@ def export_checkpoint(
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if provenance not in PROVENANCE:
         raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
+    with contextlib.ExitStack() as held:  # --out locked, the tag pinned: released at the end
+        try:
+            lock = held.enter_context(dirlock.output_lock(out, "export"))
+        except dirlock.LockError as e:
+            raise ExportError(str(e)) from None
+        except OSError as e:
+            raise ExportError(f"--out {out}: cannot lock it: {e.strerror or e}") from None
+        if lock.stale_note():
+            print(lock.stale_note(), file=sys.stderr)
+        return _export(checkpoint, out, tag, dtype, tokenizer, overwrite, provenance, held)
+
+
+def _export(
+    checkpoint: str,
+    out: str,
+    tag: Optional[str],
+    dtype: str,
+    tokenizer: Optional[str],
+    overwrite: bool,
+    provenance: str,
+    held: contextlib.ExitStack,
+) -> str:
+    """:func:`export_checkpoint` once ``out`` is locked; ``held`` keeps the tag pinned."""
     try:  # before anything else: --out never replaces what export did not create
         state = outdir.check_out(
             out, "export", [("--checkpoint", checkpoint), ("--tokenizer", tokenizer)], overwrite
@@ -492,6 +585,12 @@ def export_checkpoint(
         raise ExportError(f"--out {out} holds an earlier export; pass --overwrite to replace it")
     ckpt, tag = resolve_tag(checkpoint, tag)
     tag_dir = os.path.join(ckpt, tag)
+    # pinned from here to the end: the trainer's pruning (keep_last) leaves this tag alone
+    if not held.enter_context(dirlock.pin_tag(tag_dir)) or tag_problem(ckpt, tag) is not None:
+        raise ExportError(
+            f"--checkpoint {tag_dir} was removed or changed (pruned by the running training?) "
+            "before export could pin it; run export again"
+        )
     meta, model_config = read_meta(tag_dir)
     sp_path = tokenizer or os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
     if not os.path.isfile(sp_path):
@@ -592,6 +691,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             )  # fmt: skip
         except ExportError as e:
             return outdir.fail("export failed", str(e))
+        except KeyboardInterrupt:  # the staging copy is already gone; --out untouched
+            return outdir.fail("export interrupted", f"nothing written to --out {args.out}", 130)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     print(f"exported {args.checkpoint} -> {out} ({args.dtype})")

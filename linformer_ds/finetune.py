@@ -4,25 +4,40 @@
         --out finetuned/tiny [--text-column text --label-column label --max-length 512]
     python launch/finetune.py --model exported/tiny --dataset imdb --out finetuned/imdb
 
-Loads the model and tokenizer through the Auto classes (``trust_remote_code=True``), trains with
+Loads the model and tokenizer through the Auto classes, trains with
 AdamW and a linear warmup/decay schedule on padded batches (padding masked out), reports accuracy
 on the validation split after every epoch and writes the fine-tuned model in the same
 self-contained format as ``launch/export.py`` (plus ``finetune_results.json``).
+
+Safety: ``--model`` must be a Linformer export (another architecture is refused); its code
+files run only when they have the sha256 its export recorded (``--trust-remote-code`` runs them
+anyway); only the task head (``classifier.*``) may be newly initialised: any other weight the
+export lacks or holds in another shape than its ``config.json`` says is refused, naming the
+tensors. ``--out`` is locked while finetune runs, ``--model`` pinned (a shared lock: an export
+cannot replace it meanwhile); Ctrl-C leaves ``--out`` untouched.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from linformer_ds import outdir
-from linformer_ds.export import ExportError, apply_umask, portable_paths, write_model_dir
+from linformer_ds import dirlock, outdir
+from linformer_ds.export import (
+    ExportError,
+    apply_umask,
+    check_remote_code,
+    portable_paths,
+    write_model_dir,
+)
 from linformer_ds.model import ModelConfig
 from linformer_ds.optim import lr_scheduler, param_groups
 
@@ -38,6 +53,10 @@ FORMATS_HELP = ".csv/.tsv (header row), .json/.jsonl, .parquet, .txt (one 'label
 # Default learning rate: 5e-5 at BERT-base width (768), scaled by 768 / hidden_size (smaller
 # encoders take larger steps, as for BERT's small models), clipped to [LR_MIN, LR_MAX].
 LR_AT_768, LR_MIN, LR_MAX = 5e-5, 2e-5, 5e-4
+# The task head of LinformerForSequenceClassification: the only weights that may be new (or
+# replaced when the label count differs). Weights of other heads in the export are dropped.
+HEAD_PREFIX = "classifier."
+OTHER_HEADS = ("lm_head.", "classifier.", "pooler.", "qa_outputs.")
 
 
 class FinetuneError(ValueError):
@@ -238,11 +257,91 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="where to write the fine-tuned model")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the export's code files even when they differ from the sha256s "
+                   "recorded at export time (default: refuse)")  # fmt: skip
     return p.parse_args(argv)
 
 
+def check_export(model_dir: str, trust_remote_code: bool = False) -> Dict[str, Any]:
+    """``--model``'s config.json, checked: a Linformer export whose code files match the
+    sha256s recorded at export time (unless ``trust_remote_code``); :class:`FinetuneError`."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FinetuneError(f"--model {model_dir}: config.json cannot be read ({e})") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind != "linformer":
+        archs = config.get("architectures") if isinstance(config, dict) else None
+        raise FinetuneError(
+            f"--model {model_dir}: config.json describes a {kind!r} model"
+            f"{f' ({archs})' if archs else ''}, not a Linformer export; finetune takes a "
+            "directory written by launch/export.py"
+        )
+    why = None if trust_remote_code else check_remote_code(model_dir)
+    if why:
+        raise FinetuneError(
+            f"--model {model_dir}: refusing to run its code: {why}; export it again, or pass "
+            "--trust-remote-code if you trust the code in it"
+        )
+    return config
+
+
+def check_loaded(model_dir: str, info: Dict[str, Any]) -> None:
+    """Only the task head may be new: a weight the export lacks, holds in another shape than
+    its config.json says, or holds beyond the model (other than other heads) is refused."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(HEAD_PREFIX))
+    shapes = sorted(
+        f"{k} {tuple(saved)} vs config {tuple(want)}"
+        for k, saved, want in info.get("mismatched_keys", ())
+        if not k.startswith(HEAD_PREFIX)
+    )
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith(OTHER_HEADS))
+    found = (("missing", missing), ("shape mismatch (weights vs config)", shapes),
+             ("unexpected", unexpected))  # fmt: skip
+    parts = [f"{what} {_short(keys)}" for what, keys in found if keys]
+    if info.get("error_msgs"):
+        parts.append(f"errors {_short([str(m) for m in info['error_msgs']])}")
+    if parts:
+        raise FinetuneError(
+            f"--model {model_dir}: its weights do not match its config.json (only the task head "
+            f"{HEAD_PREFIX}* may be newly initialised): " + "; ".join(parts)
+        )
+
+
+def _short(items: List[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
 def finetune(args: argparse.Namespace) -> Dict[str, Any]:
-    """Run fine-tuning as configured by ``args``; returns the results written to the output."""
+    """Run fine-tuning as configured by ``args``; returns the results written to the output.
+    ``--out`` is locked and ``--model`` pinned (shared) for the whole run."""
+    with contextlib.ExitStack() as held:
+        try:
+            lock = held.enter_context(dirlock.output_lock(args.out, "finetune"))
+        except dirlock.LockError as e:
+            raise FinetuneError(str(e)) from None
+        except OSError as e:
+            raise FinetuneError(f"--out {args.out}: cannot lock it: {e.strerror or e}") from None
+        if lock.stale_note():
+            print(lock.stale_note(), file=sys.stderr)
+        same = os.path.realpath(args.model) == os.path.realpath(args.out)  # check_out says why
+        if os.path.isdir(args.model) and not same:
+            try:  # an export writing --model right now is refused; a read-only place is fine
+                held.enter_context(
+                    dirlock.output_lock(args.model, "finetune (reading)", "--model", shared=True)
+                )
+            except dirlock.LockError as e:
+                raise FinetuneError(str(e)) from None
+            except OSError:
+                pass
+        return _finetune(args)
+
+
+def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
+    """:func:`finetune` with ``--out`` locked."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     inputs = [("--model", args.model), ("--train", args.train), ("--dataset", args.dataset),
@@ -257,6 +356,7 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
+    check_export(args.model, getattr(args, "trust_remote_code", False))
     for name in ("epochs", "batch_size", "eval_batch_size", "lr", "max_grad_norm"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -293,24 +393,34 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
 
     from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the new head's "MISSING" load report is expected
     hf_logging.disable_progress_bar()  # stderr holds errors, one line each
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
+    try:  # the code was checked (check_export): it may run
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
             args.model,
             trust_remote_code=True,
             num_labels=len(labels),
             id2label={i: str(v) for i, v in enumerate(labels)},
             label2id={str(v): i for i, v in enumerate(labels)},
-            ignore_mismatched_sizes=True,
+            ignore_mismatched_sizes=True,  # the head's label count may differ: checked below
+            output_loading_info=True,
             dtype=torch.float32,
         )
+    except (FinetuneError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001  (a bad option in config.json, a missing file, ...)
+        lines = str(e).strip().splitlines()
+        raise FinetuneError(
+            f"--model {args.model} cannot be loaded: {type(e).__name__}: "
+            f"{lines[0] if lines else 'no detail'}"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    check_loaded(args.model, info)
     n_max = int(model.config.max_seq_len)
     max_length = args.max_length or n_max
     if not 3 <= max_length <= n_max:
@@ -424,5 +534,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as e:  # a file that cannot be read or written (disk full, permissions)
         where = f": {e.filename}" if e.filename else ""
         return outdir.fail("finetune failed", f"{e.strerror or e}{where}")
+    except KeyboardInterrupt:  # the staging copy is already gone; --out untouched
+        return outdir.fail("finetune interrupted", f"nothing written to --out {args.out}", 130)
     print(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
     return 0

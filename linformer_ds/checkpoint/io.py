@@ -16,6 +16,8 @@ import glob
 import hashlib
 import json
 import os
+import pickle
+import re
 import resource
 import shutil
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from linformer_ds.checkpoint.tags import (
     tag_for,
 )
 from linformer_ds.config import JobConfig, to_dict
+from linformer_ds.dirlock import try_exclusive
 from linformer_ds.fsio import atomic_write_text
 
 
@@ -194,11 +197,15 @@ def save(
 
 
 def prune(ckpt_dir: str, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete tags (0 keeps all)."""
+    """Delete all but the newest ``keep_last`` complete tags (0 keeps all); a tag pinned by a
+    reader (:func:`linformer_ds.dirlock.pin_tag`) is left for a later save to prune."""
     if keep_last <= 0:
         return
     for tag in complete_tags(ckpt_dir)[:-keep_last]:
-        shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
+        # a tag a reader pins (export: shared flock on COMPLETE) stays until a later save
+        with try_exclusive(os.path.join(ckpt_dir, tag, COMPLETE_FILE)) as free:
+            if free:
+                shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
 
 
 # ========================================================================================= load
@@ -311,17 +318,39 @@ def safe_globals() -> List[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+def load_refusal(path: Any, e: BaseException) -> str:
+    """One line for a checkpoint file ``torch.load(weights_only=True)`` refused: the pickled
+    object that is not a tensor (nothing in it ran), or the reason it is unreadable. Torch's
+    advice to retry with ``weights_only=False`` (which would run the payload) is never quoted."""
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (
+            f"{path} cannot be loaded safely (weights_only=True refused it): it holds a pickled "
+            f"{found.group(1)}, not tensors, and nothing in it ran; linformer_ds checkpoints hold "
+            "only tensors and DeepSpeed's few classes, so this file was altered or written by "
+            "another program: use another tag or a checkpoint from a source you trust"
+        )
+    # torch's explanation and advice lines dropped: what is left says what is wrong
+    advice = ("weights_only", "Weights only", "Please file an issue", "documentation of torch")
+    useful = [ln.removeprefix("WeightsUnpickler error:").strip() for ln in lines
+              if not any(a in ln for a in advice)]  # fmt: skip
+    useful = [ln for ln in useful if ln]
+    first = useful[0] if useful else type(e).__name__
+    return (
+        f"{path} cannot be loaded safely (weights_only=True refused it or it is corrupt): "
+        f"{first}"
+    )
+
+
 def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)`` allowing DeepSpeed's few checkpoint classes."""
     try:
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path} cannot be loaded safely (weights_only=True refused it or it is corrupt): "
-            f"{first}"
-        ) from None
+        raise CheckpointError(load_refusal(path, e)) from None
 
 
 def install_safe_loader(engine) -> None:
@@ -369,8 +398,11 @@ def weights_only_torch_load() -> Iterator[None]:
 
     def safe_load(f, *args, **kwargs):
         kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(safe_globals()):
-            return original(f, *args, **kwargs)
+        try:
+            with torch.serialization.safe_globals(safe_globals()):
+                return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:  # a payload: one line naming the file, no advice
+            raise CheckpointError(load_refusal(f, e)) from None  # to retry without the check
 
     torch.load = safe_load
     try:

@@ -1,0 +1,203 @@
+"""One owner per directory: advisory ``fcntl.flock`` locks held for a command's life.
+
+- :func:`run_dir_lock`: the trainer's ``logging.dir`` and ``checkpoint.dir`` (rank 0), a lock
+  file inside the directory (:data:`LOCK_NAME`).
+- :func:`output_lock`: the ``--out`` of data_prep, export and finetune; those directories are
+  replaced by a rename, so the lock file lies beside them (``.<name>.lock``).
+- :func:`pin_tag`: a reader (export) holds a shared lock on a checkpoint tag's ``COMPLETE``
+  marker; the trainer's pruning (:func:`try_exclusive`) skips a tag it cannot lock.
+
+The kernel releases a flock when its process dies (kill -9 included), so a lock left by a
+process that is gone is taken over at once ("stale"); the file names the last holder (host,
+pid, command) for the one-line refusal. A lock file is removed by its last holder. Standard
+library only (data_prep imports it).
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+LOCK_NAME = ".linformer.lock"
+
+
+class LockError(RuntimeError):
+    """The directory is in use by another process; the message names the holder."""
+
+
+def _describe(holder: Dict[str, Any]) -> str:
+    if not holder:
+        return "another process (holder unknown)"
+    since = holder.get("since")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else ""
+    return (f"{holder.get('command', 'a process')} (host {holder.get('host', '?')}, "
+            f"pid {holder.get('pid', '?')}{when})")  # fmt: skip
+
+
+def read_holder(path: str) -> Dict[str, Any]:
+    """The holder recorded in the lock file ``path`` ({} when none or unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+class DirLock:
+    """An exclusive (or ``shared``) flock on the file ``path``, taken without waiting.
+
+    :meth:`acquire` raises :class:`LockError` naming the holder when another process holds it;
+    :meth:`release` (also at exit of a ``with``) unlocks and, as the last holder, removes the
+    file. ``stale``: after acquire, the holder the file named before, when that process is gone.
+    """
+
+    def __init__(self, path: str, what: str, command: str, shared: bool = False):
+        self.path, self.what, self.command, self.shared = path, what, command, shared
+        self.fd: Optional[int] = None
+        self.stale: Dict[str, Any] = {}
+        self.created: List[str] = []  # directories acquire made (removed again when empty)
+
+    def acquire(self) -> "DirLock":
+        mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+        parent, missing = os.path.dirname(self.path), []
+        while parent and not os.path.isdir(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(missing):
+            os.makedirs(d, exist_ok=True)
+            self.created.append(d)
+        try:
+            return self._lock(mode)
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def _remove_created(self) -> None:
+        for d in reversed(self.created):
+            with contextlib.suppress(OSError):  # not empty: the command's output is in it
+                os.rmdir(d)
+        self.created = []
+
+    def _lock(self, mode: int) -> "DirLock":
+        for _ in range(100):  # the file may be removed by its last holder between open and lock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, mode)
+            except BlockingIOError:
+                os.close(fd)
+                raise LockError(
+                    f"{self.what} is in use by {_describe(read_holder(self.path))}: one owner per "
+                    f"directory; wait for it to end or choose another directory (lock file "
+                    f"{self.path})"
+                ) from None
+            except OSError:
+                os.close(fd)
+                raise
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # locked a file its last holder had just removed: take the new one
+        else:
+            raise LockError(f"{self.what}: cannot take the lock file {self.path}")
+        self.fd = fd
+        if not self.shared:  # a record left behind: its process died holding the lock
+            self.stale = read_holder(self.path)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
+                  "since": round(time.time(), 1)}  # fmt: skip
+        os.ftruncate(fd, 0)  # (shared holders: the last one to start is named)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        return self
+
+    def stale_note(self) -> Optional[str]:
+        """One line about the stale lock taken over (its holder's process is gone), or None."""
+        if not self.stale:
+            return None
+        return f"[lock] {self.what}: took over the lock of {_describe(self.stale)}, which is gone"
+
+    def release(self) -> None:
+        """Unlock; the last holder removes the lock file first (while still holding it)."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            with contextlib.suppress(OSError):
+                if not self.shared:
+                    os.remove(self.path)
+                else:  # the last shared holder can take it exclusively: then nobody else holds it
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                        os.remove(self.path)
+        finally:
+            os.close(fd)
+            self._remove_created()
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def run_dir_lock(directory: str, what: str, command: str) -> DirLock:
+    """The lock of a directory that keeps its identity (a training run's ``logging.dir`` /
+    ``checkpoint.dir``): ``directory/.linformer.lock``; the directory is created (and kept, as
+    the trainer always did)."""
+    os.makedirs(directory, exist_ok=True)
+    return DirLock(os.path.join(directory, LOCK_NAME), f"{what} {directory}", command)
+
+
+def output_lock(out: str, command: str, flag: str = "--out", shared: bool = False) -> DirLock:
+    """The lock of an output directory that is replaced by a rename: ``.<name>.lock`` beside it
+    (acquire creates the parent; directories it made are removed again if they stay empty).
+    ``shared``: a reader's lock (finetune's ``--model``)."""
+    out = os.path.abspath(out)
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    return DirLock(os.path.join(parent, f".{name}.lock"), f"{flag} {out}", command, shared)
+
+
+@contextlib.contextmanager
+def pin_tag(tag_dir: str, marker: str = "COMPLETE") -> Iterator[bool]:
+    """Hold a shared lock on ``tag_dir/marker`` while reading the tag (read-only access is
+    enough); yields False when the tag has no marker (any more). The trainer's pruning skips a
+    pinned tag (:func:`try_exclusive`)."""
+    try:
+        fd = os.open(os.path.join(tag_dir, marker), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a pruner is deleting this tag
+        yield os.path.isfile(os.path.join(tag_dir, marker))
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def try_exclusive(path: str) -> Iterator[bool]:
+    """An exclusive flock on ``path`` without waiting: yields True when taken (nobody pins it,
+    or the file is missing), False when a reader holds it (:func:`pin_tag`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
