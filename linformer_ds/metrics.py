@@ -135,10 +135,40 @@ class JsonlSink(Sink):
                 flush=True,
             )
 
+    def resumed(self, step: int, resumes: int) -> None:
+        """Resuming after ``step``: records of later steps (written before the run stopped,
+        about to be re-run) and a torn last line are cut, so each step is in the file once."""
+        if self.fd is None:
+            return
+        with open(self.path, "rb") as f:
+            lines = f.readlines()
+        keep = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        if len(keep) == len(lines):
+            return
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        print(f"[resume] {self.path}: {len(lines) - len(keep)} record(s) after step {step} "
+              "removed (those steps run again)", flush=True)  # fmt: skip
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _step_of(line: bytes) -> Optional[int]:
+    """The ``step`` of a metrics.jsonl line; None for a torn or foreign line."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 class TensorBoardSink(Sink):

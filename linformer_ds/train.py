@@ -30,6 +30,7 @@ from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
 from linformer_ds.debug import DebugHooks
+from linformer_ds.dirlock import DirLock, LockError, run_dir_lock
 from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import NUM_STATS, StageMeter
 from linformer_ds.parallelize import LossScaling, parallelize
@@ -57,12 +58,18 @@ def rank0_print(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
+# Signals that stop a run with a checkpoint at the next step (exit 75): a scheduler's notice
+# (SIGUSR1), SIGTERM, and Ctrl-C (SIGINT: a KeyboardInterrupt would lose the steps since the
+# last save).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
 class SignalFlag:
-    """Records SIGUSR1/SIGTERM; the loop checks it at step boundaries (all ranks agree)."""
+    """Records SIGUSR1/SIGTERM/SIGINT; the loop checks it at step boundaries (all ranks agree)."""
 
     def __init__(self, enabled: bool):
         self.signum: Optional[int] = None
-        for s in (signal.SIGUSR1, signal.SIGTERM):
+        for s in STOP_SIGNALS:
             # launch/pretrain.py records signals from its first line: adopt what came early
             early = list(getattr(signal.getsignal(s), "pending", None) or [])
             self.signum = self.signum or (early[-1] if early else None)
@@ -107,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return _main(argv)
-    except (ConfigError, DataError, DistEnvError, CheckpointError) as e:
+    except (ConfigError, DataError, DistEnvError, CheckpointError, LockError) as e:
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -180,6 +187,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig):
+        self.run_locks: List[DirLock] = []  # rank 0: logging.dir and checkpoint.dir
+        try:
+            self._init(cfg)
+        except BaseException:  # a failed start leaves the directories to the next owner
+            release_locks(self.run_locks)
+            raise
+
+    def _init(self, cfg: JobConfig) -> None:
         from linformer_ds.compile import compile_engine
         from linformer_ds.dist_env import setup_distributed_env, start_watchdog
 
@@ -230,6 +245,7 @@ class Trainer:
         self.stages, self.train_sets, self.valid_sets = open_stages(cfg, self.world, evaluating)
         self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
         self.isolation, self.isolation_why = self._document_isolation()
+        self.run_locks = hold_run_dirs(cfg, self.rank)  # one owner per directory, run's life
         self.checkpoints = CheckpointManager(cfg, self.rank, self.world, self.train_ds)
         if self.rank == 0:
             check_writable(cfg.logging.dir, "logging.dir")
@@ -498,9 +514,39 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        """Flush and close the metrics sinks (a ``/metrics`` endpoint stops) and debug hooks."""
-        self.metrics.close()
-        self.debug.close()
+        """Flush and close the metrics sinks (a ``/metrics`` endpoint stops) and debug hooks;
+        release the run directories' locks."""
+        try:
+            self.metrics.close()
+            self.debug.close()
+        finally:
+            release_locks(self.run_locks)
+
+
+def hold_run_dirs(cfg: JobConfig, rank: int) -> List[DirLock]:
+    """Rank 0: lock ``logging.dir`` and ``checkpoint.dir`` for the run's life (another run,
+    data_prep or export writing there is refused in one line naming the holder; a lock whose
+    holder died is taken over with a note). Other ranks: nothing."""
+    if rank != 0:
+        return []
+    locks: List[DirLock] = []
+    try:
+        for what, d in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+            if any(os.path.realpath(d) == os.path.dirname(lk.path) for lk in locks):
+                continue  # checkpoint.dir = logging.dir: one lock
+            check_writable(d, what)
+            locks.append(run_dir_lock(os.path.realpath(d), what, "training").acquire())
+            if locks[-1].stale_note():
+                rank0_print(locks[-1].stale_note())
+    except BaseException:
+        release_locks(locks)
+        raise
+    return locks
+
+
+def release_locks(locks: List[DirLock]) -> None:
+    for lock in reversed(locks):
+        lock.release()
 
 
 def _main(argv: Optional[List[str]] = None) -> int:

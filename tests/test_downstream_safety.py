@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,46 @@ def test_metrics_jsonl_holds_each_step_once_after_resume_from_an_older_checkpoin
         (1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval"), (5, "train"),
         (6, "train"), (7, "train")]  # fmt: skip
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+# ================================================================================= trainer
+def test_training_owns_its_directory_and_ctrl_c_checkpoints_and_exits_75(tiny_corpus, tmp_path):
+    """A second training into a running one's logging.dir is refused naming the first (host,
+    pid); Ctrl-C (SIGINT) makes the first checkpoint at the next step and exit 75, like SIGTERM;
+    its lock goes with it."""
+    from linformer_ds.dirlock import LOCK_NAME
+    from tests.pretrain_utils import PRETRAIN, TEST_OVERRIDES, TINY_CONFIG, run_pretrain
+
+    run = tmp_path / "run"
+    ov = TEST_OVERRIDES + [f"data.path={tiny_corpus}", f"logging.dir={run}",
+                           "train.max_steps=100000", "checkpoint.save_interval=0"]  # fmt: skip
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        first = subprocess.Popen([sys.executable, PRETRAIN, "--config", TINY_CONFIG, *ov],
+                                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while "[train] step 2 " not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        second = run_pretrain(tiny_corpus, run, ["train.max_steps=3"], nproc=1,
+                              launcher="python", check=False)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        line = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+        assert len(line) == 1 and line[0].startswith(
+            f"error: logging.dir {run} is in use by training (host {socket.gethostname()}, "
+            f"pid {first.pid} since "), second.stderr[-3000:]  # fmt: skip
+        first.send_signal(signal.SIGINT)
+        assert first.wait(timeout=300) == 75, log.read_text()[-3000:]
+    finally:
+        first.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    stopped = [ln for ln in text.splitlines() if ln.startswith("[preempted] stopped at step ")]
+    step = int(stopped[0].split()[4].rstrip(";"))
+    tag = f"step_{step:08d}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == tag
+    assert (run / "checkpoints" / tag / "COMPLETE").is_file()
+    assert f"[checkpoint] signal {int(signal.SIGINT)}: " in text
+    assert not (run / LOCK_NAME).exists() and not (run / "checkpoints" / LOCK_NAME).exists()
