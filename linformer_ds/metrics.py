@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
-from linformer_ds.config import JobConfig, to_dict
+from linformer_ds.config import JobConfig
 from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
 from linformer_ds.prometheus import PrometheusSink
 
@@ -105,14 +105,13 @@ class ConsoleSink(Sink):
 
 
 class JsonlSink(Sink):
-    """``logging.dir/metrics.jsonl`` (one JSON record a line) beside the run's ``config.json``."""
+    """``logging.dir/metrics.jsonl`` (one JSON record a line) beside the run's ``config.json``
+    (written by the Trainer once the start succeeded: ``resume_policy.record_start``)."""
 
     def __init__(self, cfg: JobConfig):
         os.makedirs(cfg.logging.dir, exist_ok=True)
         self.path = os.path.join(cfg.logging.dir, "metrics.jsonl")
         self.fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        with open(os.path.join(cfg.logging.dir, "config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
 
     def record(self, step, split, values, console) -> None:
         """One line per record, written whole: a write that fails (full disk, ``ulimit -f``)

@@ -35,6 +35,7 @@ from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import NUM_STATS, StageMeter
 from linformer_ds.parallelize import LossScaling, parallelize
 from linformer_ds.resolve import resolve
+from linformer_ds.resume_policy import record_start
 from linformer_ds.versions import check_versions
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
@@ -235,6 +236,8 @@ class Trainer:
         if cfg.train.stop_at_step is not None:
             self.end = min(self.end, cfg.train.stop_at_step)
         self.stop_requested = False
+        if self.rank == 0:  # the start succeeded: config.json is what this segment uses
+            record_start(cfg, self.step, self.checkpoints.tag, self.checkpoints.changes)
 
     # ------------------------------------------------------------------------- components
     def _build_data(self) -> None:

@@ -272,7 +272,7 @@ def test_close_stops_serving_and_removes_targets(tmp_path):
     m.close()
     assert refused(endpoint)
     assert not (tmp_path / TARGETS_FILE).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # config.json: Trainer
 
 
 def test_format_duration():

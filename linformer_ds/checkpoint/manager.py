@@ -6,7 +6,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 from linformer_ds.checkpoint.io import (
     _free_space,
@@ -36,6 +36,7 @@ from linformer_ds.checkpoint.tags import (
     sharded_sp_size,
 )
 from linformer_ds.config import JobConfig
+from linformer_ds.resume_policy import Change, apply_changes, changed_line, changes, refusal
 
 # ============================================================================ checkpoint manager
 # Components whose state lies at the top level of the client state (and in the metadata), as
@@ -72,6 +73,7 @@ class CheckpointManager:
         self.last_saved_step = -1
         self.load_seconds = 0.0
         self.components: Dict[str, Stateful] = {}
+        self.changes: List[Change] = []  # config keys that differ from the checkpoint's
         self.on_io: Optional[Callable[[str, float], None]] = None
 
     def register(self, name: str, component: Stateful) -> None:
@@ -112,6 +114,10 @@ class CheckpointManager:
             assert self.meta is not None
             where = os.path.join(self.dir, self.tag)
             check_run_config(self.meta, self.cfg, where)
+            self.changes = changes(self.meta, self.cfg)  # every key's resume policy
+            refused = refusal(self.changes, self.cfg, where)
+            if refused:
+                raise CheckpointError(refused)
             notice = check_engine_config(self.dir, self.tag, self.meta, self.cfg)
             route = layout_route(self.dir, self.tag, self.meta, self.cfg, self.world)
             self.route = VIA_UNIVERSAL if notice is not None else route
@@ -202,6 +208,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         client = self.load(engine)
         self._restore(client)
+        # DeepSpeed restored the optimizer's and scheduler's hyper-parameters: the config's again
+        apply_changes(engine, self.cfg, self.changes)
         self.load_seconds = time.perf_counter() - t0
         step = int(client["step"])
         if self.rank == 0:
@@ -212,6 +220,9 @@ class CheckpointManager:
                 f"{self.meta['world_size']} rank(s), now {self.world})",
                 flush=True,
             )
+            line = changed_line(self.changes, self.cfg)
+            if line:
+                print(line, flush=True)
         return step
 
     def save(self, engine, step: int, reason: str) -> str:
