@@ -47,7 +47,8 @@ class LossScaling:
 
     1. Each rank's micro-batch loss is its own sum of cross-entropies over the same ``C``
        (:meth:`denominator`, handed to the model as ``loss_denominator``), so ``L`` is the sum
-       of the ``R x GAS`` micro-batch losses and ``grad L`` the sum of their gradients.
+       of the ``W x GAS`` micro-batch losses (W ranks) and ``grad L`` the sum of their
+       gradients.
     2. DeepSpeed 0.19 divides each micro-batch's gradient by GAS, sums over its reduction group
        and divides by its data-parallel size: ``DP`` = ranks / P (``SequenceParallelMPU``'s
        ``get_data_parallel_world_size``; plain data parallelism: all ranks). Unsharded
