@@ -423,7 +423,7 @@ class LinearProjection(nn.Module):
     ``shard_start`` on (``[H, k, N_max / P]``), the ones this rank's slice uses.
     """
 
-    sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
+    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
     shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
     sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
     projection_kind = "linear"  # its registered kind (_make_projection sets it on every module)
@@ -505,7 +505,7 @@ class ConvProjection(nn.Module):
     Sequence parallel: the rank's slice (a multiple of r) gives its own blocks, all-gathered.
     """
 
-    sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
+    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
     sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
     projection_kind = "conv"
 
@@ -718,7 +718,7 @@ class LinformerSelfAttention(nn.Module):
     conv block masks and dense masks are gathered, dense layers run DeepSpeed-Ulysses.
     """
 
-    sequence_parallel: Any = None  # set by linformer_ds.sequence_parallel.parallelize
+    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -1106,7 +1106,7 @@ class LinformerEncoder(nn.Module):
             raise ValueError("pass input_ids or inputs_embeds, not both")
         else:
             n, device = inputs_embeds.shape[1], inputs_embeds.device
-        sp = getattr(self, "sequence_parallel", None)  # set by sequence_parallel.parallelize
+        sp = getattr(self, "sequence_parallel", None)  # set by parallelize.apply_sequence_parallel
         off = 0 if sp is None else sp.offset(n)  # the slice's global position
         if off + n > self.config.max_seq_len:
             raise ValueError(
