@@ -247,18 +247,16 @@ def test_masking_adds_position_ids_only_when_isolating():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_trainer_isolation_auto_on_full_packing(tmp_path):
-    """A one-rank run on full-packed data: ``data.document_isolation=auto`` turns isolation on
-    (the [setup] line says so), training and evaluation run, and the first loss differs from
-    the same run without isolation (the documents no longer see each other)."""
+def short_documents_corpus(tmp_path):
+    """data_prep (full packing, N = 128) on short documents (8 lines of stdlib source each):
+    several documents per row."""
     import subprocess
     import sys
     import sysconfig
     from pathlib import Path
 
-    from tests.pretrain_utils import REPO, read_metrics, run_pretrain
+    from tests.pretrain_utils import REPO
 
-    # short documents (8 lines of stdlib source each): several per 128-token row
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     lines = [ln for f in sorted((stdlib / "email").glob("*.py"))
              for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]  # fmt: skip
@@ -271,6 +269,16 @@ def test_trainer_isolation_auto_on_full_packing(tmp_path):
          "--seq-len", "128", "--vocab-size", "2000", "--valid-fraction", "0.05", "--quiet"],
         check=True, cwd=REPO, timeout=600,
     )  # fmt: skip
+    return data
+
+
+def test_trainer_isolation_auto_on_full_packing(tmp_path):
+    """A one-rank run on full-packed data: ``data.document_isolation=auto`` turns isolation on
+    (the [setup] line says so), training and evaluation run, and the first loss differs from
+    the same run without isolation (the documents no longer see each other)."""
+    from tests.pretrain_utils import read_metrics, run_pretrain
+
+    data = short_documents_corpus(tmp_path)
     losses = {}
     for setting in ("auto", "false"):
         run_dir = tmp_path / setting

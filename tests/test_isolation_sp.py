@@ -203,6 +203,34 @@ def test_zero_stages_give_one_ranks_loss(tmp_path):
     print("ZeRO 0-3 losses (before, after one step):", res, "one rank:", ref)
 
 
+def test_trainer_p2_isolated_equals_one_rank(tmp_path):
+    """The real trainer, isolation on, linear + dense layers: P = 2 under ZeRO-3 (E/F and
+    positions whole) logs what one rank does (loss per step, evaluation loss)."""
+    from tests.pretrain_utils import read_metrics, run_pretrain
+    from tests.test_isolation import short_documents_corpus
+
+    data = short_documents_corpus(tmp_path)
+    over = [
+        "deepspeed.precision=fp32", "model.attention_dropout=0.0", "model.num_layers=2",
+        "model.layer_projections=[linear,dense]", "model.sharing=kv", "train.max_steps=3",
+        "train.eval_interval=3", "train.eval_batches=1", "data.document_isolation=true",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra, nproc in [
+        ("p1", ["deepspeed.zero.stage=2"], 1),
+        ("p2", ["deepspeed.zero.stage=3", "parallel.sequence_parallel_size=2",
+                "parallel.shard_sequence_parameters=false"], 2),
+    ]:  # fmt: skip
+        proc = run_pretrain(data, tmp_path / name, over + extra, nproc=nproc)
+        assert "isolation=on" in proc.stdout, proc.stdout[-2000:]
+        runs[name] = (read_metrics(tmp_path / name), read_metrics(tmp_path / name, "eval"))
+    (t1, e1), (t2, e2) = runs["p1"], runs["p2"]
+    for step in t1:
+        assert abs(t2[step]["loss"] - t1[step]["loss"]) <= TOL * abs(t1[step]["loss"]), step
+    last = max(e1)
+    assert abs(e2[last]["loss"] - e1[last]["loss"]) <= TOL * abs(e1[last]["loss"])
+
+
 def test_refused_combinations_one_line():
     conv = ModelConfig(**{**BASE, "projection": "hybrid"})
     errors = isolation_errors(2, conv, shard=True)
