@@ -19,12 +19,16 @@ Every step writes its numbers to OUT/results.json as soon as it ends, so a failu
 later keeps what came before. At the end OUT holds results.json, report.md (scripts/
 gpu_report.py) and artifacts.tar.gz (logs, metrics, benchmark and sweep outputs); the shell
 wrapper adds gpu_check.log. ``--dry-run`` runs every step on the CPU at tiny sizes (CI: tests/
-test_gpu_kit.py). Exit status: 0 when every step that ran passed, 1 otherwise, 2 bad input.
+test_gpu_kit.py) with no time budget: its work is fixed (2 sweep points, 6 main-job steps, ...)
+and every step runs to its end, so a slow or loaded machine takes longer but finishes the same
+work; the budgets and the hard limit are the GPU's. Exit status: 0 when every step that ran
+passed, 1 otherwise, 2 bad input.
 """
 
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import signal
@@ -53,11 +57,11 @@ MAIN_CONFIG = REPO / "configs" / "base_4096.yaml"
 # Seconds per step. GPU: 9 minutes in all with the wheel install (bash wrapper, ~15 s).
 # The sweep gets what is left (at least its figure here, when every step before it uses all of
 # its budget); the wrapper's hard limit (575 s) leaves room for report and tarball overruns.
+# The dry run has none: its work is fixed and every step runs to its end (no clock in CI).
 BUDGETS = {
     "gpu": {"data": 5, "env": 20, "tests": 60, "main": 100, "bench": 90, "sweep": 225},
-    "dry": {"data": 120, "env": 60, "tests": 240, "main": 240, "bench": 120, "sweep": 300},
 }
-TOTAL_BUDGET_S = {"gpu": 525, "dry": 900}
+TOTAL_BUDGET_S = {"gpu": 525}
 RESERVE_S = 25  # kept back from the sweep for its report, the tarball and report.md
 SWEEP_WORKERS = {"gpu": 12, "dry": 2}  # GPU: 16 CPU cores; 2 waves of the 24 points
 MAIN_STEPS = {"gpu": 300, "dry": 6}
@@ -135,8 +139,11 @@ def start(cmd: List[str], log: Path, env: Dict[str, str]) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: Optional[float]) -> Dict[str, Any]:
-    """Wait up to ``timeout`` s; kill the group past it. Returns returncode/timed_out."""
+    """Wait up to ``timeout`` s (None or inf: to its end); kill the group past it. Returns
+    returncode/timed_out."""
     timed_out = False
+    if timeout is not None and math.isinf(timeout):
+        timeout = None
     try:
         proc.wait(timeout=None if timeout is None else max(timeout, 0.1))
     except subprocess.TimeoutExpired:
@@ -146,7 +153,9 @@ def finish(proc: subprocess.Popen, timeout: Optional[float]) -> Dict[str, Any]:
     return {"returncode": None if timed_out else proc.returncode, "timed_out": timed_out}
 
 
-def run(cmd: List[str], log: Path, env: Dict[str, str], timeout: float) -> Dict[str, Any]:
+def run(
+    cmd: List[str], log: Path, env: Dict[str, str], timeout: Optional[float]
+) -> Dict[str, Any]:
     """Run ``cmd`` to its end or to ``timeout`` seconds; output goes to ``log``."""
     t0 = time.perf_counter()
     res = finish(start(cmd, log, env), timeout)
@@ -176,8 +185,9 @@ class Kit:
         self.out = Path(args.out).resolve()
         self.work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check_")).resolve()
         self.py = sys.executable
-        self.budgets = dict(BUDGETS[self.mode])
-        self.total = args.total_budget_s or TOTAL_BUDGET_S[self.mode]
+        self.clocked = not self.dry  # the dry run: no budgets, every step runs to its end
+        self.budgets = dict(BUDGETS[self.mode]) if self.clocked else {}
+        self.total = (args.total_budget_s or TOTAL_BUDGET_S[self.mode]) if self.clocked else None
         self.workers = args.workers or SWEEP_WORKERS[self.mode]
         self.steps = [s for s in STEPS if (not args.only or s in args.only) and s not in args.skip]
         self.t0 = time.perf_counter()
@@ -189,7 +199,9 @@ class Kit:
             "dry_run": self.dry,
             "started_utc": utc_now(),
             "command": shlex.join([Path(self.py).name, *sys.argv]),
-            "budgets_s": {**self.budgets, "total": self.total, "reserve": RESERVE_S},
+            "budgets_s": {
+                **self.budgets, "total": self.total, "reserve": RESERVE_S if self.clocked else None
+            },
             "steps": {},
         }
 
@@ -198,7 +210,8 @@ class Kit:
         return time.perf_counter() - self.t0
 
     def left(self) -> float:
-        return self.total - self.elapsed()
+        """Seconds of the total budget left (inf in the dry run: no budget)."""
+        return math.inf if self.total is None else self.total - self.elapsed()
 
     def save(self) -> None:
         """results.json, written atomically (a kill never leaves half a file)."""
@@ -225,22 +238,24 @@ class Kit:
     def log(self, msg: str) -> None:
         print(f"[gpu_check {self.elapsed():5.0f}s] {msg}", flush=True)
 
-    def step(self, name: str, fn: Callable[[float], Dict[str, Any]]) -> None:
+    def step(self, name: str, fn: Callable[[Optional[float]], Dict[str, Any]]) -> None:
         """Run one step under its budget; record status, seconds and its numbers."""
         if name not in self.steps:
             return
-        budget = self.budgets.get(name, 0)
-        if name == "sweep":
-            budget = self.left() - RESERVE_S
-        budget = min(budget, self.left() - RESERVE_S)
-        rec: Dict[str, Any] = {"budget_s": round(budget, 1)}
-        if budget < 5:
+        budget: Optional[float] = None  # the dry run: no budget, the step runs to its end
+        if self.clocked:
+            budget = self.budgets.get(name, 0)
+            if name == "sweep":
+                budget = self.left() - RESERVE_S
+            budget = min(budget, self.left() - RESERVE_S)
+        rec: Dict[str, Any] = {"budget_s": None if budget is None else round(budget, 1)}
+        if budget is not None and budget < 5:
             rec.update(status="skipped", reason=f"only {self.left():.0f}s of the total left")
             self.results["steps"][name] = rec
             self.save()
             self.log(f"{name}: skipped ({rec['reason']})")
             return
-        self.log(f"{name}: start (budget {budget:.0f}s)")
+        self.log(f"{name}: start ({'no budget' if budget is None else f'budget {budget:.0f}s'})")
         t0 = time.perf_counter()
         try:
             rec.update(fn(budget))
@@ -255,7 +270,7 @@ class Kit:
         self.log(f"{name}: {rec['status']} in {rec['seconds']:.0f}s {rec.get('reason', '')}")
 
     # ================================================================================ steps
-    def do_data(self, budget: float) -> Dict[str, Any]:
+    def do_data(self, budget: Optional[float]) -> Dict[str, Any]:
         """The shards: carried ones (GPU), or tiny stdlib ones made now (dry run)."""
         if not self.dry:
             cfg = sweep.load_sweep(str(SWEEP_FILE), out=str(self.work / "sweep"))
@@ -284,7 +299,7 @@ class Kit:
             "build_s": round(time.perf_counter() - t0, 1),
         }
 
-    def do_env(self, budget: float) -> Dict[str, Any]:
+    def do_env(self, budget: Optional[float]) -> Dict[str, Any]:
         """Versions and devices, from a child process (this one never touches CUDA)."""
         log = self.work / "env.log"
         res = run([self.py, "-c", ENV_PROBE], log, self.env(), budget)
@@ -310,7 +325,7 @@ class Kit:
     def jit_env(self) -> Dict[str, str]:
         return self.env(TORCH_EXTENSIONS_DIR=str(self.work / "torch_extensions"), MAX_JOBS="8")
 
-    def do_tests(self, budget: float) -> Dict[str, Any]:
+    def do_tests(self, budget: Optional[float]) -> Dict[str, Any]:
         """pytest -m gpu on the device (CUDA; the CPU versions in the dry run)."""
         d = self.work / "tests"
         d.mkdir(parents=True, exist_ok=True)
@@ -367,7 +382,7 @@ class Kit:
         # TORCH_EXTENSIONS_DIR: where the env step's background build put FusedAdam
         return start(cmd, self.work / f"{name}.log", {**self.jit_env(), **(env or {})})
 
-    def do_main(self, budget: float) -> Dict[str, Any]:
+    def do_main(self, budget: Optional[float]) -> Dict[str, Any]:
         """The main job: tokens/s, MFU against the trainer's GEMM peak, peak memory, loss, and
         the host synchronisations of a few steps (the trainer's debug.sync_log hook)."""
         t0 = time.perf_counter()
@@ -388,7 +403,7 @@ class Kit:
             rec.update(status="failed", reason="the trainer logged no step")
         return rec
 
-    def do_bench(self, budget: float) -> Dict[str, Any]:
+    def do_bench(self, budget: Optional[float]) -> Dict[str, Any]:
         """bench/gpu_bench.sh, trimmed (dry run: tiny CPU sizes)."""
         d = self.work / "bench"
         cmd = ["bash", "bench/gpu_bench.sh", str(d)]
@@ -399,6 +414,7 @@ class Kit:
             cmd += ["--k", "16", "--intermediate", "128", "--vocab", "500", "--tokens", "256"]
             cmd += ["--seq-lens", "64", "128", "--warmup", "1", "--iters", "1"]
             cmd += ["--gemm-n", "256", "--gemm-reps", "2", "--no-plots"]
+            cmd += ["--step-budget-s", "inf"]  # no clock: every variant runs at both N
         else:
             cmd += ["--seq-lens", "1024", "4096", "16384", "32768", "--warmup", "2", "--iters", "5"]
         res = run(cmd, self.work / "bench.log", env, budget)
@@ -419,12 +435,13 @@ class Kit:
             rec.update(status="failed", reason=tail(self.work / "bench.log", 8))
         return rec
 
-    def do_sweep(self, budget: float) -> Dict[str, Any]:
+    def do_sweep(self, budget: Optional[float]) -> Dict[str, Any]:
         """The quality sweep, ``workers`` points at a time; the optimizers step runs alongside."""
         cfg = self.sweep_cfg
         if cfg is None:
             raise KitError("the data step did not run or failed: no sweep config")
-        deadline = time.perf_counter() + budget - 20  # 20 s for the report
+        # 20 s for the report; the dry run: no deadline (every point runs, to its end)
+        deadline = math.inf if budget is None else time.perf_counter() + budget - 20
         opt = OptimizerChecks(self) if "optimizers" in self.steps else None
         runs = run_points(self, cfg, deadline, opt)
         if opt is not None:
@@ -465,7 +482,7 @@ class Kit:
              str(self.out / "report.md")],
             self.work / "report.log",
             self.env(),
-            60,
+            60 if self.clocked else None,
         )  # fmt: skip
         if rep["returncode"] != 0:
             self.log(f"gpu_report.py failed: {tail(self.work / 'report.log', 5)}")
@@ -620,7 +637,7 @@ def dry_sweep_file(work: Path) -> Path:
         {"name": "dry", "variants": ["dense", "linear"], "seq_len": [DRY_N], "k": [32],
          "lr": [1.0e-3], "seed": [0]},
     ]  # fmt: skip
-    raw["point_timeout_s"] = 240
+    raw.pop("point_timeout_s", None)  # no clock in the dry run: each point runs to its end
     raw["name"] = "gpu_quality_dry"
     path = work / "gpu_quality_dry.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -929,12 +946,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip", nargs="+", default=[], choices=STEPS, help="leave these steps out")
     p.add_argument("--work", help="scratch folder (default: a new temporary one)")
     p.add_argument("--workers", type=int, help="sweep points at a time (GPU 12, dry run 2)")
-    p.add_argument("--total-budget-s", type=float, help="all steps (GPU 525, dry run 900)")
+    p.add_argument(
+        "--total-budget-s", type=float, help="all steps (GPU 525; the dry run has no budget)"
+    )
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
         p.error(f"--workers must be >= 1, got {a.workers}")
     if a.total_budget_s is not None and a.total_budget_s <= RESERVE_S:
         p.error(f"--total-budget-s must be > {RESERVE_S}")
+    if a.total_budget_s is not None and a.dry_run:
+        p.error("--total-budget-s is the GPU run's: the dry run has no time budget")
     needs = {"main": "data", "sweep": "data", "optimizers": "main"}
     for step, dep in needs.items():
         chosen = [s for s in STEPS if (not a.only or s in a.only) and s not in a.skip]
@@ -949,11 +970,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, on_sigterm)
     kit = Kit(args)
+    if kit.clocked:
+        budgets = (
+            "budgets (s) "
+            + ", ".join(f"{k} {v}" for k, v in kit.budgets.items() if k in kit.steps)
+            + f" (sweep: the rest); total {kit.total:.0f} with a {RESERVE_S} s reserve"
+        )
+    else:
+        budgets = "no time budgets: fixed work, every step runs to its end"
     kit.log(
-        f"{'DRY RUN (CPU, tiny sizes)' if kit.dry else 'GPU'}: steps {kit.steps}; budgets (s) "
-        + ", ".join(f"{k} {v}" for k, v in kit.budgets.items() if k in kit.steps)
-        + f" (sweep: the rest); total {kit.total:.0f} with a {RESERVE_S} s reserve; work dir "
-        + str(kit.work)
+        f"{'DRY RUN (CPU, tiny sizes)' if kit.dry else 'GPU'}: steps {kit.steps}; {budgets}; "
+        f"work dir {kit.work}"
     )
     kit.save()
     kit.step("data", kit.do_data)

@@ -42,8 +42,12 @@ def header(r: Dict[str, Any]) -> List[str]:
     lines += [
         f"- Command: `bash scripts/gpu_check.sh OUT{' --dry-run' if r.get('dry_run') else ''}` "
         f"(`{r.get('command', '')}`), {r.get('started_utc', '?')} to "
-        f"{r.get('finished_utc', '?')}, {_f(r.get('elapsed_s'), '.0f')} s of the "
-        f"{_f(r.get('budgets_s', {}).get('total'), '.0f')} s budget.",
+        f"{r.get('finished_utc', '?')}, {_f(r.get('elapsed_s'), '.0f')} s "
+        + (
+            f"of the {_f(r['budgets_s']['total'], '.0f')} s budget."
+            if r.get("budgets_s", {}).get("total") is not None
+            else "(no time budget: the dry run's work is fixed)."
+        ),
         f"- Machine: {gpu}"
         + (
             f" ({env.get('gpu_memory_gib')} GiB, {env.get('sms')} SMs, capability "

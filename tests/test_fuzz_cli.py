@@ -37,7 +37,10 @@ from hypothesis import strategies as st
 from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG
 
 EXAMPLES = int(os.environ.get("LINFORMER_FUZZ_EXAMPLES", "0"))
-DEADLINE_S = 120.0  # one in-process run (a tokenizer training or an export included)
+# CPU seconds of one in-process run (a tokenizer training or an export included): this
+# process's CPU time, threads included, which a loaded machine does not stretch as it does the
+# wall clock; a run that spins fails it, a run that blocks is pytest-timeout's.
+DEADLINE_S = 120.0
 FUZZ = settings(
     max_examples=EXAMPLES or 12,
     deadline=None,
@@ -80,18 +83,18 @@ def run_contract(
     before = tree_hashes(root)
     err, out = io.StringIO(), io.StringIO()
     saved_env = dict(os.environ)
-    t0 = time.monotonic()
+    t0 = time.process_time()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
             rc = main(argv)
         except SystemExit as e:  # argparse
             rc = e.code if isinstance(e.code, int) else 2
-    elapsed = time.monotonic() - t0
+    elapsed = time.process_time() - t0
     os.environ.clear()
     os.environ.update(saved_env)
     text = err.getvalue()
     where = f"argv={argv!r}\nstderr:\n{text}"
-    assert elapsed < DEADLINE_S, f"took {elapsed:.0f} s; {where}"
+    assert elapsed < DEADLINE_S, f"took {elapsed:.0f} CPU s; {where}"
     assert rc in (0, 2), f"exit {rc}; {where}"
     assert "Traceback" not in text, where
     if rc == 2:
@@ -620,9 +623,8 @@ def test_launch_scripts_in_subprocesses(base, script, args):
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         cmd = [sys.executable, str(REPO / "launch" / script)]
         cmd += [a.replace("{ws}", str(ws)) for a in args]
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert time.monotonic() - t0 < 300
+        # the timeout only catches a hang (exit 2 takes seconds on an idle machine)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         lines = [line for line in proc.stderr.splitlines()
                  if line.strip() and "[WARNING]" not in line and "real_accelerator" not in line]  # fmt: skip
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr

@@ -26,6 +26,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
 import gpu_report  # noqa: E402
 
+# The dry run has no time budget (fixed work, every step to its end): a slow or loaded machine
+# takes longer and checks the same results. The limits here only catch a hang.
+pytestmark = pytest.mark.timeout(3600)
+
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
@@ -41,7 +45,7 @@ def dry(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=3600,
     )
     results = json.loads((out / "results.json").read_text())
     return out, work, results, proc
@@ -65,7 +69,10 @@ def test_dry_run_runs_every_step(dry) -> None:
         assert re.fullmatch(r"[A-Za-z0-9._-]+", p.name)
         assert (out / p).stat().st_size < 16 << 20
     log = (out / "gpu_check.log").read_text()
-    assert "budgets (s) data 120, env 60, tests 240, main 240, bench 120" in log
+    assert "no time budgets: fixed work, every step runs to its end" in log
+    assert "passed the" not in log  # no hard limit in the dry run
+    assert r["budgets_s"] == {"total": None, "reserve": None}
+    assert all(s["budget_s"] is None for s in r["steps"].values() if "budget_s" in s)
     assert "[gpu_check.sh] exit 0" in log
 
 
