@@ -336,13 +336,18 @@ def document_chunks(
     width = int(count.max())
     key_index = torch.full((num * width,), total, dtype=torch.long)
     key_index[chunk_span * width + within] = torch.arange(total)
+    def put(t: torch.Tensor) -> torch.Tensor:  # pinned + non_blocking: no wait for the queue
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
     return DocumentChunks(
         size,
-        index.view(total, size).to(device),
-        chunk_span.to(device),
-        (first[chunk_span] + within).to(device),
-        slot.to(device),
-        key_index.view(num, width).to(device),
+        put(index.view(total, size)),
+        put(chunk_span),
+        put(first[chunk_span] + within),
+        put(slot),
+        put(key_index.view(num, width)),
     )
 
 
