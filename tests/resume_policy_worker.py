@@ -81,6 +81,8 @@ def read_back(t: Trainer) -> dict:
         "mlm_probability": mix.maskers[0].mlm_probability,
         "short_seq_prob": mix.maskers[0].short_seq_prob,
         "weights": list(mix.sampler.weights),
+        "stage_index": t.batches.stage_index,
+        "stage_micro_batch": mix.micro_batch_size,
         "end": t.end,
         "loop": {"log_interval": t.metrics.cfg.train.log_interval,
                  "eval_interval": t.cfg.train.eval_interval,
