@@ -136,17 +136,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         kwargs["workers"] = args.workers
     world = detect_world()
     lock = dirlock.output_lock(args.out, "data_prep")  # one data_prep per --out (rank 0 holds it)
-    if world is None or world.rank == 0:
-        try:
-            lock.acquire()
-        except (dirlock.LockError, OSError) as e:
-            why = e if isinstance(e, dirlock.LockError) else f"--out {args.out}: {e.strerror or e}"
-            print(f"data_prep: error: {why}", file=sys.stderr)
-            return 2
-        if lock.stale_note():
-            print(lock.stale_note(), file=sys.stderr)
     try:
+        if world is None or world.rank == 0:
+            try:
+                lock.acquire()
+                if lock.stale_note():
+                    print(lock.stale_note(), file=sys.stderr)
+            except OSError:  # no lock file can be made there: data_prep's --out checks say why
+                pass
         prepare(PrepConfig(**kwargs))
+    except dirlock.LockError as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 2
     except DataPrepError as e:  # bad input, options or output directory: one line, exit 2
         if not getattr(e, "quiet", False):  # (another rank of an mpirun/srun run prints it)
             print(f"data_prep: error: {e}", file=sys.stderr)

@@ -67,10 +67,13 @@ class DirLock:
         while parent and not os.path.isdir(parent):
             missing.append(parent)
             parent = os.path.dirname(parent)
-        for d in reversed(missing):
-            os.makedirs(d, exist_ok=True)
-            self.created.append(d)
         try:
+            for d in reversed(missing):
+                try:
+                    os.mkdir(d)
+                except FileExistsError:  # made by someone else meanwhile: not ours to remove
+                    continue
+                self.created.append(d)
             return self._lock(mode)
         except BaseException:
             self._remove_created()

@@ -555,12 +555,12 @@ def export_checkpoint(
     with contextlib.ExitStack() as held:  # --out locked, the tag pinned: released at the end
         try:
             lock = held.enter_context(dirlock.output_lock(out, "export"))
+            if lock.stale_note():
+                print(lock.stale_note(), file=sys.stderr)
         except dirlock.LockError as e:
             raise ExportError(str(e)) from None
-        except OSError as e:
-            raise ExportError(f"--out {out}: cannot lock it: {e.strerror or e}") from None
-        if lock.stale_note():
-            print(lock.stale_note(), file=sys.stderr)
+        except OSError:  # no lock file can be made there: the --out checks below say why
+            pass
         return _export(checkpoint, out, tag, dtype, tokenizer, overwrite, provenance, held)
 
 

@@ -321,12 +321,12 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     with contextlib.ExitStack() as held:
         try:
             lock = held.enter_context(dirlock.output_lock(args.out, "finetune"))
+            if lock.stale_note():
+                print(lock.stale_note(), file=sys.stderr)
         except dirlock.LockError as e:
             raise FinetuneError(str(e)) from None
-        except OSError as e:
-            raise FinetuneError(f"--out {args.out}: cannot lock it: {e.strerror or e}") from None
-        if lock.stale_note():
-            print(lock.stale_note(), file=sys.stderr)
+        except OSError:  # no lock file can be made there: the --out checks below say why
+            pass
         same = os.path.realpath(args.model) == os.path.realpath(args.out)  # check_out says why
         if os.path.isdir(args.model) and not same:
             try:  # an export writing --model right now is refused; a read-only place is fine
@@ -356,7 +356,6 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
         )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FinetuneError(f"--model {args.model}: no config.json (not an exported model)")
-    check_export(args.model, getattr(args, "trust_remote_code", False))
     for name in ("epochs", "batch_size", "eval_batch_size", "lr", "max_grad_norm"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -378,6 +377,7 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
         tempfile.TemporaryDirectory(prefix=".finetune-probe-", dir=parent).cleanup()
     except OSError as e:
         raise FinetuneError(f"--out {args.out}: cannot write there: {e.strerror or e}") from None
+    check_export(args.model, getattr(args, "trust_remote_code", False))  # before any data
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 

@@ -477,3 +477,23 @@ def test_training_owns_its_directory_and_ctrl_c_checkpoints_and_exits_75(tiny_co
     assert (run / "checkpoints" / tag / "COMPLETE").is_file()
     assert f"[checkpoint] signal {int(signal.SIGINT)}: " in text
     assert not (run / LOCK_NAME).exists() and not (run / "checkpoints" / LOCK_NAME).exists()
+
+
+def test_data_prep_ctrl_c_is_one_line_and_releases_out(tmp_path):
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "data_prep", "--source", "stdlib", "--out", str(out),
+           "--seq-len", "64", "--vocab-size", "400", "--max-docs", "300", "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / ".data.lock").exists():  # main() runs: the handler is in place
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert _one_line(err) == "data_prep: interrupted; rerun with --resume to continue"
+    assert not (tmp_path / ".data.lock").exists()
