@@ -218,9 +218,6 @@ def _show(v: Any) -> str:
     return json.dumps(v) if isinstance(v, (str, list, dict)) or v is None else str(v)
 
 
-_MISSING = object()
-
-
 def _walk(saved: Any, now: Any, key: str) -> Iterator[Change]:
     if isinstance(saved, dict) and isinstance(now, dict) and key not in ("model.extra",
                                                                           "deepspeed.extra"):
@@ -243,7 +240,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or a == b and type(a) is type(b)
+        return a is b or (a == b and type(a) is type(b))
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return float(a) == float(b)
     return a == b
@@ -280,8 +277,8 @@ def refusal(found: List[Change], cfg: JobConfig, where: str) -> Optional[str]:
     allows = sorted({c.policy.allow for c in refused if c.policy.allow})
     hint = f" (or set {' / '.join(f'{a}=true' for a in allows)})" if allows else ""
     return (
-        f"{keys}: {where} was trained with the saved value and this key names what the run is "
-        f"(a new value cannot apply to a resumed run). Resume with the saved value{hint}, or "
+        f"{keys}: {where} was trained with the saved value, and such a key names what the run "
+        f"is (a new value cannot apply to a resumed run). Resume with the saved value{hint}, or "
         "start a new run (another checkpoint.dir, or checkpoint.resume=never)"
     )
 
