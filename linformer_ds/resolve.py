@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Sequence, Union
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
 from linformer_ds.perf import native_bf16
-from linformer_ds.sequence_parallel import config_errors
+from linformer_ds.sequence_parallel import config_errors, isolation_errors
 
 
 def resolve(
@@ -61,7 +61,7 @@ def resolve_precision(job: JobConfig) -> None:
 
 def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]:
     zero_extra = job.deepspeed.extra_dict().get("zero_optimization", {})
-    return config_errors(
+    errors = config_errors(
         job.parallel.sequence_parallel_size,
         world_size=world_size,
         seq_len=n,
@@ -71,6 +71,9 @@ def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]
         shard=shard,
         precision=job.deepspeed.precision,
     )
+    if job.data.document_isolation is True:  # auto is decided with the data (Trainer)
+        errors += isolation_errors(job.parallel.sequence_parallel_size, job.model, shard)
+    return errors
 
 
 def _resolve_shard(job: JobConfig, world_size: int, ns: List[int]) -> None:

@@ -141,8 +141,8 @@ def isolation_errors(sp_size: int, model: ModelConfig, shard: Any) -> List[str]:
         )
     if shard is True:
         errors.append(
-            f"{ISOLATION_KEY}: needs {SHARD_KEY}=false under sequence parallelism: documents "
-            "start anywhere, so every rank needs all positions and E/F columns"
+            f"{ISOLATION_KEY}: documents start anywhere, so every rank needs every position "
+            f"and E/F column; set {SHARD_KEY}=false"
         )
     return errors
 
