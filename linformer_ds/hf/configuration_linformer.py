@@ -14,7 +14,7 @@ from ..model import ModelConfig
 # ModelConfig fields that PretrainedConfig already knows (and handles itself)
 _HF_OWNED = ("num_labels",)
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name not in _HF_OWNED)
-# The fixed special ids of every data_prep tokenizer (linformer_ds.special_tokens; repeated
+# The fixed special ids of every data_prep tokenizer (the special-token table of the training package; repeated
 # here because remote code cannot import data_prep): config.json carries them like BERT's does.
 TOKEN_IDS = {
     "bos_token_id": 2,
