@@ -293,3 +293,23 @@ def test_trainer_isolation_auto_on_full_packing(tmp_path):
         losses[setting] = read_metrics(run_dir)[1]["loss"]
         assert read_metrics(run_dir, "eval"), "no eval record"
     assert losses["auto"] != losses["false"], losses
+
+
+def test_isolation_bench_dry_run(tmp_path):
+    """bench.isolation_bench at a tiny size: a row per variant with both step times, the rows'
+    documents cut as asked."""
+    from bench.isolation_bench import IsolationBenchConfig, document_position_ids, main
+
+    pos = document_position_ids(3, 64, 8, seed=0)
+    assert ((pos == 0).sum(dim=1) == 8).all()
+    bc = IsolationBenchConfig(
+        seq_len=64, docs=4, batch=2, layers=2, hidden=32, heads=2, intermediate=64, k=8,
+        vocab=100, warmup=0, iters=1, precision="fp32", device="cpu", out=str(tmp_path),
+    )  # fmt: skip
+    skip = ("variants", "attention_dropout", "mlm_fraction")  # not options of the command
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(bc).items() if k not in skip]
+    assert main(args + ["--variants", "linear", "conv", "hybrid", "dense"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["linear", "conv", "hybrid", "dense"]
+    assert all(r["packed_ms"] > 0 and r["isolated_ms"] > 0 for r in rows)
+    assert "| linear | 64 | 2 | 4 |" in (tmp_path / "results.md").read_text()
