@@ -583,14 +583,8 @@ def _export(
         raise ExportError(str(e)) from None
     if state == "exists":
         raise ExportError(f"--out {out} holds an earlier export; pass --overwrite to replace it")
-    ckpt, tag = resolve_tag(checkpoint, tag)
-    tag_dir = os.path.join(ckpt, tag)
-    # pinned from here to the end: the trainer's pruning (keep_last) leaves this tag alone
-    if not held.enter_context(dirlock.pin_tag(tag_dir)) or tag_problem(ckpt, tag) is not None:
-        raise ExportError(
-            f"--checkpoint {tag_dir} was removed or changed (pruned by the running training?) "
-            "before export could pin it; run export again"
-        )
+    ckpt, tag_dir = _resolve_and_pin(checkpoint, tag, held)
+    tag = os.path.basename(tag_dir)
     meta, model_config = read_meta(tag_dir)
     sp_path = tokenizer or os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
     if not os.path.isfile(sp_path):
@@ -646,6 +640,25 @@ def _export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _resolve_and_pin(
+    checkpoint: str, tag: Optional[str], held: contextlib.ExitStack, attempts: int = 5
+) -> Tuple[str, str]:
+    """``(checkpoint_dir, tag_dir)``, the tag pinned in ``held`` until the export ends (the
+    trainer's pruning leaves it alone). A tag pruned between choosing and pinning it is chosen
+    again (the newest, when no ``--tag`` was given)."""
+    for _ in range(attempts):
+        ckpt, name = resolve_tag(checkpoint, tag)
+        tag_dir = os.path.join(ckpt, name)
+        if held.enter_context(dirlock.pin_tag(tag_dir)) and tag_problem(ckpt, name) is None:
+            return ckpt, tag_dir
+        if tag is not None:
+            break
+    raise ExportError(
+        f"--checkpoint {tag_dir} was removed or changed (pruned by the running training?) "
+        "before export could pin it; run export again"
+    )
 
 
 def _verify_weights(out: str, state_dict: Dict[str, torch.Tensor], dtype: str) -> None:

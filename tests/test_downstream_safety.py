@@ -497,3 +497,46 @@ def test_data_prep_ctrl_c_is_one_line_and_releases_out(tmp_path):
     assert proc.returncode == 130, err
     assert _one_line(err) == "data_prep: interrupted; rerun with --resume to continue"
     assert not (tmp_path / ".data.lock").exists()
+
+
+def test_export_while_training_saves_and_prunes_every_step(tiny_corpus, tmp_path):
+    """save_interval=1 keep_last=1: the trainer prunes the previous tag at every step while
+    export reads it (was: a traceback, the tag vanished mid-read). Each export pins its tag and
+    succeeds; pruning catches up after it."""
+    from tests.pretrain_utils import PRETRAIN, TEST_OVERRIDES, TINY_CONFIG
+
+    run = tmp_path / "run"
+    ov = TEST_OVERRIDES + [f"data.path={tiny_corpus}", f"logging.dir={run}",
+                           "train.max_steps=100000", "checkpoint.save_interval=1",
+                           "checkpoint.keep_last=1", "train.log_interval=1000"]  # fmt: skip
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        trainer = subprocess.Popen([sys.executable, PRETRAIN, "--config", TINY_CONFIG, *ov],
+                                   cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "latest").exists():
+            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        tags = []
+        latest = run / "checkpoints" / "latest"
+        for i in range(3):
+            out = tmp_path / f"export{i}"
+            before = latest.read_text().strip()
+            proc = subprocess.run(
+                [sys.executable, str(REPO / "launch" / "export.py"), "--checkpoint",
+                 str(run / "checkpoints"), "--out", str(out)],
+                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr
+            tags.append(json.loads((out / "linformer_export.json").read_text())["tag"])
+            # the trainer saved (and pruned) at least twice while this export read its tag
+            assert int(latest.read_text().strip()[5:]) >= int(before[5:]) + 2, (before, tags)
+        assert trainer.poll() is None, log.read_text()[-3000:]  # still training and pruning
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=300) == 75, log.read_text()[-3000:]
+    finally:
+        trainer.kill()
+    remaining = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert len(remaining) == 1 and remaining[0] > max(tags), (remaining, tags)
