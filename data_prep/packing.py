@@ -16,10 +16,12 @@ a document goes to ``valid`` when a keyed hash of its text (key = seed) falls be
 
 import hashlib
 import itertools
+import signal
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+import sentencepiece as spm
 
 from data_prep.tokenizer import CLS_ID, PAD_ID, SEP_ID, document_lines
 
@@ -56,9 +58,7 @@ _worker: Dict[str, Any] = {}
 def init_worker(model_proto: bytes, settings: EncodeSettings, worker: bool = True) -> None:
     """Pool initializer: load the tokenizer once per worker process (``worker=False``: in the
     main process, for ``--workers 0``)."""
-    import signal
 
-    import sentencepiece as spm
 
     if worker:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process

@@ -29,6 +29,7 @@ manifest is written; ``--resume`` (on any R) keeps the tokenizer, the finished u
 """
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import sentencepiece as spm
 
 from data_prep import packing as pk
 from data_prep.distributed import PeerFailed, Transport, World, connect, remove_sync_root
@@ -431,7 +433,6 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
         if hashlib.sha256(proto).hexdigest() != tok_info["sha256"]:
             raise _alike(ctx, f"cannot --resume: {TOKENIZER} changed since the interrupted run")
         _log(cfg, f"resuming: {len(done)} of {plan['units']} work units are done")
-    import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab_size = sp.get_piece_size()
@@ -510,7 +511,6 @@ class _Done:
 
 
 def _finished_units(units_dir: str) -> Dict[int, Dict[str, Any]]:
-    import json
 
     done = {}
     if os.path.isdir(units_dir):

@@ -5,11 +5,13 @@ resume state, the tokenizer (trained on a sample or copied), the encoding tasks 
 
 import collections
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -360,8 +362,6 @@ class _Encoder:
         self.workers = workers
         self.pool: Optional[Any] = None
         if workers > 0:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(
                 workers,

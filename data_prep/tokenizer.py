@@ -9,10 +9,14 @@ the lines concatenated; training samples lines the same way.
 """
 
 import hashlib
+import io
 import os
 import random
 from collections.abc import Iterable
 from typing import Any, Dict, List, Optional
+
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as pb
 
 from data_prep.errors import DataPrepError
 from linformer_ds.special_tokens import (  # noqa: F401  (re-exported to data_prep's modules)
@@ -178,9 +182,7 @@ def train_tokenizer(
     and ``num_threads`` (SentencePiece's EM sums differ by thread count), never on the output
     path: the model is written from memory.
     """
-    import io
 
-    import sentencepiece as spm
 
     if model_type not in MODEL_TYPES:
         raise DataPrepError(f"--model-type must be one of {MODEL_TYPES}, got {model_type!r}")
@@ -242,7 +244,6 @@ def train_tokenizer(
 
 def load_tokenizer(path: str) -> Any:
     """Load a ``.model`` file and check the fixed special ids; a clear error on mismatch."""
-    import sentencepiece as spm
 
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
@@ -273,7 +274,6 @@ def check_special_ids(sp: Any, where: str) -> None:
 
 def tokenizer_info(path: str, sp: Any, trained: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The manifest's tokenizer entry."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = pb.ModelProto()
     with open(path, "rb") as f:

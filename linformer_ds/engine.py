@@ -7,9 +7,11 @@ from typing import Any, Dict, Optional
 import torch
 
 from linformer_ds.config import ConfigError, JobConfig
+from linformer_ds.dist_env import disable_deepspeed_shm_allreduce, init_process_group
 from linformer_ds.ds_config import deepspeed_config
 from linformer_ds.model import LinformerForMaskedLMPretraining
 from linformer_ds.optim import lr_scheduler, param_groups
+from linformer_ds.sequence_parallel import build_groups
 
 
 @dataclass
@@ -66,7 +68,6 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from linformer_ds.dist_env import disable_deepspeed_shm_allreduce, init_process_group
 
     check_accelerator(cfg)
     acc = get_accelerator()
@@ -108,7 +109,6 @@ def init_sequence_parallel(cfg: JobConfig):
     Collective: every rank calls it after :func:`init_world`."""
     if cfg.parallel.sequence_parallel_size == 1:
         return None
-    from linformer_ds.sequence_parallel import build_groups
 
     return build_groups(cfg.parallel.sequence_parallel_size)
 

@@ -9,7 +9,9 @@ from linformer_ds.config import JobConfig
 from linformer_ds.context_meter import UnigramMeter, figures
 from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.stream import to_device
+from linformer_ds.engine import all_reduce_sum
 from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
+from linformer_ds.sequence_parallel import shard_batch
 
 
 @torch.no_grad()
@@ -33,8 +35,6 @@ def evaluate(
     training."""
     import deepspeed.comm as dist
 
-    from linformer_ds.engine import all_reduce_sum
-    from linformer_ds.sequence_parallel import shard_batch
 
     masker = MLMMasking(
         valid_ds.vocab_size,

@@ -17,10 +17,14 @@ write leaves the previous output whole. Standard library only (data_prep imports
 """
 
 import contextlib
+import errno
 import os
 import re
+import resource
 import shutil
+import signal
 import sys
+import tempfile
 from typing import List, Optional, Sequence, Tuple
 
 # The file every output of a command holds, by which it recognises its own earlier output
@@ -151,7 +155,6 @@ def check_out(
 
 def staging_dir(out: str, command: str) -> str:
     """A new hidden directory next to ``out`` to write into (swapped in by :func:`swap_in`)."""
-    import tempfile
 
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
@@ -185,8 +188,6 @@ def swap_in(tmp: str, out: str) -> None:
 def write_error(e: BaseException, what: str) -> str:
     """One line for a failed write of ``what``: the OS's reason (ENOSPC, EFBIG from a file-size
     limit such as ``ulimit -f``, EROFS, ...) and the file, never a library's internal message."""
-    import errno
-    import resource
 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     efbig = isinstance(e, OSError) and e.errno == errno.EFBIG
@@ -217,7 +218,6 @@ def _disk_full(path: str) -> bool:
 def ignore_file_size_signal() -> None:
     """Make a write beyond ``ulimit -f`` raise ``OSError(EFBIG)`` (reported in one line by
     :func:`write_error`) instead of killing the process with SIGXFSZ."""
-    import signal
 
     if hasattr(signal, "SIGXFSZ"):
         with contextlib.suppress(ValueError, OSError):  # not the main thread

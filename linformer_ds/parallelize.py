@@ -22,6 +22,7 @@ collectives, groups and parameter sharding themselves are in :mod:`linformer_ds.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -32,6 +33,7 @@ from linformer_ds import sequence_parallel as sp
 from linformer_ds.config import JobConfig
 from linformer_ds.data.masking import IGNORE_INDEX
 from linformer_ds.engine import all_reduce_sum
+from linformer_ds.model import LinformerEncoder, LinformerSelfAttention, get_projection
 from linformer_ds.sequence_parallel import SequenceParallel, SequenceParallelGroups
 
 
@@ -176,7 +178,6 @@ def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequencePa
     """Make every encoder, attention and projection module of ``model`` split the sequence over
     ``group`` (an instance attribute per module). ``group=None`` removes it again (the
     unmodified P = 1 path). Returns the hooks."""
-    from linformer_ds.model import LinformerEncoder, LinformerSelfAttention, get_projection
 
     if hasattr(model, "classifier"):
         raise ValueError(
@@ -220,7 +221,6 @@ def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
     is one sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
     position table: dim 0), every other parameter is replicated. Loading cuts the whole
     tensor again for any P (``tp_world_size`` = P), or keeps it whole at P = 1."""
-    import re
 
     from deepspeed.checkpoint import constants as c
 

@@ -14,6 +14,16 @@ from collections.abc import Callable, Iterable
 from typing import Any, Dict, List, Optional
 
 import torch
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    Summary,
+    start_http_server,
+)
 
 from linformer_ds.config import ConfigError, JobConfig
 from linformer_ds.fsio import atomic_write_json
@@ -52,7 +62,6 @@ class _Gauges:
     """The metric families of one rank's registry, labelled ``job_name`` and ``rank``."""
 
     def __init__(self, cfg: JobConfig, rank: int, registry: Any):
-        from prometheus_client import Counter, Gauge, Histogram, Info, Summary
 
         names = ("job_name", "rank")
         self.labels = {"job_name": cfg.name, "rank": str(rank)}
@@ -156,7 +165,6 @@ class PrometheusSink:
         memory: MemoryProbe,
         elapsed: Callable[[], float],
     ):
-        from prometheus_client import CollectorRegistry, ProcessCollector
 
         self.lock = threading.Lock()
         self.rank, self.world = rank, world_size
@@ -182,7 +190,6 @@ class PrometheusSink:
         self._serve(cfg, local_rank, served)
 
     def _serve(self, cfg: JobConfig, local_rank: int, served: Any) -> None:
-        from prometheus_client import start_http_server
 
         base = cfg.logging.prometheus_port
         assert base is not None

@@ -24,6 +24,9 @@ DeepSpeed's mpu, ZeRO-3 partitioning and the loss scaling rule) and lists the tr
 
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -32,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from linformer_ds.model import ModelConfig, get_projection, projection_stride
+from linformer_ds.model import LinformerEncoder, ModelConfig, get_projection, projection_stride
 
 KEY = "parallel.sequence_parallel_size"
 SHARD_KEY = "parallel.shard_sequence_parameters"
@@ -415,7 +418,6 @@ def sequence_parameters(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
     every projection whose class sets ``sequence_dim`` (linear E/F, any sharing mode, per-layer
     ones too; columns, dim 2) and the position table (rows, dim 0). Conv kernels are not: they
     are the same for every block."""
-    from linformer_ds.model import LinformerEncoder
 
     out = []
     for name, module in model.named_modules():
@@ -445,7 +447,6 @@ def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[s
     the whole model identically on every rank, before the model runs split. Returns
     the sharded parameter names.
     """
-    from linformer_ds.model import LinformerEncoder
 
     names = []
     for name, module, dim in sequence_parameters(model):
@@ -520,8 +521,6 @@ def mark_universal_sequence_dims(universal_tag_dir: str) -> List[str]:
     DeepSpeed's universal loading cuts the rank's piece (``chunk(P, cat_dim)[sp_rank]``).
     Files with a sub-parameter shape (written from a sharded run) already say it. Returns the
     parameter names marked."""
-    import glob
-    import os
 
     from deepspeed.checkpoint.constants import CAT_DIM, PARAM, SUB_PARAM_SHAPE
 
@@ -556,9 +555,6 @@ def consolidate_sharded(
     rank's files are linked, as rank 00, into a temporary directory and consolidated there by
     ``consolidate_one(dir, tag)`` (DeepSpeed's own, ZeRO 0-3), then the sharded parameters are
     concatenated in rank order along their sequence dim (the rest is the same on every rank)."""
-    import glob
-    import os
-    import tempfile
 
     tag_dir = os.path.join(checkpoint_dir, tag)
     parts = []
