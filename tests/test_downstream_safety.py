@@ -42,13 +42,14 @@ def _env() -> dict:
 
 
 def _tree(root: Path) -> dict:
-    """{relative path: (size, mtime_ns)} of every file and directory below ``root``."""
+    """{relative path: (size, mtime_ns)} of every file below ``root``, None for a directory
+    (whose mtime a lock file or a writability probe, made and removed, changes)."""
     out = {}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             p = Path(dirpath, name)
             st = p.stat()
-            out[str(p.relative_to(root))] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns) if p.is_file() else None
     return out
 
 
@@ -540,3 +541,29 @@ def test_export_while_training_saves_and_prunes_every_step(tiny_corpus, tmp_path
         trainer.kill()
     remaining = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     assert len(remaining) == 1 and remaining[0] > max(tags), (remaining, tags)
+
+
+def test_metrics_jsonl_once_per_step_after_resume_from_older_tag_and_failed_start_frees_dirs(
+    tiny_corpus, tmp_path
+):
+    """A run to step 4 (tags 2 and 4), resumed from step 2: steps 3 and 4 run again and
+    metrics.jsonl holds each step once. A start that fails after taking the locks (a resume tag
+    that does not exist) exits 2, leaves no lock file and changes no file."""
+    from linformer_ds.dirlock import LOCK_NAME
+    from linformer_ds.fsio import read_jsonl
+    from tests.pretrain_utils import run_pretrain
+
+    run = tmp_path / "run"
+    common = ["train.max_steps=4", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
+    run_pretrain(tiny_corpus, run, common, nproc=1, launcher="python")
+    again = run_pretrain(tiny_corpus, run, common + ["checkpoint.resume=step_00000002"],
+                         nproc=1, launcher="python")  # fmt: skip
+    assert "record(s) after step 2 removed (those steps run again)" in again.stdout
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    before = _tree(tmp_path)
+    bad = run_pretrain(tiny_corpus, run, common + ["checkpoint.resume=step_00000099"], nproc=1,
+                       launcher="python", check=False)  # fmt: skip
+    assert bad.returncode == 2 and "step_00000099' not found" in bad.stderr, bad.stderr[-2000:]
+    assert not (run / LOCK_NAME).exists() and not (run / "checkpoints" / LOCK_NAME).exists()
+    assert _tree(tmp_path) == before
