@@ -46,6 +46,10 @@ SLOW_TESTS = {
     "tests/test_dist_env.py::test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline",
     "tests/test_dist_env.py::test_rank_leaves_when_its_launcher_dies",
     "tests/test_dist_env.py::test_sigterm_during_rendezvous_ends_the_rank_within_seconds",
+    # ~100 one-rank resumes in a worker process (55 s, 22 s and 25 s alone on 2 cores)
+    "tests/test_resume_policy.py::test_generated_resumes_are_refused_or_take_effect",
+    "tests/test_resume_policy.py::test_generated_resumes_of_mixture_and_stage_keys",
+    "tests/test_resume_policy.py::test_lr_change_on_resume_is_used_and_a_refusal_writes_nothing",
 }
 
 
