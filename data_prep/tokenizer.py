@@ -12,7 +12,8 @@ import hashlib
 import io
 import os
 import random
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, Dict, List, Optional
 
 import sentencepiece as spm
@@ -199,7 +200,8 @@ def train_tokenizer(
     random.Random(seed).shuffle(sentences)
     writer = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
+        interruptible(
+            spm.SentencePieceTrainer.train,
             sentence_iterator=iter(sentences),
             model_writer=writer,
             vocab_size=vocab_size,
@@ -240,6 +242,30 @@ def train_tokenizer(
         f.write(writer.getvalue())
     os.replace(tmp, model_path)
     return model_path
+
+
+def interruptible(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` in a daemon thread while the calling thread waits in short joins, so
+    Ctrl-C (KeyboardInterrupt) ends the wait within a fraction of a second: SentencePiece's C++
+    training loop (which releases the GIL) never checks for signals itself. The result, and
+    the output, are the same as a direct call; an exception of ``fn`` is raised here."""
+    done: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            done["error"] = e
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn(**kwargs)  # signals reach the main thread only: nothing to gain
+    worker = threading.Thread(target=run, name="sentencepiece-train", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+    if "error" in done:
+        raise done["error"]
+    return done.get("value")
 
 
 def load_tokenizer(path: str) -> Any:
