@@ -275,3 +275,40 @@ def test_unigram_reference_matches_a_direct_count(swept):
     assert sweep.unigram_perplexity(path) == pytest.approx(math.exp(nll), rel=1e-9)
     md = (swept["out"] / "report" / "report.md").read_text()
     assert f"is {sweep.unigram_perplexity(path):.1f}." in md
+
+
+def test_classify_keeps_the_last_evals_context_meter():
+    meter = {"unigram_loss": 7.2, "unigram_accuracy": 0.03, "context_gain_nats": 0.5}
+    recs = [_rec("eval", 2, 7.0), {**_rec("eval", 4, 6.7), **meter, "context_gain_accuracy": 0.1}]
+    r = sweep.classify(0, recs, 13.5, 1.0)
+    assert (r["final_unigram_loss"], r["final_context_gain_nats"]) == (7.2, 0.5)
+    assert r["final_context_gain_accuracy"] == 0.1
+    assert sweep.classify(0, recs[:1], 13.5, 1.0)["final_context_gain_nats"] is None
+
+
+def test_prebuilt_data_paths_per_sweep_and_variant(tmp_path):
+    """data.path and a variant's data_path are used as they are, after checking their N."""
+    for name, n in (("full", 256), ("pad", 256), ("short", 128)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_len": n}))
+    spec = {
+        "base_config": "configs/tiny_cpu.yaml",
+        "data": {"path": str(tmp_path / "full")},
+        "variants": {
+            "lin": ["model.projection=linear"],
+            "lin_pad": {"overrides": ["model.projection=linear"], "data_path": str(tmp_path / "pad")},
+        },
+        "grids": [{"variants": ["lin", "lin_pad"], "seq_len": [256], "lr": [1e-3]}],
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cfg = sweep.load_sweep(str(path))
+    assert cfg.variants["lin_pad"].data_path == str(tmp_path / "pad")
+    assert cfg.variants["lin"].data_path is None
+    assert sweep.ensure_data(cfg.data, 256) == tmp_path / "full"
+    assert sweep.data_dir(cfg.data, 256) == tmp_path / "full"
+    assert sweep.prebuilt_data(tmp_path / "pad", 256) == tmp_path / "pad"
+    with pytest.raises(sweep.SweepError, match="rows of 128 tokens, the point needs N=256"):
+        sweep.prebuilt_data(tmp_path / "short", 256)
+    with pytest.raises(sweep.SweepError, match="no manifest.json"):
+        sweep.prebuilt_data(tmp_path, 256)

@@ -15,7 +15,9 @@ Divergence: a run is marked ``diverged`` (and the sweep goes on) when the traine
 nats above the best one. Other non-zero exits are ``failed`` and rerun on the next invocation.
 
 Data: every sequence length N needs a data_prep output with ``--seq-len N``; they are built on
-demand under ``data.cache_dir`` and share one SentencePiece tokenizer (``--tokenizer``).
+demand under ``data.cache_dir`` and share one SentencePiece tokenizer (``--tokenizer``), or
+``data.path`` names a prebuilt output; a variant's ``data_path`` replaces it for that variant
+(e.g. ``--packing pad`` data beside ``full``).
 
 The parts: ``config`` (the sweep file), ``data`` (shards per N, unigram reference), ``runs``
 (one trainer process per point, classification), ``slurm`` (the job array), ``report`` and
@@ -35,7 +37,7 @@ from studies.sweep.config import (
     load_sweep,
     point_id,
 )
-from studies.sweep.data import data_dir, ensure_data, unigram_perplexity
+from studies.sweep.data import data_dir, ensure_data, prebuilt_data, unigram_perplexity
 from studies.sweep.inference import inference_table, time_inference
 from studies.sweep.report import display_path, write_report
 from studies.sweep.runs import classify, collect, point_overrides, run_dir, run_point, run_sweep
@@ -60,6 +62,7 @@ __all__ = [
     "load_sweep",
     "point_id",
     "point_overrides",
+    "prebuilt_data",
     "run_dir",
     "run_point",
     "run_sweep",

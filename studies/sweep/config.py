@@ -52,11 +52,14 @@ class SweepError(ValueError):
 # ======================================================================================= schema
 @dataclass
 class Variant:
-    """A named set of overrides; ``uses_k=False`` (dense) collapses the k axis to one run."""
+    """A named set of overrides; ``uses_k=False`` (dense) collapses the k axis to one run;
+    ``data_path`` (optional) trains this variant on that prebuilt data_prep output instead of
+    the sweep's data (e.g. ``--packing pad`` beside ``full``)."""
 
     name: str
     overrides: List[str]
     uses_k: bool = True
+    data_path: Optional[str] = None
 
 
 @dataclass
@@ -73,12 +76,14 @@ class Grid:
 
 @dataclass
 class DataSpec:
-    """How to build the data_prep output for each N (one shared tokenizer)."""
+    """How to build the data_prep output for each N (one shared tokenizer); ``path`` names a
+    prebuilt data_prep output used as it is (its manifest's seq_len must equal every N)."""
 
     source: List[str] = field(default_factory=lambda: ["stdlib"])
     vocab_size: int = 8000
     args: List[str] = field(default_factory=list)  # extra data_prep flags, e.g. --max-bytes
     cache_dir: str = "data/sweep"
+    path: Optional[str] = None
 
 
 @dataclass
@@ -224,19 +229,22 @@ def _only_keys(d: Dict[str, Any], where: str, known: tuple) -> Dict[str, Any]:
 
 
 def _parse_variants(raw: Any) -> Dict[str, Variant]:
-    """``name: [overrides]`` or ``name: {overrides: [...], uses_k: bool}``."""
+    """``name: [overrides]`` or ``name: {overrides: [...], uses_k: bool, data_path: str}``."""
     if not isinstance(raw, dict) or not raw:
         raise SweepError("variants: must be a non-empty mapping name -> overrides")
     variants: Dict[str, Variant] = {}
     for name, spec in raw.items():
         if isinstance(spec, list):
             spec = {"overrides": spec}
-        if not isinstance(spec, dict) or set(spec) - {"overrides", "uses_k"}:
+        if not isinstance(spec, dict) or set(spec) - {"overrides", "uses_k", "data_path"}:
             raise SweepError(
-                f"variants.{name}: must be a list of overrides or {{overrides: [...], uses_k: bool}}"
+                f"variants.{name}: must be a list of overrides or "
+                "{overrides: [...], uses_k: bool, data_path: str}"
             )
         ov = _check_overrides(spec.get("overrides", []), f"variants.{name}.overrides")
-        variants[name] = Variant(name, ov, bool(spec.get("uses_k", True)))
+        dp = spec.get("data_path")
+        dp = None if dp is None else str((REPO / str(dp)).resolve())
+        variants[name] = Variant(name, ov, bool(spec.get("uses_k", True)), dp)
     return variants
 
 
@@ -270,12 +278,13 @@ def _parse_grid(i: int, g: Any, variants: Dict[str, Variant]) -> Grid:
 
 
 def _parse_data(d: Dict[str, Any]) -> DataSpec:
-    _only_keys(d, "data", ("source", "vocab_size", "args", "cache_dir"))
+    _only_keys(d, "data", ("source", "vocab_size", "args", "cache_dir", "path"))
     data = DataSpec(
         source=_as_list(d.get("source", "stdlib"), "data.source", str),
         vocab_size=int(d.get("vocab_size", 8000)),
         args=[str(a) for a in d.get("args", [])],
         cache_dir=str((REPO / d.get("cache_dir", "data/sweep")).resolve()),
+        path=None if d.get("path") is None else str((REPO / str(d["path"])).resolve()),
     )
     if data.vocab_size < 10:
         raise SweepError(f"data.vocab_size: must be >= 10, got {data.vocab_size}")

@@ -35,7 +35,10 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_data(spec: DataSpec, seq_len: int, log: Any = None) -> Path:
-    """The data_prep output for ``seq_len`` (built once, cached; one tokenizer for all N)."""
+    """The data_prep output for ``seq_len`` (built once, cached; one tokenizer for all N), or
+    the prebuilt ``spec.path`` after checking that its rows hold ``seq_len`` tokens."""
+    if spec.path is not None:
+        return prebuilt_data(Path(spec.path), seq_len)
     out = data_dir(spec, seq_len)
     root = out.parent
     stamp = out / "sweep_data.json"
@@ -72,8 +75,21 @@ def ensure_data(spec: DataSpec, seq_len: int, log: Any = None) -> Path:
     return out
 
 
+def prebuilt_data(path: Path, seq_len: int) -> Path:
+    """``path`` when it is a data_prep output with rows of ``seq_len`` tokens, else SweepError."""
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        raise SweepError(f"data path {path}: no manifest.json (not a data_prep output)")
+    n = json.loads(manifest.read_text()).get("seq_len")
+    if n != seq_len:
+        raise SweepError(f"data path {path}: rows of {n} tokens, the point needs N={seq_len}")
+    return path
+
+
 def data_dir(spec: DataSpec, seq_len: int) -> Path:
     """Where ``ensure_data`` puts (or put) the data_prep output for ``seq_len``."""
+    if spec.path is not None:
+        return Path(spec.path)
     key = "_".join(Path(x).name for x in spec.source)
     return Path(spec.cache_dir) / f"{key}-{_data_key(spec)}" / f"n{seq_len}"
 

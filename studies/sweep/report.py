@@ -26,9 +26,9 @@ def report_table(results: List[Dict[str, Any]]) -> str:
     """Markdown table: one row per point, diverged/failed marked in the status column."""
     head = (
         "| run | grid | variant | N | k | lr | seed | steps | final val loss | final val ppl "
-        "| best val ppl | train tok/s | wall s | status |"
+        "| best val ppl | unigram loss | context gain (nats) | train tok/s | wall s | status |"
     )
-    rows = [head, "|" + "---|" * 14]
+    rows = [head, "|" + "---|" * 16]
     for r in results:
         status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
         if r["status"] in ("diverged", "failed"):
@@ -38,6 +38,8 @@ def report_table(results: List[Dict[str, Any]]) -> str:
             f"{r['k'] if r['k'] is not None else '-'} | {r['lr']:g} | {r['seed']} | "
             f"{r.get('steps', '-')} | {_fmt(r.get('final_eval_loss'), '.4f')} | "
             f"{_fmt(r.get('final_eval_ppl'), '.2f')} | {_fmt(r.get('best_eval_ppl'), '.2f')} | "
+            f"{_fmt(r.get('final_unigram_loss'), '.4f')} | "
+            f"{_fmt(r.get('final_context_gain_nats'), '.4f')} | "
             f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('wall_s'), '.0f')} | {status} |"
         )
     return "\n".join(rows) + "\n"
@@ -118,6 +120,10 @@ CSV_COLUMNS = (
     "final_eval_ppl",
     "best_eval_ppl",
     "final_eval_accuracy",
+    "final_unigram_loss",
+    "final_unigram_accuracy",
+    "final_context_gain_nats",
+    "final_context_gain_accuracy",
     "tokens_per_s",
     "wall_s",
 )

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from linformer_ds.fsio import atomic_write_json, read_jsonl
 from studies.sweep.config import EXIT_NONFINITE, FINISHED, PRETRAIN, REPO, Point, SweepConfig
-from studies.sweep.data import ensure_data
+from studies.sweep.data import ensure_data, prebuilt_data
 
 
 def run_dir(cfg: SweepConfig, point: Point) -> Path:
@@ -75,10 +75,15 @@ def classify(
         "final_eval_ppl": _ppl(evals[-1]["loss"]) if evals else None,
         "best_eval_ppl": _ppl(min(e["loss"] for e in finite)) if finite else None,
         "final_eval_accuracy": evals[-1].get("mlm_accuracy") if evals else None,
+        # the context meter of the last eval (absent from older trainers' records)
+        **{f"final_{m}": evals[-1].get(m) if evals else None for m in CONTEXT_METER},
         "final_train_loss": trains[-1]["loss"] if trains else None,
         "tokens_per_s": statistics.median(tps) if tps else None,
         "eval_curve": curve,
     }
+
+
+CONTEXT_METER = ("unigram_loss", "unigram_accuracy", "context_gain_nats", "context_gain_accuracy")
 
 
 def _ppl(loss: float) -> float:
@@ -94,7 +99,12 @@ def run_point(cfg: SweepConfig, point: Point, log: Any = print) -> Dict[str, Any
         if old.get("status") in FINISHED:
             log(f"[skip] {point.id}: already {old['status']}")
             return old
-    data_path = ensure_data(cfg.data, point.seq_len, log)
+    vpath = cfg.variants[point.variant].data_path
+    data_path = (
+        prebuilt_data(Path(vpath), point.seq_len)
+        if vpath
+        else ensure_data(cfg.data, point.seq_len, log)
+    )
     if rdir.exists():  # an interrupted or failed attempt: start clean (metrics.jsonl appends)
         shutil.rmtree(rdir)
     rdir.mkdir(parents=True)
