@@ -31,14 +31,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from linformer_ds import dirlock, outdir
-from linformer_ds.export import (
-    ExportError,
-    apply_umask,
-    check_remote_code,
-    portable_paths,
-    write_model_dir,
-)
+from linformer_ds.export import portable_paths
 from linformer_ds.model import ModelConfig
+from linformer_ds.model_dir import ExportError, apply_umask, check_remote_code, write_model_dir
 from linformer_ds.optim import lr_scheduler, param_groups
 
 LOCAL_FORMATS = {

@@ -1,0 +1,290 @@
+"""A self-contained Hugging Face model directory: ``config.json`` (with the sha256 of each code
+file), ``model.safetensors``, the remote code and the tokenizer files. Written by export and
+finetune (:func:`write_model_dir`); :func:`check_remote_code` tells whether a directory's code
+is still what was written.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from linformer_ds.model import ModelConfig
+from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
+
+EXPORT_FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Special tokens of the SentencePiece models made by data_prep: HF name -> (piece, id), from
+# data_prep's one table (a checkpoint's metadata records the ids it was trained with).
+_HF_NAMES = {"pad": "pad_token", "unk": "unk_token", "cls": "bos_token", "sep": "eos_token",
+             "mask": "mask_token"}  # fmt: skip
+SPECIAL_TOKENS = {
+    _HF_NAMES[key]: (SPECIAL_PIECES[key], SPECIAL_IDS[key]) for key in _HF_NAMES
+}
+CLS_SEP = {"cls_token": "<s>", "sep_token": "</s>"}
+
+_PKG = Path(__file__).resolve().parent
+# exported file name -> (source file, import rewrites that make it a flat remote-code module)
+REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
+    "linformer_model.py": (_PKG / "model.py", ()),
+    "configuration_linformer.py": (
+        _PKG / "hf" / "configuration_linformer.py",
+        (("from ..model import", "from .linformer_model import"),),
+    ),
+    "modeling_linformer.py": (
+        _PKG / "hf" / "modeling_linformer.py",
+        (("from ..model import", "from .linformer_model import"),),
+    ),
+}
+# config.json key: {code file name: sha256 of its text} as written by the export
+CODE_SHA_KEY = "linformer_code_sha256"
+AUTO_MAP = {
+    "AutoConfig": "configuration_linformer.LinformerConfig",
+    "AutoModel": "modeling_linformer.LinformerModel",
+    "AutoModelForMaskedLM": "modeling_linformer.LinformerForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_linformer.LinformerForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_linformer.LinformerForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_linformer.LinformerForQuestionAnswering",
+    "AutoModelForMultipleChoice": "modeling_linformer.LinformerForMultipleChoice",
+    "AutoModelForCausalLM": "modeling_linformer.LinformerForCausalLM",  # refuses, with the reason
+}
+
+
+class ExportError(RuntimeError):
+    """The export cannot proceed; the message names the problem and the path."""
+
+
+def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
+    """Check the SentencePiece model's special ids and size against the model; returns its size."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=sp_model_path)
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"{sp_model_path}: not a SentencePiece model ({e})") from e
+    size = sp.get_piece_size()
+    if size > model_config.vocab_size:
+        raise ExportError(
+            f"{sp_model_path}: {size} pieces, more than the model's vocab_size "
+            f"{model_config.vocab_size}"
+        )
+    for piece, want in SPECIAL_TOKENS.values():
+        got = sp.piece_to_id(piece)
+        if got != want or sp.id_to_piece(got) != piece:
+            raise ExportError(
+                f"{sp_model_path}: special token {piece!r} has id {got}, expected {want}"
+            )
+    if model_config.pad_token_id != SPECIAL_TOKENS["pad_token"][1]:
+        raise ExportError(
+            f"model.pad_token_id={model_config.pad_token_id} but the tokenizer pads with id "
+            f"{SPECIAL_TOKENS['pad_token'][1]}"
+        )
+    return size
+
+
+def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None:
+    """Copy the SentencePiece model and write the fast tokenizer ``AutoTokenizer`` loads.
+
+    ``tokenizer.json`` holds the SentencePiece model converted by transformers' own converter
+    and a post-processor that adds ``<s> ... </s>`` (pairs: ``<s> A </s> B </s>``); transformers
+    writes it back on every ``save_pretrained`` / ``Trainer.save_model``, so the pattern survives
+    round trips. The ids are checked against SentencePiece's own before anything is written.
+    """
+    shutil.copyfile(sp_model_path, os.path.join(out, "tokenizer.model"))
+    build_fast_tokenizer(sp_model_path, model_max_length).save_pretrained(out)
+
+
+# Texts the converted tokenizer must encode exactly as SentencePiece does (spaces, tabs,
+# newlines, punctuation, accents, symbols outside a small vocabulary).
+_CHECK_TEXTS = (
+    "def encode(self, o):\n    return  o + 1  # done",
+    "  JSON (JavaScript Object Notation) is a subset of JavaScript  ",
+    "unicode: caf\u00e9 \u2603 tabs\tand   spaces, numbers 12,345.67e-8",
+)
+
+
+def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
+    """A ``PreTrainedTokenizerFast`` equivalent to the SentencePiece model (ids checked)."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    proto = pb.ModelProto()
+    with open(sp_model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    kind = proto.trainer_spec.model_type  # 1 unigram, 2 bpe, 3 word, 4 char
+    if kind not in (1, 2):
+        raise ExportError(f"{sp_model_path}: only unigram and bpe SentencePiece models convert")
+    vocab = pieces if kind == 1 else {piece: i for i, (piece, _) in enumerate(pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    names = {name: piece for name, (piece, _) in SPECIAL_TOKENS.items()}
+    backend.add_special_tokens(
+        [AddedToken(piece, special=True, normalized=False) for piece in names.values()]
+    )
+    bos, eos = SPECIAL_TOKENS["bos_token"], SPECIAL_TOKENS["eos_token"]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A {eos[0]}",
+        pair=f"{bos[0]} $A {eos[0]} $B:1 {eos[0]}:1",
+        special_tokens=[bos, eos],
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_max_length=int(model_max_length),
+        padding_side="right",
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids: none in the model
+        clean_up_tokenization_spaces=False,
+        **names,
+        **CLS_SEP,
+    )
+    sp = spm.SentencePieceProcessor(model_file=sp_model_path)
+    for text in _CHECK_TEXTS:
+        want = [bos[1], *sp.encode(text), eos[1]]
+        got = tok(text)["input_ids"]
+        if got != want:
+            raise ExportError(
+                f"{sp_model_path}: the converted tokenizer encodes {text!r} as {got}, "
+                f"SentencePiece as {want}"
+            )
+    return tok
+
+
+def remote_code() -> Dict[str, str]:
+    """``{file name: text}`` of the remote code: ``model.py`` and the HF wrappers, with their
+    package imports made flat."""
+    out = {}
+    for name, (src, rewrites) in REMOTE_CODE.items():
+        text = src.read_text()
+        for old, new in rewrites:
+            if old not in text:
+                raise ExportError(f"{src}: expected import {old!r} not found (remote code layout)")
+            text = text.replace(old, new)
+        out[name] = text
+    return out
+
+
+def write_remote_code(out: str) -> Dict[str, str]:
+    """Write the remote code files into ``out``; returns ``{file name: sha256}``."""
+    digests = {}
+    for name, text in remote_code().items():
+        Path(out, name).write_text(text)
+        digests[name] = _sha256(Path(out, name).read_bytes())
+    return digests
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_remote_code(model_dir: str) -> Optional[str]:
+    """Why the code files of the export ``model_dir`` must not run unasked, or None when each
+    ``*.py`` there has the sha256 recorded in its ``config.json`` at export time and every
+    ``auto_map`` entry (config and tokenizer) names one of them (no other file, no Hub repo)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its config.json cannot be read ({e})"
+    recorded = config.get(CODE_SHA_KEY) if isinstance(config, dict) else None
+    if not (isinstance(recorded, dict) and recorded
+            and all(isinstance(v, str) for v in recorded.values())):  # fmt: skip
+        return (f"its config.json records no sha256 of its code files ({CODE_SHA_KEY}: exported "
+                "before linformer_ds recorded them, or edited)")  # fmt: skip
+    present = sorted(p.name for p in Path(model_dir).glob("*.py"))
+    problems = [f"{n} is not recorded" for n in present if n not in recorded]
+    problems += [f"{n} is missing" for n in sorted(recorded) if n not in present]
+    problems += [
+        f"{n} differs from the sha256 recorded at export"
+        for n in sorted(recorded)
+        if n in present and _sha256(Path(model_dir, n).read_bytes()) != recorded[n]
+    ]
+    maps = [config.get("auto_map")]
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            maps.append(json.load(f).get("auto_map"))
+    for auto_map in maps:
+        for value in (auto_map or {}).values() if isinstance(auto_map, dict) else [auto_map]:
+            for ref in value if isinstance(value, list) else [value]:
+                if ref is not None and (
+                    not isinstance(ref, str) or "--" in ref
+                    or f"{ref.split('.')[0]}.py" not in recorded
+                ):  # fmt: skip
+                    problems.append(f"auto_map names {ref!r}, not a recorded code file")
+    return "; ".join(problems) or None
+
+
+def write_model_dir(
+    out: str,
+    model_config: ModelConfig,
+    state_dict: Dict[str, torch.Tensor],
+    sp_model_path: str,
+    architecture: str = "LinformerForMaskedLM",
+    dtype: str = "float32",
+    config_extra: Optional[Dict[str, Any]] = None,
+    provenance: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
+
+    ``state_dict`` uses the training model's names (tied decoder weight left out);
+    ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
+    """
+    from safetensors.torch import save_file
+
+    from linformer_ds.hf.configuration_linformer import LinformerConfig
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_tokenizer(sp_model_path, model_config)
+    os.makedirs(out, exist_ok=True)
+    tensors = {
+        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in state_dict.items()
+    }
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+    extra = dict(config_extra or {})
+    for name, (_, token_id) in SPECIAL_TOKENS.items():  # bos_token_id, ... (pad: the model's)
+        if name != "pad_token":
+            extra.setdefault(name.replace("_token", "_token_id"), token_id)
+    extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
+    extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
+    hf_config = LinformerConfig.from_model_config(model_config, **extra)
+    hf_config.architectures = [architecture]
+    hf_config.auto_map = dict(AUTO_MAP)
+    hf_config.dtype = dtype
+    setattr(hf_config, CODE_SHA_KEY, write_remote_code(out))  # checked before the code runs
+    hf_config.save_pretrained(out)
+    write_tokenizer(out, sp_model_path, model_config.max_seq_len)
+    if provenance is not None:
+        _write_json(
+            os.path.join(out, "linformer_export.json"),
+            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance},
+        )
+    apply_umask(out)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def apply_umask(directory: str) -> None:
+    """Give ``directory`` and the files in it the modes any new file gets (0777/0666 & ~umask):
+    ``tempfile.mkdtemp`` makes 0700 and some writers 0600, unreadable to the rest of a team."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~umask)
