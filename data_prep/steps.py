@@ -190,6 +190,30 @@ def source_roots(sources: List[str]) -> List[str]:
     return [root for spec in sources for root in source_kind(spec).roots(spec)]
 
 
+def options_diff(saved: Any, new: Dict[str, Any]) -> str:
+    """The options of :meth:`PrepConfig.fingerprint` that differ, as flags with the saved and
+    the new value: ``--seq-len 128 -> 256, --seed 0 -> 1``."""
+    if not isinstance(saved, dict):
+        return f"no options recorded in {PROGRESS}"
+    defaults = {"encoding": "utf-8"}  # recorded only when not the default
+
+    def show(key: str, value: Any) -> str:
+        if key == "tokenizer_sha256" and isinstance(value, str):
+            return f"sha256 {value[:12]}"
+        if isinstance(value, list):
+            return " ".join(map(str, value))
+        return "none" if value is None else str(value)
+
+    flags = {"sources": "--source", "tokenizer_sha256": "--tokenizer"}
+    parts = []
+    for key in [*new, *(k for k in saved if k not in new)]:
+        old_v, new_v = saved.get(key, defaults.get(key)), new.get(key, defaults.get(key))
+        if old_v != new_v:
+            flag = flags.get(key, "--" + key.replace("_", "-"))
+            parts.append(f"{flag} {show(key, old_v)} -> {show(key, new_v)}")
+    return ", ".join(parts) or "the same options in another form"
+
+
 def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     """Check/clear the output directory; returns (progress state to resume or None, created)."""
     out = cfg.out
@@ -222,10 +246,12 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
                 f"cannot --resume: {os.path.join(out, PROGRESS)} is unreadable ({e}); rerun "
                 "with --overwrite"
             ) from None
-        if not isinstance(state, dict) or state.get("fingerprint") != cfg.fingerprint():
+        saved = state.get("fingerprint") if isinstance(state, dict) else None
+        if saved != cfg.fingerprint():
             raise DataPrepError(
                 f"cannot --resume: the interrupted run in {out!r} used different options "
-                f"({state.get('fingerprint')}); rerun with the same options or --overwrite"
+                f"({options_diff(saved, cfg.fingerprint())}); rerun with the same options or "
+                "--overwrite"
             )
         return state, False
     elif entries:

@@ -8,8 +8,10 @@ the config frozen. The DeepSpeed JSON is derived from it in ``linformer_ds.ds_co
 """
 
 import dataclasses
+import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
@@ -49,6 +51,19 @@ class Section:
 
     def bad(self, name: str, msg: str) -> None:
         raise ConfigError(f"{self.key}.{name}: {msg}")
+
+
+# A host name: dot-separated labels of letters, digits and hyphens (RFC 1123), 253 at most.
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # fmt: skip
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ===================================================================================== sections
@@ -278,6 +293,18 @@ class LoggingConfig(Section):
     prometheus_port: Optional[int] = bounded(
         None, 0, 65535, text="a TCP port in [0, 65535]", note="0: free"
     )
+    # the address the endpoints listen on: 0.0.0.0 every interface (a cluster's Prometheus
+    # scrapes the nodes), 127.0.0.1 this host only, or one interface's address or name
+    prometheus_host: str = nonempty("0.0.0.0")
+
+    def rules(self, job: "JobConfig") -> None:
+        host = self.prometheus_host
+        if not _is_ip_address(host) and not _HOSTNAME.fullmatch(host):
+            self.bad(
+                "prometheus_host",
+                f"{host!r} is not an IP address or host name (0.0.0.0: every interface, "
+                "127.0.0.1: this host only)",
+            )
 
 
 @dataclass
@@ -389,6 +416,8 @@ def _load_yaml(path: str, chain: Tuple[str, ...] = ()) -> DictConfig:
     if real in chain:
         cycle = " -> ".join(os.path.basename(p) for p in (*chain, real))
         raise ConfigError(f"{path}: defaults: includes itself ({cycle}); remove the cycle")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a directory: give a YAML file in it")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -1,11 +1,13 @@
 """The Prometheus sink of the trainer's metrics: ``/metrics`` of one rank on
-``logging.prometheus_port + local rank`` (0: a free port). See docs/observability.md.
+``logging.prometheus_port + local rank`` (0: a free port), listening on
+``logging.prometheus_host`` (default 0.0.0.0: every interface). See docs/observability.md.
 
 Every rank serves its own endpoint: per-rank values (memory, step time, data wait, checkpoint
 I/O) stay visible without extra collectives, and a rank that hangs keeps answering with a step
 that stops moving. Rank 0 writes ``logging.dir/prometheus_targets.json`` (file_sd format).
 """
 
+import errno
 import math
 import os
 import socket
@@ -193,26 +195,39 @@ class PrometheusSink:
 
         base = cfg.logging.prometheus_port
         assert base is not None
+        addr = cfg.logging.prometheus_host  # 0.0.0.0 (default): every interface
         host = socket.gethostname()
         port = 0 if base == 0 else base + local_rank
+        where = f"(rank {self.rank}, local rank {local_rank})"
         problem = None
         if port > 65535:
-            problem = f"port {base} + local rank {local_rank} is above 65535"
+            problem = f"logging.prometheus_port: port {base} + local rank {local_rank} is above 65535"
         else:
             try:
-                self.httpd, self.thread = start_http_server(port, addr="0.0.0.0", registry=served)
+                self.httpd, self.thread = start_http_server(port, addr=addr, registry=served)
                 port = int(self.httpd.server_port)
             except OSError as e:
-                problem = (
-                    f"port {port} on {host} (rank {self.rank}, local rank {local_rank}) cannot "
-                    f"be served: {e.strerror or e}; choose another base port, or 0 for free ports"
-                )
-        everyone = _gather((host, port, problem), self.world)
+                why = e.strerror or str(e)
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):  # the port's fault
+                    problem = (
+                        f"logging.prometheus_port: port {port} on {host} {where} cannot be "
+                        f"served: {why}; choose another base port, or 0 for free ports"
+                    )
+                else:  # no such address here, a name that does not resolve
+                    problem = (
+                        f"logging.prometheus_host: {addr} on {host} {where} cannot be served: "
+                        f"{why}; give an address of this host (0.0.0.0: every interface, "
+                        "127.0.0.1: this host only)"
+                    )
+        # a target is how Prometheus reaches the endpoint: the node's name when every
+        # interface listens, else the address it listens on
+        shown = host if addr in ("0.0.0.0", "::") else f"[{addr}]" if ":" in addr else addr
+        everyone = _gather((shown, port, problem), self.world)
         failed = [p for _, _, p in everyone if p is not None]
         if failed:
             self.close(remove_targets=False)
             more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-            raise ConfigError(f"logging.prometheus_port: {failed[0]}{more}")
+            raise ConfigError(f"{failed[0]}{more}")
         self.endpoints = [f"{h}:{p}" for h, p, _ in everyone]
         self.port = port
         if self.rank == 0:

@@ -143,6 +143,7 @@ POLICY: Dict[str, Policy] = {
     "logging.dir": _F,
     "logging.tensorboard": _F,
     "logging.prometheus_port": _F,
+    "logging.prometheus_host": _F,
     "checkpoint.dir": _F,
     "checkpoint.save_interval": _a("loop"),
     "checkpoint.keep_last": _F,

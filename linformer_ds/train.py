@@ -342,9 +342,15 @@ class Trainer:
             f"precision={cfg.deepspeed.precision_text()} "
             f"params={self.model.num_parameters() / 1e6:.2f}M "
             f"schedule={cfg.model.projection_schedule()} "
-            f"train_rows={len(self.train_ds)} seq_len={self.train_ds.seq_len} "
+            f"train_rows={self._train_rows()} seq_len={self.train_ds.seq_len} "
             f"isolation={self.isolation_why}"
         )
+
+    def _train_rows(self) -> str:
+        """Train rows of every source: ``1200``, or ``1700 (web=1200 code=500)`` for several."""
+        rows = {name: len(ds) for name, ds in self.train_sets.items()}
+        each = " ".join(f"{name}={n}" for name, n in rows.items())
+        return f"{sum(rows.values())} ({each})" if len(rows) > 1 else str(sum(rows.values()))
 
     # ------------------------------------------------------------------------------- loop
     def train_step(self) -> None:
@@ -492,6 +498,9 @@ class Trainer:
         """Train to ``train.max_steps`` (or ``stop_at_step``); returns the exit code."""
         self.engine.train()
         self.watchdog.training_started()  # a signal now means: checkpoint at the next step
+        if self.step >= self.end:  # resumed at or after the end: say so, train nothing
+            rank0_print(self._nothing_to_train() + "\n" + self._where_lines())
+            return 0
         try:
             while self.step < self.end:
                 sync_log = self.sync_log  # debug.sync_log: this step counted (a test instrument)
@@ -509,12 +518,29 @@ class Trainer:
         first, last = self.metrics.first_loss, self.metrics.last_loss
         rank0_print(
             f"[done] step {self.step}: first loss {first if first is None else round(first, 4)}"
-            f", last loss {last if last is None else round(last, 4)}\n"
-            f"[done] TensorBoard: tensorboard --logdir {self.cfg.logging.dir}\n"
-            f"[done] checkpoints: {self.checkpoints.dir} "
-            f"(latest: {latest_tag(self.checkpoints.dir)})"
+            f", last loss {last if last is None else round(last, 4)}\n" + self._where_lines()
         )
         return 0
+
+    def _nothing_to_train(self) -> str:
+        """The ``[done]`` line of a run resumed at or after its last step (``self.end``)."""
+        t = self.cfg.train
+        stop = t.stop_at_step is not None and t.stop_at_step < t.max_steps
+        key, end = ("train.stop_at_step", t.stop_at_step) if stop else ("train.max_steps", t.max_steps)
+        where = "at" if self.step == end else "past"
+        return (
+            f"[done] step {self.step}: nothing trained: the checkpoint {self.checkpoints.tag} is "
+            f"already {where} {key}={end}; raise {key} to train further"
+        )
+
+    def _where_lines(self) -> str:
+        """The ``[done]`` lines naming where the results are (TensorBoard only when on)."""
+        tb = self.cfg.logging.tensorboard
+        return (
+            (f"[done] TensorBoard: tensorboard --logdir {self.cfg.logging.dir}\n" if tb else "")
+            + f"[done] checkpoints: {self.checkpoints.dir} "
+            f"(latest: {latest_tag(self.checkpoints.dir)})"
+        )
 
     def close(self) -> None:
         """Flush and close the metrics sinks (a ``/metrics`` endpoint stops) and debug hooks;

@@ -18,9 +18,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from linformer_ds.config import load_config
+from linformer_ds.config import ConfigError, load_config
 from linformer_ds.metrics import Metrics, format_duration
-from linformer_ds.prometheus import TARGETS_FILE
+from linformer_ds.prometheus import TARGETS_FILE, PrometheusSink
 from tests.pretrain_utils import (
     PRETRAIN,
     REPO,
@@ -280,3 +280,41 @@ def test_format_duration():
     assert format_duration(3725.4) == "1:02:05"
     assert format_duration(90061) == "25:01:01"
     assert format_duration(float("nan")) == "?"
+
+
+def test_prometheus_host_sets_the_listening_address(tmp_path):
+    """``logging.prometheus_host=127.0.0.1``: the endpoint listens on the loopback address only
+    and its target names it; the default listens on every interface under the node's name; an
+    address this host does not have, or a malformed one, is one ConfigError naming the key."""
+
+    def metrics(*overrides: str) -> Metrics:
+        ov = [f"logging.dir={tmp_path}", "logging.prometheus_port=0", "logging.tensorboard=false",
+              "train.peak_tflops=1.0", *overrides]  # fmt: skip
+        cfg = load_config(TINY_CONFIG, ov)
+        return Metrics(cfg, 0, 1, torch.device("cpu"), flops_per_token=1e6, tokens_per_step=1024)
+
+    def served(m: Metrics):
+        sink = next(s for s in m.sinks if isinstance(s, PrometheusSink))
+        target = json.loads((tmp_path / TARGETS_FILE).read_text())[0]["targets"][0]
+        return sink.httpd.server_address[0], sink.port, target
+
+    m = metrics("logging.prometheus_host=127.0.0.1")
+    addr, port, target = served(m)
+    assert (addr, target) == ("127.0.0.1", f"127.0.0.1:{port}")
+    assert scrape(target)["linformer_step"] == 0
+    m.close()
+    assert refused(target)
+    m = metrics()  # the default: every interface, as before the setting existed
+    addr, port, target = served(m)
+    assert (addr, target) == ("0.0.0.0", f"{socket.gethostname()}:{port}")
+    assert scrape(f"127.0.0.1:{port}")["linformer_step"] == 0
+    m.close()
+    with pytest.raises(ConfigError) as e:  # TEST-NET-1 (RFC 5737): no host has it
+        metrics("logging.prometheus_host=192.0.2.1")
+    assert str(e.value).startswith(f"logging.prometheus_host: 192.0.2.1 on {socket.gethostname()}"
+                                   " (rank 0, local rank 0) cannot be served: ")  # fmt: skip
+    assert str(e.value).endswith("give an address of this host (0.0.0.0: every interface, "
+                                 "127.0.0.1: this host only)") and "\n" not in str(e.value)  # fmt: skip
+    assert not (tmp_path / TARGETS_FILE).exists()
+    with pytest.raises(ConfigError, match=r"^logging.prometheus_host: 'a host' is not an IP"):
+        metrics("logging.prometheus_host=a host")
