@@ -131,6 +131,24 @@ def layout_route(
     )
 
 
+def frozen_universal_refusal(where: str, meta: Dict[str, Any]) -> Optional[str]:
+    """Why a checkpoint cannot load through a universal checkpoint, or None: one saved with
+    frozen E/F (``model.freeze_projection``) sharded over P ranks. Frozen parameters have no
+    optimizer state, so DeepSpeed's ``ds_to_universal`` finds none of their pieces to merge
+    (``AssertionError: Unused patterns``) and nothing would restore them whole."""
+    saved_p = sharded_sp_size(meta)
+    if saved_p == 1 or not (meta.get("model") or {}).get("freeze_projection"):
+        return None
+    return (
+        f"{where} holds frozen E/F (model.freeze_projection=true) sharded over {saved_p} "
+        f"sequence-parallel ranks; this layout or engine change loads through DeepSpeed's "
+        "universal checkpoint, which cannot carry frozen sharded parameters. Resume with the "
+        f"saved layout ({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}, "
+        "parallel.shard_sequence_parameters=true, deepspeed.zero.stage="
+        f"{meta.get('zero_stage', 0)}), or export the weights (launch/export.py) and start a new run"
+    )
+
+
 def convert_to_universal(ckpt_dir: str, tag: str) -> str:
     """Rank 0: ``ckpt_dir/tag`` -> ``ckpt_dir/universal/tag`` by DeepSpeed's ds_to_universal.
 
@@ -163,6 +181,8 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
         mark_universal_sequence_dims(out)  # loadable with E/F and positions sharded, any P
     except Exception as e:
         shutil.rmtree(out, ignore_errors=True)
+        with contextlib.suppress(OSError):  # universal/ too when nothing else is in it
+            os.rmdir(root)
         raise CheckpointError(
             f"converting {src} to a universal checkpoint failed: {type(e).__name__}: {e}"
         ) from None
