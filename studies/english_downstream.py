@@ -9,7 +9,8 @@ sections of english.jsonl (``source`` = ``package:section/page.html``; hwmon lef
 are one template), split by document (blake2b of the page path: about 30 % of each section's
 pages are test pages), then a class-balanced sample with a fixed seed -> train.jsonl, test.jsonl
 (``text``, ``label``) and task.json (counts, the majority baseline).
-``run``: for every finished point of the sweep, launch/export.py of its final checkpoint and
+``run``: for every finished point of the sweep (``--only``: a subset; results already in
+``--work`` are reused, so two ``--only`` runs side by side, then one plain run for the table), launch/export.py of its final checkpoint and
 launch/finetune.py on the task (test split as validation); also untrained exports (one
 optimizer step at lr 1e-12) of each architecture; writes downstream.json and downstream.md.
 """
@@ -180,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     for r in sweep.collect(cfg):
         if r["status"] == "ok":
             jobs.append((r["id"], r["variant"], r))
+    if args.only:
+        jobs = [j for j in jobs if any(o in j[0] for o in args.only)]
     for name, variant, r in jobs:
         if r is None:
             ckpt = untrained_checkpoint(cfg, variant, work, log)
@@ -246,6 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--batch-size", type=int, default=16)
     r.add_argument("--lr", type=float, default=None)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--only", nargs="*", help="only the runs whose name contains one of these")
     args = p.parse_args(argv)
     if args.cmd == "build":
         task = build(
