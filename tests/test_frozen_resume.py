@@ -1,14 +1,17 @@
 """Frozen E/F (``model.freeze_projection=true``) saved sharded over P = 2 sequence-parallel
-ranks (issue 30 item 6): a resume in a layout that needs DeepSpeed's universal checkpoint is
-refused in one line before anything is converted (DeepSpeed's converter fails on frozen
-sharded parameters: ``AssertionError: Unused patterns``), and a failed conversion leaves no
-empty ``universal/`` behind."""
+ranks (issue 30 item 6). DeepSpeed's universal converter failed on them (``AssertionError:
+Unused patterns``: frozen parameters have no optimizer state) and left an empty
+``universal/``. Under ZeRO-2 the conversion now allows those patterns and the frozen weights are
+restored from the saved model files: the run resumes on one rank and on DP = 2; under ZeRO-3
+the resume is refused in one line before anything is converted."""
 
 import os
+import shutil
 from pathlib import Path
 from typing import Dict
 
 import pytest
+import torch
 
 from linformer_ds.checkpoint.reshard import convert_to_universal, frozen_universal_refusal
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError
@@ -46,32 +49,79 @@ def _clean_env():
     os.environ.update(saved)
 
 
-@pytest.mark.slow  # one 2-rank launch (~1 min on 2 busy cores)
-def test_frozen_sharded_resume_on_one_rank_is_one_line(
-    frozen_run, tiny_corpus, tmp_path, capsys, _clean_env
-):
-    """Resume on one rank (P = 1): exit 2, one line naming the saved layout, nothing written
-    (no universal/, the checkpoint directory byte-identical)."""
-    from linformer_ds import train
+def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> Dict[str, torch.Tensor]:
+    """The frozen E/F of a checkpoint saved with them sharded over ``p`` ranks, whole."""
+    mods = [torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
+            for r in range(p)]  # fmt: skip
+    names = [n for n in mods[0] if n.endswith(("proj_k.weight", "proj_v.weight",
+                                               "shared_linear.weight"))]  # fmt: skip
+    assert names
+    return {n: torch.cat([m[n] for m in mods], 2) for n in names}
 
-    ckpts = frozen_run / "checkpoints"
-    before = _tree(ckpts)
-    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
-            f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
-            "model.freeze_projection=true", "deepspeed.zero.stage=2",
-            "train.max_steps=4"]  # fmt: skip
-    rc = train.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2 and err == (
-        f"error: {ckpts}/step_00000002 holds frozen E/F (model.freeze_projection=true) sharded "
-        "over 2 sequence-parallel ranks; this layout or engine change loads through DeepSpeed's "
-        "universal checkpoint, which cannot carry frozen sharded parameters. Resume with the "
-        "saved layout (2 ranks, parallel.sequence_parallel_size=2, "
-        "parallel.shard_sequence_parameters=true, deepspeed.zero.stage=2), or export the "
-        "weights (launch/export.py) and start a new run\n"
-    ), err
+
+@pytest.mark.slow  # one 2-rank launch (~1 min on 2 busy cores)
+def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
+    frozen_run, tiny_corpus, tmp_path, capsys, monkeypatch, _clean_env
+):
+    """ZeRO-2, saved P = 2 sharded -> one rank, P = 1: the universal conversion runs, the frozen
+    E/F come back whole from the saved files (this test's model starts with other frozen values,
+    as if its initialisation had changed), training continues to step 4 (exit 0), no universal/
+    stays and the saved tag is unchanged."""
+    from linformer_ds import engine as eng
+    from linformer_ds.config import load_config
+    from linformer_ds.data.stages import resolve_stages
+    from linformer_ds.train import Trainer
+
+    ckpts = tmp_path / "checkpoints"  # a copy: the module's run stays at step 2
+    shutil.copytree(frozen_run / "checkpoints", ckpts)
+    want = _saved_frozen_whole(ckpts, "step_00000002", 2)
+    before = _tree(ckpts / "step_00000002")
+    real = eng.build_model
+
+    def other_init(cfg):
+        model = real(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.add_(1.0)
+        return model
+
+    monkeypatch.setattr(eng, "build_model", other_init)
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
+                                    f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
+                                    "model.freeze_projection=true", "deepspeed.zero.stage=2",
+                                    "train.max_steps=4", "checkpoint.save_interval=0"])  # fmt: skip
+    resolve_stages(cfg)
+    trainer = Trainer(cfg)
+    try:
+        got = dict(trainer.engine.module.named_parameters())
+        for name, whole in want.items():
+            assert torch.equal(got[name].detach().to(whole.dtype), whole), name
+        assert not got[name].requires_grad
+        assert trainer.step == 2 and trainer.train() == 0
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert "[resume] " in out and "[done] step 4: first loss " in out, out[-3000:]
     assert not (ckpts / UNIVERSAL_DIR).exists()
-    assert _tree(ckpts) == before
+    assert _tree(ckpts / "step_00000002") == before
+    final = _saved_frozen_whole(ckpts, "step_00000004", 1)  # frozen: the same after 2 steps
+    assert all(torch.equal(final[n], want[n]) for n in want)
+
+
+@pytest.mark.slow  # a second 2-rank launch
+def test_frozen_sharded_resumes_on_two_data_parallel_ranks(frozen_run, tiny_corpus, tmp_path):
+    """ZeRO-2, saved P = 2 sharded -> DP = 2, P = 1 (was DeepSpeed's AssertionError): exit 0,
+    the final checkpoint's frozen E/F equal the saved ones."""
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(frozen_run / "checkpoints", ckpts)
+    want = _saved_frozen_whole(ckpts, "step_00000002", 2)
+    run_pretrain(tiny_corpus, tmp_path / "run", [
+        "model.freeze_projection=true", "deepspeed.zero.stage=2", "train.max_steps=3",
+        "checkpoint.save_interval=0", f"checkpoint.dir={ckpts}"], nproc=2)  # fmt: skip
+    final = _saved_frozen_whole(ckpts, "step_00000003", 1)
+    assert all(torch.equal(final[n], want[n]) for n in want)
+    assert not (ckpts / UNIVERSAL_DIR).exists()
 
 
 @pytest.mark.slow  # uses the 2-rank run
@@ -86,12 +136,13 @@ def test_failed_conversion_leaves_no_universal_dir(frozen_run):
     assert _tree(ckpts) == before
 
 
-def test_refusal_only_for_frozen_sharded_checkpoints():
+def test_refusal_only_for_frozen_sharded_checkpoints_under_zero3():
     meta = {"world_size": 2, "zero_stage": 3, "sequence_parallel_size": 2,
             "shard_sequence_parameters": True, "model": {"freeze_projection": True}}  # fmt: skip
-    why = frozen_universal_refusal("ck/step_00000004", meta)
+    why = frozen_universal_refusal("ck/step_00000004", meta, 3)
     assert why is not None and why.startswith("ck/step_00000004 holds frozen E/F")
-    assert "deepspeed.zero.stage=3" in why and "\n" not in why
-    assert frozen_universal_refusal("ck/t", {**meta, "model": {"freeze_projection": False}}) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}) is None
+    assert "under ZeRO-3" in why and "\n" not in why
+    assert frozen_universal_refusal("ck/t", meta, 2) is None  # restored from the model files
+    assert frozen_universal_refusal("ck/t", {**meta, "model": {"freeze_projection": False}}, 3) is None
+    assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}, 3) is None
+    assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}, 3) is None

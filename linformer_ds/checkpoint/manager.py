@@ -28,6 +28,8 @@ from linformer_ds.checkpoint.reshard import (
     optimizer_index_names,
     repair_zero3_universal_load,
     reshard_zero0,
+    restore_frozen_params,
+    saved_frozen,
     sequence_shards,
 )
 from linformer_ds.checkpoint.tags import (
@@ -123,7 +125,7 @@ class CheckpointManager:
             route = layout_route(self.dir, self.tag, self.meta, self.cfg, self.world)
             self.route = VIA_UNIVERSAL if notice is not None else route
             self.universal = self.route == VIA_UNIVERSAL
-            frozen = frozen_universal_refusal(where, self.meta)
+            frozen = frozen_universal_refusal(where, self.meta, self.cfg.deepspeed.zero.stage)
             if self.universal and frozen:  # before anything is converted or written
                 raise CheckpointError(frozen)
             same_world = int(self.meta["world_size"]) == self.world
@@ -173,6 +175,9 @@ class CheckpointManager:
             if per_sp_rank:
                 load_dir = os.path.join(root, f"sp{engine.mpu.get_model_parallel_rank()}")
         client = load(engine, self.dir, self.tag, self.cfg, load_dir=load_dir)
+        if self.universal and saved_frozen(self.meta) and self.cfg.deepspeed.zero.stage < 3:
+            # the universal copy holds no frozen parameters: from the saved model files
+            restore_frozen_params(engine, self.dir, self.tag, sharded_sp_size(self.meta))
         if self.universal and self.cfg.deepspeed.zero.stage == 3:
             assert load_dir is not None
             repair_zero3_universal_load(engine, load_dir, self.tag)
@@ -187,7 +192,7 @@ class CheckpointManager:
         assert self.tag is not None and self.meta is not None
         try:
             if self.universal:
-                convert_to_universal(self.dir, self.tag)
+                convert_to_universal(self.dir, self.tag, frozen=saved_frozen(self.meta))
                 if per_sp_rank:
                     shards = sequence_shards(engine.module)
                     cut_universal_per_sequence_rank(root, self.tag, shards, now_p)

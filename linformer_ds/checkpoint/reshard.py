@@ -131,29 +131,71 @@ def layout_route(
     )
 
 
-def frozen_universal_refusal(where: str, meta: Dict[str, Any]) -> Optional[str]:
-    """Why a checkpoint cannot load through a universal checkpoint, or None: one saved with
-    frozen E/F (``model.freeze_projection``) sharded over P ranks. Frozen parameters have no
-    optimizer state, so DeepSpeed's ``ds_to_universal`` finds none of their pieces to merge
-    (``AssertionError: Unused patterns``) and nothing would restore them whole."""
+def saved_frozen(meta: Dict[str, Any]) -> bool:
+    """Whether the checkpoint's model kept E/F (or conv kernels) frozen."""
+    return bool((meta.get("model") or {}).get("freeze_projection"))
+
+
+def frozen_universal_refusal(where: str, meta: Dict[str, Any], stage: int) -> Optional[str]:
+    """Why a checkpoint cannot load through a universal checkpoint at ZeRO ``stage``, or None:
+    one saved with frozen E/F (``model.freeze_projection``) sharded over P ranks, under ZeRO-3.
+    Frozen parameters have no optimizer state, so the universal copy holds none of them; under
+    ZeRO 1-2 :func:`restore_frozen_params` takes them from the saved model files, under ZeRO-3
+    (partitioned weights) nothing does yet."""
     saved_p = sharded_sp_size(meta)
-    if saved_p == 1 or not (meta.get("model") or {}).get("freeze_projection"):
+    if saved_p == 1 or not saved_frozen(meta) or stage != 3:
         return None
     return (
         f"{where} holds frozen E/F (model.freeze_projection=true) sharded over {saved_p} "
-        f"sequence-parallel ranks; this layout or engine change loads through DeepSpeed's "
+        f"sequence-parallel ranks; under ZeRO-3 this layout change loads through DeepSpeed's "
         "universal checkpoint, which cannot carry frozen sharded parameters. Resume with the "
         f"saved layout ({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}, "
-        "parallel.shard_sequence_parameters=true, deepspeed.zero.stage="
-        f"{meta.get('zero_stage', 0)}), or export the weights (launch/export.py) and start a new run"
+        "parallel.shard_sequence_parameters=true), or with deepspeed.zero.stage=3 changed to 2 "
+        "through an export (launch/export.py) and a new run"
     )
 
 
-def convert_to_universal(ckpt_dir: str, tag: str) -> str:
+def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int) -> List[str]:
+    """ZeRO 1-2, after a universal load: DeepSpeed restores weights from the universal copy,
+    which holds only parameters with optimizer state, so every frozen parameter is copied from
+    the saved model-parallel files (one per saved SP rank, ``module``): joined along its
+    sequence dim when it was sharded, cut for this rank when it is sharded now. Returns the
+    names restored."""
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return []
+    src = os.path.join(ckpt_dir, tag)
+    modules = [
+        safe_torch_load(os.path.join(src, f"mp_rank_{r:02d}_model_states.pt"))["module"]
+        for r in range(saved_p)
+    ]
+    mpu = getattr(engine, "mpu", None)
+    sp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
+    sp_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
+    for name, p in frozen:
+        dim = sequence_dim(name, p.dim())
+        whole = modules[0][name]
+        if saved_p > 1 and dim is not None:
+            whole = torch.cat([m[name] for m in modules], dim)
+        if hasattr(p, SHARD_ATTR):
+            whole = shard_tensor(whole, getattr(p, SHARD_ATTR)[0], sp_rank, sp_size)
+        if tuple(whole.shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"{src}: frozen parameter {name} has shape {tuple(whole.shape)} in the saved "
+                f"files, this model {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(whole)
+    return [n for n, _ in frozen]
+
+
+def convert_to_universal(ckpt_dir: str, tag: str, frozen: bool = False) -> str:
     """Rank 0: ``ckpt_dir/tag`` -> ``ckpt_dir/universal/tag`` by DeepSpeed's ds_to_universal.
 
     Every source file is first read with ``weights_only=True`` (ds_to_universal itself does not).
-    Returns the load directory (``ckpt_dir/universal``).
+    ``frozen``: the model has frozen parameters, which have no optimizer state to convert, so
+    the patterns that name them go unused (allowed; :func:`restore_frozen_params` restores
+    them after the load). Returns the load directory (``ckpt_dir/universal``).
     """
     # deepspeed is imported here, not at the top: train.py and export.py start without it
     from deepspeed.checkpoint import ds_to_universal
@@ -171,7 +213,7 @@ def convert_to_universal(ckpt_dir: str, tag: str) -> str:
         num_extract_workers=1,
         num_merge_workers=1,
         keep_temp_folder=False,
-        strict=True,
+        strict=not frozen,
         inject_missing_state=True,
     )
     log = io.StringIO()
