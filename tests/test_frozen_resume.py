@@ -146,3 +146,33 @@ def test_refusal_only_for_frozen_sharded_checkpoints_under_zero3():
     assert frozen_universal_refusal("ck/t", {**meta, "model": {"freeze_projection": False}}, 3) is None
     assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}, 3) is None
     assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}, 3) is None
+
+
+@pytest.mark.slow  # a 2-rank ZeRO-3 launch
+def test_frozen_sharded_zero3_resume_elsewhere_is_one_line(
+    tiny_corpus, tmp_path, capsys, _clean_env
+):
+    """ZeRO-3, saved P = 2 sharded -> one rank: exit 2 with one line naming the saved layout,
+    nothing converted or written (no universal/, the checkpoint directory byte-identical)."""
+    from linformer_ds import train
+
+    zero3 = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
+    run_pretrain(tiny_corpus, tmp_path / "saved", [*zero3, "deepspeed.zero.stage=3"], nproc=2)
+    ckpts = tmp_path / "saved" / "checkpoints"
+    before = _tree(ckpts)
+    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
+            f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
+            "model.freeze_projection=true", "deepspeed.zero.stage=3",
+            "train.max_steps=4"]  # fmt: skip
+    rc = train.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err == (
+        f"error: {ckpts}/step_00000002 holds frozen E/F (model.freeze_projection=true) sharded "
+        "over 2 sequence-parallel ranks; under ZeRO-3 this layout change loads through "
+        "DeepSpeed's universal checkpoint, which cannot carry frozen sharded parameters. Resume "
+        "with the saved layout (2 ranks, parallel.sequence_parallel_size=2, "
+        "parallel.shard_sequence_parameters=true; ZeRO-2 runs resume in any layout), or export "
+        "the weights (launch/export.py) and start a new run\n"
+    ), err
+    assert not (ckpts / UNIVERSAL_DIR).exists()
+    assert _tree(ckpts) == before

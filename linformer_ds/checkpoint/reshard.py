@@ -150,8 +150,8 @@ def frozen_universal_refusal(where: str, meta: Dict[str, Any], stage: int) -> Op
         f"sequence-parallel ranks; under ZeRO-3 this layout change loads through DeepSpeed's "
         "universal checkpoint, which cannot carry frozen sharded parameters. Resume with the "
         f"saved layout ({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}, "
-        "parallel.shard_sequence_parameters=true), or with deepspeed.zero.stage=3 changed to 2 "
-        "through an export (launch/export.py) and a new run"
+        "parallel.shard_sequence_parameters=true; ZeRO-2 runs resume in any layout), or export "
+        "the weights (launch/export.py) and start a new run"
     )
 
 
