@@ -3,3 +3,7 @@
 
 class DataPrepError(ValueError):
     """Bad input, configuration or output directory; the message names the problem."""
+
+
+class EmptySplitError(DataPrepError):
+    """The output would have an empty split: nothing of it is kept (other flags are needed)."""

@@ -24,6 +24,7 @@ import numpy as np
 import sentencepiece as spm
 
 from data_prep.tokenizer import CLS_ID, PAD_ID, SEP_ID, document_lines
+from linformer_ds.data.splits import empty_split_fix
 
 SPLITS = ("train", "valid")
 PACKINGS = ("full", "pad")
@@ -39,6 +40,19 @@ def assign_split(text: str, valid_fraction: float, seed: int) -> str:
         key=int(seed).to_bytes(8, "little", signed=True),
     ).digest()
     return "valid" if int.from_bytes(digest, "little") / 2.0**64 < valid_fraction else "train"
+
+
+def empty_split(
+    counters: Dict[str, Any], valid_fraction: float, max_doc_bytes: int
+) -> Optional[str]:
+    """The refusal of an output whose train split (or valid split, when ``valid_fraction`` > 0)
+    got no document, naming the flag that fixes it; None when both have documents."""
+    docs = sum(counters["splits"][s]["documents"] for s in SPLITS)
+    for s in SPLITS:
+        if counters["splits"][s]["content"] == 0 and (s == "train" or valid_fraction > 0):
+            fix = empty_split_fix(s, docs, counters["bytes"], max_doc_bytes, valid_fraction)
+            return f"the {s} split would be empty: {fix}"
+    return None
 
 
 @dataclass

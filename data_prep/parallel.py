@@ -269,6 +269,7 @@ class _Ctx:
         self.source = source
         self.units_dir = os.path.join(cfg.out, UNITS_DIR)
         self.created: Optional[bool] = None  # rank 0: whether it made --out (until resumable)
+        self.made_out = False  # rank 0: whether this run made --out
         self.die = None
         spec = os.environ.get(DIE_ENV)
         if spec:
@@ -383,6 +384,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
             )
         if state is not None and "tokenizer" not in state:
             state = None  # stopped before the tokenizer was trained: start from the beginning
+        ctx.made_out = created
         if state is None:
             ctx.created = created
         unit_bytes = (state or {}).get("unit_bytes") or cfg.unit_bytes
@@ -741,7 +743,6 @@ def _assemble(
     }
     jobs: List[Tuple[str, int, int, int, np.ndarray]] = []
     for s in pk.SPLITS:
-        os.makedirs(os.path.join(cfg.out, s), exist_ok=True)
         lengths = np.array([m["splits"][s]["length"] for m in metas], dtype=np.int64)
         c = {
             key: sum(m["splits"][s][key] for m in metas) for key in ("documents", "content", "pad")
@@ -762,6 +763,12 @@ def _assemble(
             f"the corpus is empty: {counters['documents_read']} documents from {cfg.sources} "
             "produced no tokens",
         )
+    empty = pk.empty_split(counters, cfg.valid_fraction, cfg.max_doc_bytes)
+    if empty:  # alike on every rank; rank 0 removes the run (the fix changes the options)
+        ctx.created = ctx.made_out
+        raise _alike(ctx, empty)
+    for s in pk.SPLITS:  # (after the checks: rank 0 may be removing --out after a refusal)
+        os.makedirs(os.path.join(cfg.out, s), exist_ok=True)
     entries = []
     for j, (s, k, r0, r1, offsets) in enumerate(jobs):
         if j % ctx.size != ctx.rank:

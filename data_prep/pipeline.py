@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from data_prep import packing as pk
 from data_prep.distributed import detect_world
-from data_prep.errors import DataPrepError
+from data_prep.errors import DataPrepError, EmptySplitError
 from data_prep.parallel import prepare_distributed
 from data_prep.shards import ShardWriter
 from data_prep.sources import Source
@@ -92,8 +92,9 @@ def prepare(cfg: PrepConfig) -> PrepResult:
                     else "nothing was kept"
                 )
             ) from None
-    except DataPrepError:
-        if _documents_done(cfg.out) == 0:  # nothing of value was written: leave no trace
+    except DataPrepError as e:
+        if isinstance(e, EmptySplitError) or _documents_done(cfg.out) == 0:  # nothing of value
+            # was written (or nothing usable: an empty split): leave no trace
             if created:
                 shutil.rmtree(cfg.out, ignore_errors=True)
             else:  # the directory existed, empty: empty it again
@@ -201,6 +202,11 @@ def _run(
             f"the corpus is empty: {counters['documents_read']} documents from {cfg.sources} "
             "produced no tokens"
         )
+    empty = pk.empty_split(counters, cfg.valid_fraction, cfg.max_doc_bytes)
+    if empty:  # the fix changes the options: nothing of this run can be resumed or kept
+        for w in writers.values():
+            w.abort()
+        raise EmptySplitError(empty)
     for s in pk.SPLITS:
         counters["splits"][s]["pad"] += packers[s].pending_pad()
         writers[s].write(packers[s].finish())

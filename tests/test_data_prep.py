@@ -276,10 +276,11 @@ def test_large_text_file_is_cut_at_lines(tmp_path):
 
 
 def test_limits_max_docs_and_max_bytes(corpus, tmp_path):
-    m = run(tmp_path, "md", [str(corpus["dir"])], tokenizer=corpus["model"], max_docs=5)
+    few = dict(tokenizer=corpus["model"], valid_fraction=0.0)  # too few documents for a valid split
+    m = run(tmp_path, "md", [str(corpus["dir"])], max_docs=5, **few)
     assert m["source"]["documents"] == 5
     sizes = [len(d.encode()) for d in corpus["docs"]]
-    m = run(tmp_path, "mb", [str(corpus["dir"])], tokenizer=corpus["model"], max_bytes=sizes[0] + 1)
+    m = run(tmp_path, "mb", [str(corpus["dir"])], max_bytes=sizes[0] + 1, **few)
     assert m["source"]["documents"] == 2 and m["source"]["bytes"] == sizes[0] + sizes[1]
 
 

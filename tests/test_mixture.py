@@ -304,12 +304,13 @@ def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
 def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path,
                                             tmp_path_factory):  # fmt: skip
     docs = docs_corpus(tmp_path_factory)
-    other = prepare(tmp_path / "other_tok", docs, 64, "--vocab-size", "300", "--max-docs", "6")
+    other = prepare(tmp_path / "other_tok", docs, 64, "--vocab-size", "300", "--max-docs", "6",
+                    "--valid-fraction", "0")  # 6 documents: no valid split (else refused empty)
     a, b = ShardDataset(tiny_corpus), ShardDataset(other)
     with pytest.raises(DataError, match="different tokenizers"):
         check_same_tokenizer(["a", "b"], [a, b])
     short = prepare(tmp_path / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
-                    "--max-docs", "6")  # fmt: skip
+                    "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
     with pytest.raises(DataError, match="different sequence lengths"):
         check_same_tokenizer(["a", "s"], [a, ShardDataset(short)])
     check_same_tokenizer(["a", "s"], [a, ShardDataset(short)], same_seq_len=False)
@@ -464,9 +465,10 @@ def other_sources(tiny_corpus, tmp_path_factory):
     """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
     base = tmp_path_factory.mktemp("others")
     docs = docs_corpus(tmp_path_factory)
-    other = prepare(base / "other_tok", docs, 128, "--vocab-size", "300", "--max-docs", "6")
+    other = prepare(base / "other_tok", docs, 128, "--vocab-size", "300", "--max-docs", "6",
+                    "--valid-fraction", "0")  # 6 documents: no valid split (else refused empty)
     short = prepare(base / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
-                    "--max-docs", "6")  # fmt: skip
+                    "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
     return other, short
 
 

@@ -41,20 +41,39 @@ def source_seed(seed: int, name: str, legacy: bool) -> int:
     return ((zlib.crc32(name.encode()) & 0x7FFFFFFF) << 32) | (int(seed) & 0xFFFFFFFF)
 
 
+def check_weight(x: float) -> None:
+    """ValueError unless ``x`` is a finite number >= 0 (one mixture weight on its own)."""
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"weight {x} is not a finite number")
+    if x < 0:
+        raise ValueError(f"weight {x} is negative")
+
+
 def normalized_weights(weights: Sequence[float]) -> List[float]:
-    """``weights / sum(weights)``; ValueError for negative, non-finite or all-zero weights."""
+    """``weights / sum(weights)``; ValueError for negative, non-finite or all-zero weights,
+    weights whose sum overflows, and a positive weight whose share underflows to 0."""
     w = [float(x) for x in weights]
     if not w:
         raise ValueError("a mixture needs at least one source")
     for x in w:
-        if not math.isfinite(x):
-            raise ValueError(f"weight {x} is not a finite number")
-        if x < 0:
-            raise ValueError(f"weight {x} is negative")
+        check_weight(x)
     total = sum(w)
     if total <= 0:
         raise ValueError("all weights are zero; give at least one source a weight > 0")
-    return [x / total for x in w]
+    if not math.isfinite(total):
+        raise ValueError(
+            f"weights {', '.join(f'{x:g}' for x in w)} sum to {total} (beyond the largest float), "
+            "so they cannot be normalised; weights are relative: scale them down (e.g. to 1)"
+        )
+    out = [x / total for x in w]
+    for x, share in zip(w, out):
+        if x > 0 and share == 0:
+            raise ValueError(
+                f"weight {x:g} is too small next to their sum {total:g}: its share rounds to 0; "
+                "give it weight 0 (never trained on) or a larger weight"
+            )
+    return out
 
 
 @dataclass

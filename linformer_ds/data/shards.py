@@ -10,7 +10,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
+import sentencepiece as spm
 import torch
+
+from linformer_ds.data.splits import empty_split_fix
+from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
 
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
@@ -79,10 +83,7 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"malformed ({type(e).__name__}: {e})"
             ) from None
         if not self.shards or sum(rows) == 0:
-            raise DataError(
-                f"{self.path}: split {split!r} is empty (0 rows); make a larger corpus or "
-                "change --valid-fraction"
-            )
+            raise DataError(f"{self.path}: split {split!r} is empty (0 rows): {self._empty_fix()}")
         if sum(rows) != int(info["rows"]):
             raise DataError(
                 f"{self.path}: manifest mismatch: split {split!r} lists {info['rows']} rows but its "
@@ -150,6 +151,18 @@ class ShardDataset(torch.utils.data.Dataset):
         if not isinstance(m["splits"], dict):
             raise DataError(f"{mpath}: splits must be an object")
         return m
+
+    def _empty_fix(self) -> str:
+        """Why this split is empty and the data_prep flag that fixes it (the advice data_prep
+        itself gives, from the manifest's counts)."""
+        src, how = self.manifest.get("source"), self.manifest.get("split")
+        try:
+            return empty_split_fix(
+                self.split, int(src["documents"]) - int(src.get("empty_documents", 0)),
+                int(src["bytes"]), int(src["max_doc_bytes"]), float(how["valid_fraction"]),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):  # a manifest without the counts
+            return "make a larger corpus or change --valid-fraction"
 
     def _shard_path(self, shard: Dict[str, Any]) -> str:
         return str(self.path / shard["file"])
@@ -271,7 +284,8 @@ def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
         raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest records {size}: not "
                         f"the tokenizer this data was made with ({redo})")  # fmt: skip
     want = tok.get("sha256")
-    got = file_sha256(path) if want else None
+    data = path.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
     if want and got != want:
         raise DataError(f"{path}: not the tokenizer this data was made with (sha256 {got[:16]} "
                         f"vs the manifest's {str(want)[:16]}); {redo}")  # fmt: skip
@@ -279,6 +293,32 @@ def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
     if pieces is not None and int(pieces) > model_vocab:
         raise DataError(f"{path}: {pieces} pieces, more than model vocab_size {model_vocab}; set "
                         f"model.vocab_size >= {pieces}")  # fmt: skip
+    check_tokenizer_model(path, data, dataset.vocab_size, redo)
+
+
+def check_tokenizer_model(path: Path, data: bytes, vocab_size: int, redo: str) -> None:
+    """The bytes of ``path`` are a SentencePiece model of ``vocab_size`` pieces with the fixed
+    special tokens (:mod:`linformer_ds.special_tokens`): a matching sha256 only says the file is
+    the one the manifest records, and a manifest can be edited with it."""
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=data)
+    except (OSError, RuntimeError, TypeError, ValueError) as e:
+        why = " ".join(str(e).split())[:120]
+        raise DataError(f"{path}: not a SentencePiece model ({why}); {redo}") from None
+    n = sp.get_piece_size()
+    if n != vocab_size:
+        raise DataError(f"{path}: {n} pieces, the manifest's vocab_size is {vocab_size}: not the "
+                        f"tokenizer this data was made with; {redo}")  # fmt: skip
+    found = {}
+    for key, want in SPECIAL_IDS.items():
+        got = sp.piece_to_id(SPECIAL_PIECES[key])
+        is_it = got == want and sp.id_to_piece(got) == SPECIAL_PIECES[key]
+        found[key] = got if is_it or got != sp.unk_id() or key == "unk" else -1
+    if found != SPECIAL_IDS:
+        wrong = ", ".join(f"{SPECIAL_PIECES[k]} = {found[k]} (not {v})"
+                          for k, v in SPECIAL_IDS.items() if found[k] != v)  # fmt: skip
+        raise DataError(f"{path}: special tokens {wrong}; every data_prep tokenizer has "
+                        f"{SPECIAL_IDS} (linformer_ds/special_tokens.py); {redo}")  # fmt: skip
 
 
 # ================================================================================ opening data

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from linformer_ds.config import ConfigError
-from linformer_ds.data.sampler import normalized_weights
+from linformer_ds.data.sampler import check_weight, normalized_weights
 from linformer_ds.data.shards import ShardDataset, check_same_tokenizer, open_sources
 from linformer_ds.model import get_projection, projection_stride
 from linformer_ds.sequence_parallel import config_errors
@@ -52,11 +52,41 @@ def _catalogue(cfg: Any) -> Tuple[Dict[str, Tuple[str, float]], List[str]]:
         if not path:
             _fail(f"{key}.path: must not be empty (a data_prep output directory)")
         try:
-            normalized_weights([weight, 1.0])
-        except ValueError as e:
+            check_weight(weight)
+        except (TypeError, ValueError) as e:
             _fail(f"{key}.weight: {e} (weights are relative: any numbers >= 0)")
         cat[name] = (path, float(weight))
     return cat, [str(s.name).strip() for s in sources]
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
+
+
+def _stage_path_name(
+    k: int, path: str, cat: Dict[str, Tuple[str, float]], order: List[str], raw: List[Any],
+    taken: Dict[str, str],
+) -> str:
+    """The source name of ``train.stages[k].path``: the source with that directory (in
+    data.sources, or an earlier stage path), else the folder's name, which must not name another
+    directory, a source that a stage lists or another stage path (a name is one source in the
+    sampler, the checkpoint and the metrics: two directories under one name would both open
+    as one of them)."""
+    same = [n for n in order if os.path.normpath(cat[n][0]) == os.path.normpath(path)]
+    same += [n for n, p in taken.items() if _same_dir(p, path)]
+    if same:
+        return same[0]
+    name = _path_name(path)
+    listed = {n for st in raw for n in (st.sources or [])}
+    other = taken.get(name) or (cat[name][0] if name in cat and name in listed else None)
+    if other is not None and not _same_dir(other, path):
+        where = "another stage's path" if name in taken else f"source {name!r} (data.sources)"
+        _fail(
+            f"train.stages[{k}].path: {path} would be named {name!r} after its folder, the name "
+            f"of {where} at {other}; add it to data.sources under a name of its own ({{name: "
+            f"{name}_{k}, path: {path}}}) and give this stage sources: [{name}_{k}]"
+        )
+    return name
 
 
 def resolve_stages(cfg: Any) -> List[Stage]:
@@ -75,6 +105,7 @@ def resolve_stages(cfg: Any) -> List[Stage]:
         return [Stage(max_steps, order, [cat[n][0] for n in order], weights, mb0)]
     stages: List[Stage] = []
     prev = 0
+    taken: Dict[str, str] = {}  # names given to stage paths so far -> their path
     for k, st in enumerate(raw):
         key = f"train.stages[{k}]"
         names = list(st.sources or [])
@@ -82,8 +113,9 @@ def resolve_stages(cfg: Any) -> List[Stage]:
             _fail(f"{key}: give either sources (names from data.sources) or path (one source)")
         if st.path:
             path = str(st.path)
-            same = [n for n in order if os.path.normpath(cat[n][0]) == os.path.normpath(path)]
-            names, paths, weights = [same[0] if same else _path_name(path)], [path], [1.0]
+            names = [_stage_path_name(k, path, cat, order, raw, taken)]
+            paths, weights = [path], [1.0]
+            taken[names[0]] = path
         else:
             unknown = [n for n in names if n not in cat]
             if unknown:
@@ -104,8 +136,9 @@ def resolve_stages(cfg: Any) -> List[Stage]:
                 weights = list(st.weights)
         try:
             weights = normalized_weights(weights)
-        except ValueError as e:
-            _fail(f"{key}.weights: {e}")
+        except ValueError as e:  # the stage's own weights, or the sources' it uses
+            _fail(f"{key}.weights: {e}" if st.weights is not None or st.path else
+                  f"data.sources (weights of train.stages[{k}].sources): {e}")  # fmt: skip
         end = st.end_step
         last = k == len(raw) - 1
         if end is None and not last:
