@@ -167,6 +167,30 @@ def parse_hf(spec: str) -> HFSpec:
     return HFSpec(parts[0], config, split)
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes ``[start, end)`` of a JSON-lines file, both at line starts: one work unit of a file
+    larger than the unit size (its records in order; the ranges of a file are the file)."""
+
+    path: str
+    start: int
+    end: int
+
+
+def line_ranges(path: str, size: int, unit_bytes: int) -> List[FileRange]:
+    """``path`` (``size`` bytes) cut into ranges of about ``unit_bytes``, each cut moved to the
+    start of the next line (a line is never split); one range when it is smaller."""
+    cuts = [0]
+    with open(path, "rb") as f:
+        for k in range(1, -(-size // max(unit_bytes, 1))):
+            f.seek(max(k * unit_bytes - 1, cuts[-1]))
+            f.readline()  # the rest of the line holding byte k * unit_bytes - 1
+            if cuts[-1] < f.tell() < size:
+                cuts.append(f.tell())
+    cuts.append(size)
+    return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
+
+
 @dataclass
 class Source:
     """A deterministic stream of documents from one or more specs (see module docstring)."""
@@ -228,12 +252,24 @@ class Source:
         """The files of a local spec, in reading order."""
         return self._state[spec]
 
-    def iter_files(self, paths: List[str]) -> Iterator[str]:
-        """The documents of some of the local files, in order (not counted as documents: see
-        :meth:`read`)."""
+    def iter_files(self, paths: List[Any]) -> Iterator[str]:
+        """The documents of some of the local files (or :class:`FileRange` of them), in order
+        (not counted as documents: see :meth:`read`)."""
         for path in paths:
+            if isinstance(path, FileRange):
+                self.stats.files += path.start == 0
+                try:
+                    yield from self._iter_jsonl(path.path, path.start, path.end)
+                except OSError as e:
+                    raise DataPrepError(f"cannot read input file {path.path!r}: {e}") from e
+                continue
             self.stats.files += 1
             yield from self.iter_file(path)
+
+    def splits_by_lines(self, path: str) -> bool:
+        """Whether ``path`` is read by the built-in JSON-lines reader (a record per line), so
+        that byte ranges of it at line starts are work units."""
+        return file_reader(path) is _read_jsonl
 
     def iter_hf_shard(self, spec: str, num_shards: int, index: int) -> Iterator[str]:
         """The documents of one contiguous shard of an ``hf:`` spec (the datasets library's own
@@ -258,10 +294,7 @@ class Source:
     def iter_file(self, path: str) -> Iterator[str]:
         """The documents of one local file, read by the format its suffix names (plain text if
         none matches: :func:`register_file_format`)."""
-        lower = path.lower()
-        reader = next(
-            (fmt for suffixes, fmt in _FILE_FORMATS if lower.endswith(suffixes)), None
-        )
+        reader = file_reader(path)
         try:
             if reader is not None:
                 yield from reader(self, path)
@@ -320,14 +353,21 @@ class Source:
             )
         return value
 
-    def _iter_jsonl(self, path: str) -> Iterator[str]:
+    def _iter_jsonl(self, path: str, start: int = 0, end: Optional[int] = None) -> Iterator[str]:
+        """The records of a JSON-lines file, or of its lines in bytes ``[start, end)``."""
         with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
             for lineno, raw in enumerate(f, 1):
+                if end is not None and pos >= end:
+                    return
+                pos += len(raw)
                 self.stats.bytes += len(raw)
                 line = _decode(raw, self.stats, self.encoding).strip()
                 if not line:
                     continue
-                where = f"{path}:{lineno}"
+                where = (f"{path}:{lineno}" if start == 0
+                         else f"{path}: the line ending at byte {pos}")  # fmt: skip
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -469,7 +509,17 @@ def register_file_format(suffixes: Tuple[str, ...], reader: FileReader) -> None:
 register_file_format(PARQUET_SUFFIXES, lambda src, path: src._iter_parquet(path))
 register_file_format((".tsv",), lambda src, path: src._iter_csv(path, "\t"))
 register_file_format((".csv",), lambda src, path: src._iter_csv(path, ","))
-register_file_format(JSONL_SUFFIXES, lambda src, path: src._iter_jsonl(path))
+def _read_jsonl(src: Source, path: str) -> Iterator[str]:
+    return src._iter_jsonl(path)
+
+
+register_file_format(JSONL_SUFFIXES, _read_jsonl)
+
+
+def file_reader(path: str) -> Optional[FileReader]:
+    """The registered reader of ``path`` by its suffix (None: plain text)."""
+    lower = path.lower()
+    return next((fmt for suffixes, fmt in _FILE_FORMATS if lower.endswith(suffixes)), None)
 
 
 class SourceKind:
@@ -527,13 +577,22 @@ class FilesKind(SourceKind):
         return expand_paths(spec)
 
     def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
-        """Runs of consecutive files of about ``unit_bytes``."""
+        """Runs of consecutive files of about ``unit_bytes``; a JSON-lines file larger than
+        that is cut into byte ranges at line starts (:func:`line_ranges`), so that a corpus of
+        a few huge files still has work for every rank."""
         out: List[Tuple[Any, int]] = []
         group: List[str] = []
         size = 0
         for path in source.files(spec):
+            n = os.path.getsize(path)
+            if n > unit_bytes and source.splits_by_lines(path):
+                if group:
+                    out.append((tuple(group), size))
+                    group, size = [], 0
+                out += [((r,), r.end - r.start) for r in line_ranges(path, n, unit_bytes)]
+                continue
             group.append(path)
-            size += os.path.getsize(path)
+            size += n
             if size >= unit_bytes:
                 out.append((tuple(group), size))
                 group, size = [], 0

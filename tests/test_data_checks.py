@@ -332,3 +332,95 @@ def test_d_ranks_refuse_an_empty_split_alike(few_huge, tmp_path):
     assert str(errors[0]).startswith("the valid split would be empty: 4 documents "), errors[0]
     assert "rerun data_prep with --max-doc-bytes 4096" in str(errors[0])
     assert not out.exists() and tree(out) == {k: v for k, v in tree(out).items() if "sync" in k}
+
+
+# ============================================== e. a large JSON-lines file is many work units
+def _jsonl_corpus(root: Path) -> List[str]:
+    """Two JSON-lines files of about 40 KB (records of 1-60 words, blank lines, the last line
+    without a newline) and a small text file; returns the --source specs."""
+    rng = random.Random(5)
+    letters = "etaoinshrdlucmfwyp"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(800)]
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("a.jsonl", "b.jsonl"):
+        lines = []
+        while sum(map(len, lines)) < 40_000:
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
+            lines.append(json.dumps({"text": text, "id": len(lines)}) + "\n")
+            if rng.random() < 0.05:
+                lines.append("\n")
+        (root / name).write_text("".join(lines).rstrip("\n"))
+    (root / "c.txt").write_text("a small plain text file\nof two lines\n")
+    return [str(root / "a.jsonl"), str(root / "b.jsonl"), str(root / "c.txt")]
+
+
+def test_e_units_of_large_jsonl_files_are_line_ranges(tmp_path):
+    """Read unit by unit, the documents and byte counts are those of one sequential read for
+    any unit size; the ranges of a file cover it exactly, each starting at a line start."""
+    from data_prep.parallel import assign, make_units
+    from data_prep.sources import FileRange, Source
+
+    specs = _jsonl_corpus(tmp_path / "c")
+    whole = Source(specs)
+    docs = list(whole)
+    for unit_bytes in (1, 97, 1000, 4096, 39_000, 10**6):
+        src = Source(specs)
+        units = make_units(src, unit_bytes)
+        assert [d for u in units for d in src.read(u.spec, u.part)] == docs, unit_bytes
+        assert src.stats.bytes == whole.stats.bytes and src.stats.documents == len(docs)
+        for spec in specs[:2]:
+            data = Path(spec).read_bytes()
+            ranges = [r for u in units for r in u.part if isinstance(r, FileRange)
+                      and r.path == spec]  # fmt: skip
+            if unit_bytes >= len(data):
+                assert ranges == []
+                continue
+            assert ranges[0].start == 0 and ranges[-1].end == len(data)
+            assert all(a.end == b.start for a, b in zip(ranges, ranges[1:]))
+            assert all(data[r.start - 1 : r.start] == b"\n" for r in ranges[1:])
+    units = make_units(Source(specs), 4096)
+    assert len(units) >= 20
+    assert all(assign([(u.index, u.size) for u in units], 3))  # every rank has work
+
+
+def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
+    """A corpus of two large JSON-lines files on 3 ranks (srun's transport, threads), 8 KiB
+    units: ~10 units, every rank tokenizes, and the output equals one process's."""
+    import threading
+
+    from data_prep import PrepConfig, prepare
+    from data_prep.distributed import World
+    from data_prep.parallel import assign, make_units, prepare_distributed
+    from data_prep.sources import Source
+
+    specs = _jsonl_corpus(tmp_path / "c")
+    kw = dict(sources=specs, seq_len=32, vocab_size=200, workers=0, progress=False,
+              valid_fraction=0.2, shard_rows=20)  # fmt: skip
+    prepare(PrepConfig(out=str(tmp_path / "one"), **kw))
+    units = make_units(Source(specs), 8192)
+    assert len(units) >= 9 and all(assign([(u.index, u.size) for u in units], 3))
+    errors: List[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            cfg = PrepConfig(out=str(tmp_path / "many"), unit_bytes=8192, rank_timeout=60.0, **kw)
+            prepare_distributed(cfg, World("slurm", r, 3, "ranges"))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+
+    def files(out: Path) -> Dict[str, str]:
+        got = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+               for p in sorted(out.rglob("*")) if p.is_file()}  # fmt: skip
+        m = json.loads((out / "manifest.json").read_text())
+        m["tokenizer"]["trained"].pop("seconds")
+        got["manifest.json"] = json.dumps(m, sort_keys=True)
+        return got
+
+    assert files(tmp_path / "many") == files(tmp_path / "one")
