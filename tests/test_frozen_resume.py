@@ -1,9 +1,9 @@
 """Frozen E/F (``model.freeze_projection=true``) saved sharded over P = 2 sequence-parallel
 ranks (issue 30 item 6). DeepSpeed's universal converter failed on them (``AssertionError:
 Unused patterns``: frozen parameters have no optimizer state) and left an empty
-``universal/``. Under ZeRO-2 the conversion now allows those patterns and the frozen weights are
-restored from the saved model files: the run resumes on one rank and on DP = 2; under ZeRO-3
-the resume is refused in one line before anything is converted."""
+``universal/``. The conversion now allows those patterns and the frozen weights are
+restored from the saved files: the run resumes on one rank and on DP = 2 (ZeRO-2), on one rank
+(ZeRO-3); into a sharded ZeRO-3 layout it is refused in one line before anything is converted."""
 
 import os
 import shutil
@@ -136,43 +136,92 @@ def test_failed_conversion_leaves_no_universal_dir(frozen_run):
     assert _tree(ckpts) == before
 
 
-def test_refusal_only_for_frozen_sharded_checkpoints_under_zero3():
+def test_refusal_only_for_frozen_sharded_checkpoints_into_sharded_zero3():
     meta = {"world_size": 2, "zero_stage": 3, "sequence_parallel_size": 2,
             "shard_sequence_parameters": True, "model": {"freeze_projection": True}}  # fmt: skip
-    why = frozen_universal_refusal("ck/step_00000004", meta, 3)
+    why = frozen_universal_refusal("ck/step_00000004", meta, 3, 2)
     assert why is not None and why.startswith("ck/step_00000004 holds frozen E/F")
-    assert "under ZeRO-3" in why and "\n" not in why
-    assert frozen_universal_refusal("ck/t", meta, 2) is None  # restored from the model files
-    assert frozen_universal_refusal("ck/t", {**meta, "model": {"freeze_projection": False}}, 3) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}, 3) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}, 3) is None
+    assert "under ZeRO-3 they cannot be loaded sharded over 2 ranks" in why and "\n" not in why
+    assert frozen_universal_refusal("ck/t", meta, 3, 1) is None  # restored whole
+    assert frozen_universal_refusal("ck/t", meta, 2, 2) is None  # restored and cut
+    unfrozen = {**meta, "model": {"freeze_projection": False}}
+    assert frozen_universal_refusal("ck/t", unfrozen, 3, 2) is None
+    assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}, 3, 2) is None
+    assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}, 3, 2) is None
+
+
+@pytest.fixture(scope="module")
+def frozen_run3(tiny_corpus, tmp_path_factory) -> Path:
+    """As frozen_run under ZeRO-3."""
+    run = tmp_path_factory.mktemp("frozen3")
+    zero3 = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
+    run_pretrain(tiny_corpus, run, [*zero3, "deepspeed.zero.stage=3"], nproc=2)
+    return run
 
 
 @pytest.mark.slow  # a 2-rank ZeRO-3 launch
-def test_frozen_sharded_zero3_resume_elsewhere_is_one_line(
-    tiny_corpus, tmp_path, capsys, _clean_env
-):
-    """ZeRO-3, saved P = 2 sharded -> one rank: exit 2 with one line naming the saved layout,
-    nothing converted or written (no universal/, the checkpoint directory byte-identical)."""
-    from linformer_ds import train
+def test_frozen_sharded_zero3_resumes_on_two_data_parallel_ranks(frozen_run3, tiny_corpus,
+                                                                 tmp_path):  # fmt: skip
+    """ZeRO-3, saved P = 2 sharded -> DP = 2, P = 1: exit 0, the final checkpoint's frozen E/F
+    (export's consolidation) equal the saved ones."""
+    from linformer_ds.export import consolidate
 
-    zero3 = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
-    run_pretrain(tiny_corpus, tmp_path / "saved", [*zero3, "deepspeed.zero.stage=3"], nproc=2)
-    ckpts = tmp_path / "saved" / "checkpoints"
-    before = _tree(ckpts)
-    argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
-            f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
-            "model.freeze_projection=true", "deepspeed.zero.stage=3",
-            "train.max_steps=4"]  # fmt: skip
-    rc = train.main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2 and err == (
-        f"error: {ckpts}/step_00000002 holds frozen E/F (model.freeze_projection=true) sharded "
-        "over 2 sequence-parallel ranks; under ZeRO-3 this layout change loads through "
-        "DeepSpeed's universal checkpoint, which cannot carry frozen sharded parameters. Resume "
-        "with the saved layout (2 ranks, parallel.sequence_parallel_size=2, "
-        "parallel.shard_sequence_parameters=true; ZeRO-2 runs resume in any layout), or export "
-        "the weights (launch/export.py) and start a new run\n"
-    ), err
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(frozen_run3 / "checkpoints", ckpts)
+    run_pretrain(tiny_corpus, tmp_path / "run", [
+        "model.freeze_projection=true", "deepspeed.zero.stage=3", "train.max_steps=3",
+        "checkpoint.save_interval=0", f"checkpoint.dir={ckpts}"], nproc=2)  # fmt: skip
+    saved, final = consolidate(str(ckpts), "step_00000002"), consolidate(str(ckpts), "step_00000003")
+    names = [n for n in saved if n.endswith(("proj_k.weight", "proj_v.weight",
+                                             "shared_linear.weight"))]  # fmt: skip
+    assert names and all(torch.equal(final[n], saved[n]) for n in names)
     assert not (ckpts / UNIVERSAL_DIR).exists()
-    assert _tree(ckpts) == before
+
+
+@pytest.mark.slow  # a 2-rank ZeRO-3 launch
+def test_frozen_sharded_zero3_resumes_on_one_rank(frozen_run3, tiny_corpus, tmp_path, capsys,
+                                                  monkeypatch, _clean_env):  # fmt: skip
+    """ZeRO-3, saved P = 2 sharded -> one rank: the frozen E/F (other values at init, as if the
+    initialisation had changed) are the saved ones after the load (export's consolidation of
+    the saved tag), training continues (exit 0), no universal/ stays, the saved tag unchanged."""
+    import deepspeed
+
+    from linformer_ds import engine as eng
+    from linformer_ds.config import load_config
+    from linformer_ds.data.stages import resolve_stages
+    from linformer_ds.export import consolidate
+    from linformer_ds.train import Trainer
+
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(frozen_run3 / "checkpoints", ckpts)
+    saved = consolidate(str(ckpts), "step_00000002")
+    before = _tree(ckpts / "step_00000002")
+    real = eng.build_model
+
+    def other_init(cfg):
+        model = real(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.add_(1.0)
+        return model
+
+    monkeypatch.setattr(eng, "build_model", other_init)
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
+                                    f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
+                                    "model.freeze_projection=true", "deepspeed.zero.stage=3",
+                                    "train.max_steps=3", "checkpoint.save_interval=0"])  # fmt: skip
+    resolve_stages(cfg)
+    trainer = Trainer(cfg)
+    try:
+        frozen = [(n, p) for n, p in trainer.engine.module.named_parameters() if not p.requires_grad]
+        assert frozen
+        with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
+            for name, p in frozen:
+                assert torch.equal(p.detach().float(), saved[name].float()), name
+        assert trainer.step == 2 and trainer.train() == 0
+    finally:
+        trainer.close()
+    assert "[done] step 3: first loss " in capsys.readouterr().out
+    assert not (ckpts / UNIVERSAL_DIR).exists()
+    assert _tree(ckpts / "step_00000002") == before

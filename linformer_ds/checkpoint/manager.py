@@ -125,7 +125,10 @@ class CheckpointManager:
             route = layout_route(self.dir, self.tag, self.meta, self.cfg, self.world)
             self.route = VIA_UNIVERSAL if notice is not None else route
             self.universal = self.route == VIA_UNIVERSAL
-            frozen = frozen_universal_refusal(where, self.meta, self.cfg.deepspeed.zero.stage)
+            frozen = frozen_universal_refusal(
+                where, self.meta, self.cfg.deepspeed.zero.stage,
+                sharded_sp_size(config_layout(self.cfg)),
+            )  # fmt: skip
             if self.universal and frozen:  # before anything is converted or written
                 raise CheckpointError(frozen)
             same_world = int(self.meta["world_size"]) == self.world
@@ -175,9 +178,10 @@ class CheckpointManager:
             if per_sp_rank:
                 load_dir = os.path.join(root, f"sp{engine.mpu.get_model_parallel_rank()}")
         client = load(engine, self.dir, self.tag, self.cfg, load_dir=load_dir)
-        if self.universal and saved_frozen(self.meta) and self.cfg.deepspeed.zero.stage < 3:
-            # the universal copy holds no frozen parameters: from the saved model files
-            restore_frozen_params(engine, self.dir, self.tag, sharded_sp_size(self.meta))
+        if self.universal and saved_frozen(self.meta):
+            # the universal copy holds no frozen parameters: from the saved files
+            stage = self.cfg.deepspeed.zero.stage
+            restore_frozen_params(engine, self.dir, self.tag, sharded_sp_size(self.meta), stage)
         if self.universal and self.cfg.deepspeed.zero.stage == 3:
             assert load_dir is not None
             repair_zero3_universal_load(engine, load_dir, self.tag)

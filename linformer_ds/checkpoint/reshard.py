@@ -27,6 +27,7 @@ from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError, sharded
 from linformer_ds.config import JobConfig
 from linformer_ds.sequence_parallel import (
     SHARD_ATTR,
+    consolidate_sharded,
     mark_universal_sequence_dims,
     sequence_dim,
     shard_tensor,
@@ -136,56 +137,84 @@ def saved_frozen(meta: Dict[str, Any]) -> bool:
     return bool((meta.get("model") or {}).get("freeze_projection"))
 
 
-def frozen_universal_refusal(where: str, meta: Dict[str, Any], stage: int) -> Optional[str]:
-    """Why a checkpoint cannot load through a universal checkpoint at ZeRO ``stage``, or None:
-    one saved with frozen E/F (``model.freeze_projection``) sharded over P ranks, under ZeRO-3.
-    Frozen parameters have no optimizer state, so the universal copy holds none of them; under
-    ZeRO 1-2 :func:`restore_frozen_params` takes them from the saved model files, under ZeRO-3
-    (partitioned weights) nothing does yet."""
+def frozen_universal_refusal(
+    where: str, meta: Dict[str, Any], stage: int, now_p: int
+) -> Optional[str]:
+    """Why a checkpoint cannot load through a universal checkpoint at ZeRO ``stage`` into a
+    layout sharded over ``now_p`` ranks, or None: one saved with frozen E/F
+    (``model.freeze_projection``) sharded over P ranks, into a sharded ZeRO-3 layout. Frozen
+    parameters have no optimizer state, so the universal copy holds none of them;
+    :func:`restore_frozen_params` takes them from the saved files, except into ZeRO-3
+    partitions of E/F slices (not supported yet)."""
     saved_p = sharded_sp_size(meta)
-    if saved_p == 1 or not saved_frozen(meta) or stage != 3:
+    if saved_p == 1 or not saved_frozen(meta) or stage != 3 or now_p == 1:
         return None
     return (
         f"{where} holds frozen E/F (model.freeze_projection=true) sharded over {saved_p} "
-        f"sequence-parallel ranks; under ZeRO-3 this layout change loads through DeepSpeed's "
-        "universal checkpoint, which cannot carry frozen sharded parameters. Resume with the "
-        f"saved layout ({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}, "
-        "parallel.shard_sequence_parameters=true; ZeRO-2 runs resume in any layout), or export "
-        "the weights (launch/export.py) and start a new run"
+        f"sequence-parallel ranks; under ZeRO-3 they cannot be loaded sharded over {now_p} "
+        "ranks in another layout. Resume with the saved layout "
+        f"({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}), with E/F "
+        "whole (parallel.shard_sequence_parameters=false or sequence_parallel_size=1), or "
+        "export the weights (launch/export.py) and start a new run"
     )
 
 
-def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int) -> List[str]:
-    """ZeRO 1-2, after a universal load: DeepSpeed restores weights from the universal copy,
-    which holds only parameters with optimizer state, so every frozen parameter is copied from
-    the saved model-parallel files (one per saved SP rank, ``module``): joined along its
-    sequence dim when it was sharded, cut for this rank when it is sharded now. Returns the
-    names restored."""
-    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
-    if not frozen:
-        return []
+def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str, torch.Tensor]:
+    """Every parameter of the saved model, whole (sharded ones joined along their sequence dim):
+    ZeRO 1-2 from the model-parallel files' ``module``, ZeRO-3 by DeepSpeed's zero_to_fp32
+    (frozen parameters come from each rank's ``frozen_param_fragments``)."""
     src = os.path.join(ckpt_dir, tag)
+    if stage == 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        def one(d: str, t: str) -> Dict[str, torch.Tensor]:
+            with weights_only_torch_load():
+                return dict(get_fp32_state_dict_from_zero_checkpoint(d, tag=t))
+
+        return consolidate_sharded(ckpt_dir, tag, saved_p, one)
     modules = [
         safe_torch_load(os.path.join(src, f"mp_rank_{r:02d}_model_states.pt"))["module"]
         for r in range(saved_p)
     ]
+    whole = dict(modules[0])
+    for name, t in modules[0].items():
+        dim = sequence_dim(name, t.dim())
+        if saved_p > 1 and dim is not None:
+            whole[name] = torch.cat([m[name] for m in modules], dim)
+    return whole
+
+
+def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int, stage: int) -> List[str]:
+    """After a universal load: DeepSpeed restores weights from the universal copy, which holds
+    only parameters with optimizer state, so every frozen parameter is copied from the saved
+    files (whole, then cut for this rank when it is sharded now; ZeRO-3: gathered, set on
+    rank 0 and partitioned again). Collective. Returns the names restored."""
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return []
     mpu = getattr(engine, "mpu", None)
     sp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
     sp_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
-    for name, p in frozen:
-        dim = sequence_dim(name, p.dim())
-        whole = modules[0][name]
-        if saved_p > 1 and dim is not None:
-            whole = torch.cat([m[name] for m in modules], dim)
-        if hasattr(p, SHARD_ATTR):
-            whole = shard_tensor(whole, getattr(p, SHARD_ATTR)[0], sp_rank, sp_size)
-        if tuple(whole.shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"{src}: frozen parameter {name} has shape {tuple(whole.shape)} in the saved "
-                f"files, this model {tuple(p.shape)}"
-            )
-        with torch.no_grad():
-            p.copy_(whole)
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    setting = stage < 3 or rank == 0  # ZeRO-3: rank 0's values are partitioned to every rank
+    whole = _frozen_whole(ckpt_dir, tag, saved_p, stage) if setting else {}
+    gathered: Any = contextlib.nullcontext()
+    if stage == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([p for _, p in frozen], modifier_rank=0)
+    with gathered, torch.no_grad():
+        for name, p in frozen if setting else []:
+            value = whole[name]
+            if hasattr(p, SHARD_ATTR):
+                value = shard_tensor(value, getattr(p, SHARD_ATTR)[0], sp_rank, sp_size)
+            if tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    f"{ckpt_dir}/{tag}: frozen parameter {name} has shape "
+                    f"{tuple(value.shape)} in the saved files, this model {tuple(p.shape)}"
+                )
+            p.copy_(value)
     return [n for n, _ in frozen]
 
 
