@@ -8,10 +8,8 @@ the config frozen. The DeepSpeed JSON is derived from it in ``linformer_ds.ds_co
 """
 
 import dataclasses
-import ipaddress
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
@@ -26,6 +24,7 @@ from linformer_ds.config_fields import (
     bounded,
     check_fields,
     field_problem,
+    is_host,
     nonempty,
     one_of,
     unusable_dir,
@@ -51,19 +50,6 @@ class Section:
 
     def bad(self, name: str, msg: str) -> None:
         raise ConfigError(f"{self.key}.{name}: {msg}")
-
-
-# A host name: dot-separated labels of letters, digits and hyphens (RFC 1123), 253 at most.
-_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # fmt: skip
-
-
-def _is_ip_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 # ===================================================================================== sections
@@ -298,13 +284,9 @@ class LoggingConfig(Section):
     prometheus_host: str = nonempty("0.0.0.0")
 
     def rules(self, job: "JobConfig") -> None:
-        host = self.prometheus_host
-        if not _is_ip_address(host) and not _HOSTNAME.fullmatch(host):
-            self.bad(
-                "prometheus_host",
-                f"{host!r} is not an IP address or host name (0.0.0.0: every interface, "
-                "127.0.0.1: this host only)",
-            )
+        if not is_host(self.prometheus_host):
+            self.bad("prometheus_host", f"{self.prometheus_host!r} is not an IP address or host "
+                     "name (0.0.0.0: every interface, 127.0.0.1: this host only)")  # fmt: skip
 
 
 @dataclass

@@ -3,8 +3,10 @@ its definition (a range, a set of choices, non-empty), and :func:`check_fields` 
 declarations. Also the one-line :class:`ConfigError` (imported from ``linformer_ds.config``)."""
 
 import dataclasses
+import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
@@ -67,6 +69,20 @@ def one_of(
     """A string field that takes one of ``choices`` (None also when the default is None);
     ``also``: accepted values that ``note`` describes (e.g. ``auto``)."""
     return field(default=default, metadata={"choices": choices, "note": note, "also": also})
+
+
+# A host name: dot-separated labels of letters, digits and hyphens (RFC 1123), 253 at most.
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")  # fmt: skip
+
+
+def is_host(text: str) -> bool:
+    """Whether ``text`` is an IP address (v4 or v6) or a well-formed host name."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.fullmatch(text))
 
 
 def nonempty(default: str) -> Any:
