@@ -46,7 +46,7 @@ def compile_engine(engine: Any, cfg: JobConfig, metrics: Any) -> "CompileReport"
     report = CompileReport(cfg, metrics.rank)
     if not report.enabled:
         return report
-    import torch._dynamo
+    import torch._dynamo  # lazy: ~1.5 s to import, only with train.compile
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -77,7 +77,7 @@ class CompileReport(Sink):
     @staticmethod
     def figures() -> Dict[str, float]:
         """Graph breaks, graphs and compile seconds so far (this process)."""
-        from torch._dynamo.utils import compilation_time_metrics, counters
+        from torch._dynamo.utils import compilation_time_metrics, counters  # lazy: see above
 
         times = compilation_time_metrics
         return {
@@ -89,7 +89,7 @@ class CompileReport(Sink):
     @staticmethod
     def reasons() -> Dict[str, int]:
         """Each graph-break reason (one line) and how many times it broke a graph."""
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # lazy: see above
 
         out: Dict[str, int] = {}
         for key, n in counters["graph_break"].items():

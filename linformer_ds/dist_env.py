@@ -16,16 +16,23 @@ A variable that is already set is never overwritten.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import zlib
 from collections.abc import MutableMapping
+from datetime import timedelta
 from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
 
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHERS = ("env", "mpi", "slurm", "single")
@@ -335,10 +342,7 @@ def init_process_group(
     a busy MASTER_PORT, an unresolvable MASTER_ADDR, or ranks that did not all arrive in time
     (a rank died or never started). ``deepspeed.init_distributed`` then adopts the group.
     """
-    import math
-    from datetime import timedelta
 
-    import torch.distributed as dist
 
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise DistEnvError(f"parallel.init_timeout_s must be > 0 seconds, got {timeout_s!r}")
@@ -435,7 +439,6 @@ class Watchdog:
 
     def __init__(self, exit_code: int = 75, watch_launcher: bool = True, grace_s: float = 300.0,
                  poll_s: float = 1.0, phase: str = "start-up") -> None:  # fmt: skip
-        import threading
 
         self.exit_code, self.grace_s, self.poll_s = exit_code, float(grace_s), poll_s
         self.phase: Optional[str] = phase
@@ -465,8 +468,6 @@ class Watchdog:
         os._exit(code)
 
     def _run(self) -> None:
-        import select
-        import time
 
         orphaned_at: Optional[float] = None
         while True:

@@ -35,6 +35,7 @@ import tempfile
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+import sentencepiece as spm
 import torch
 
 from linformer_ds import dirlock, outdir
@@ -66,6 +67,7 @@ from linformer_ds.model_dir import (  # noqa: F401  (re-exported: the export's w
     write_remote_code,
     write_tokenizer,
 )
+from linformer_ds.sequence_parallel import consolidate_sharded
 from linformer_ds.special_tokens import SPECIAL_IDS
 
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
@@ -114,7 +116,6 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     except CheckpointError:
         p = 1
     if p > 1:
-        from linformer_ds.sequence_parallel import consolidate_sharded
 
         return consolidate_sharded(checkpoint_dir, tag, p, _consolidate_one)
     return _consolidate_one(checkpoint_dir, tag)
@@ -229,7 +230,6 @@ def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]
     """``--tokenizer`` must hold the vocabulary the checkpoint was trained with (the tag's own
     tokenizer.model, else the vocabulary size its metadata records): another one would map the
     model's ids to other tokens."""
-    import sentencepiece as spm
 
     def pieces(path: str) -> List[str]:
         sp = spm.SentencePieceProcessor(model_file=path)

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -481,7 +482,6 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
 def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None:
     """Write the fine-tuned classifier in the export format: into a directory next to
     ``--out``, swapped in when complete (a failed write leaves the previous output whole)."""
-    import shutil
 
     model_config = ModelConfig.from_dict(model.config.to_model_config().to_dict())
     state = {k: v.detach() for k, v in model.state_dict().items()}

@@ -12,7 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import sentencepiece as spm
 import torch
+from sentencepiece import sentencepiece_model_pb2 as pb
 
 from linformer_ds.model import ModelConfig
 from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
@@ -62,7 +64,6 @@ class ExportError(RuntimeError):
 
 def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
     """Check the SentencePiece model's special ids and size against the model; returns its size."""
-    import sentencepiece as spm
 
     try:
         sp = spm.SentencePieceProcessor(model_file=sp_model_path)
@@ -111,8 +112,6 @@ _CHECK_TEXTS = (
 
 def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
     """A ``PreTrainedTokenizerFast`` equivalent to the SentencePiece model (ids checked)."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter
@@ -238,7 +237,6 @@ def write_model_dir(
     """
     from safetensors.torch import save_file
 
-    from linformer_ds.hf.configuration_linformer import LinformerConfig
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -256,6 +254,9 @@ def write_model_dir(
             extra.setdefault(name.replace("_token", "_token_id"), token_id)
     extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
     extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
+    # lazy: transformers (optional, seconds to import) only when a directory is written
+    from linformer_ds.hf.configuration_linformer import LinformerConfig
+
     hf_config = LinformerConfig.from_model_config(model_config, **extra)
     hf_config.architectures = [architecture]
     hf_config.auto_map = dict(AUTO_MAP)

@@ -13,6 +13,7 @@ logged metrics) of an uninterrupted one.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -22,20 +23,27 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from linformer_ds import engine as eng
 from linformer_ds.checkpoint.io import check_writable
 from linformer_ds.checkpoint.manager import CheckpointManager
 from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
+from linformer_ds.compile import compile_engine
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
+from linformer_ds.context_meter import UnigramMeter, with_mixture_meter
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
 from linformer_ds.debug import DebugHooks
 from linformer_ds.dirlock import DirLock, LockError, run_dir_lock
+from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
+from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
+from linformer_ds.evaluate import evaluate
 from linformer_ds.hostsync import StepSyncLog
-from linformer_ds.metrics import NUM_STATS, StageMeter
+from linformer_ds.metrics import NUM_STATS, STAT_NONFINITE, Metrics, StageMeter, step_stats
 from linformer_ds.parallelize import LossScaling, parallelize
 from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
+from linformer_ds.sequence_parallel import isolation_errors
 from linformer_ds.versions import check_versions
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
@@ -111,7 +119,6 @@ def nonfinite_verdict(
 # ========================================================================================= main
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
-    from linformer_ds.dist_env import DistEnvError
 
     try:
         return _main(argv)
@@ -155,8 +162,6 @@ class StopTraining(Exception):
 
 def print_config(cfg: JobConfig) -> int:
     """``--print-config``: the resolved job config and the DeepSpeed JSON derived from it."""
-    from linformer_ds.dist_env import setup_distributed_env
-    from linformer_ds.engine import final_deepspeed_config
 
     setup_distributed_env()
     world = int(os.environ["WORLD_SIZE"])
@@ -196,8 +201,6 @@ class Trainer:
             raise
 
     def _init(self, cfg: JobConfig) -> None:
-        from linformer_ds.compile import compile_engine
-        from linformer_ds.dist_env import setup_distributed_env, start_watchdog
 
         check_versions()  # deepspeed/torch in the tested range (LINFORMER_DS_UNTESTED_DEPS=1)
         self.cfg = cfg
@@ -259,7 +262,6 @@ class Trainer:
         """``data.document_isolation`` decided (auto: on when every source is packed ``full``,
         from its manifest) and why; a combination the model cannot run is refused (true) or
         turns auto off."""
-        from linformer_ds.sequence_parallel import isolation_errors
 
         cfg, setting = self.cfg, self.cfg.data.document_isolation
         if setting is False:
@@ -281,7 +283,6 @@ class Trainer:
         """The context meter of each source (linformer_ds.context_meter): its train split's
         unigram counts from the manifest, the run directory's cache, or counted (and cached by
         rank 0) here."""
-        from linformer_ds.context_meter import UnigramMeter
 
         t0 = time.perf_counter()
         meters = {
@@ -294,7 +295,6 @@ class Trainer:
         return meters
 
     def _build_engine(self) -> None:
-        from linformer_ds import engine as eng
 
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -322,7 +322,6 @@ class Trainer:
         )  # fmt: skip
 
     def _build_metrics(self) -> None:
-        from linformer_ds.metrics import Metrics
 
         cfg, n = self.cfg, self.batches.seq_len
         self.metrics = Metrics(
@@ -362,7 +361,6 @@ class Trainer:
         the device; one all-reduce (statistics, non-finite count and the stop request together)
         and one read to the host follow the micro-batches. Raises :class:`StopTraining` when
         the non-finite policy stops the run."""
-        from linformer_ds.metrics import STAT_NONFINITE
 
         cfg, step = self.cfg, self.step + 1
         # Dropout randomness of this step depends only on (seed, step, rank): exact resume.
@@ -398,7 +396,6 @@ class Trainer:
         The loss is this micro-batch's sum of cross-entropies over the step's global count
         ``denom``; ``loss_scaling.scale`` undoes DeepSpeed's division by the accumulation steps
         and the data-parallel ranks, so the update follows the gradient of the global mean."""
-        from linformer_ds.metrics import step_stats
 
         extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         out = self.engine(
@@ -417,7 +414,6 @@ class Trainer:
         """``stats`` and this rank's stop request, summed over all ranks: one small
         all-reduce and one read to the host per optimizer step (the step's only one in this
         code; tests/test_host_sync.py counts)."""
-        from linformer_ds.engine import all_reduce_sum
 
         flag = 1.0 if self.cfg.train.save_on_signal and self.stop.signum else 0.0
         # the flag by a fill on the device (a tensor made from a Python list would be a copy
@@ -428,7 +424,6 @@ class Trainer:
 
     def _after_step(self) -> None:
         """Log, evaluate and checkpoint as configured; stop (exit 75) when a rank was signalled."""
-        from linformer_ds.evaluate import evaluate
 
         step, cfg = self.step, self.cfg
         if self.metrics.should_log(step):
@@ -477,9 +472,7 @@ class Trainer:
     def _evaluate_sources(self, evaluate) -> Dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
         the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
-        import dataclasses
 
-        from linformer_ds.context_meter import with_mixture_meter
 
         stage, cfg = self.batches.stage, self.cfg
         if stage.micro_batch_size != cfg.train.micro_batch_size:

@@ -110,10 +110,10 @@ def test_data_prep_record_is_used_and_checked(shards, tmp_path):
 def test_evaluate_reports_the_meter_on_the_scored_positions(shards, tmp_path, monkeypatch):
     """evaluate() with a model that predicts uniformly: loss = log V on every position; the
     meter's figures are those of the reference on the same masks (seed train.seed + 1)."""
-    import linformer_ds.engine as eng
+    import linformer_ds.evaluate as ev
     from linformer_ds.evaluate import evaluate
 
-    monkeypatch.setattr(eng, "all_reduce_sum", lambda t, device: t)  # one rank, no group
+    monkeypatch.setattr(ev, "all_reduce_sum", lambda t, device: t)  # one rank, no group
 
     class Uniform(torch.nn.Module):
         def forward(self, input_ids, attention_mask, labels=None, labelled_index=None):

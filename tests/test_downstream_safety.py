@@ -519,11 +519,24 @@ def test_export_while_training_saves_and_prunes_every_step(tiny_corpus, tmp_path
         while not (run / "checkpoints" / "latest").exists():
             assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        tags = []
         latest = run / "checkpoints" / "latest"
-        for i in range(3):
+        # The pin, deterministically (no race with the trainer's speed): pin the newest tag as
+        # export does, wait (deadline, not a speed assumption) until the trainer has saved two
+        # more steps, and the pinned tag is still there, complete; released, a later save prunes it.
+        from linformer_ds.dirlock import pin_tag
+
+        pinned = run / "checkpoints" / latest.read_text().strip()
+        with pin_tag(str(pinned)) as ok:
+            assert ok, pinned
+            first = int(pinned.name[5:])
+            deadline = time.monotonic() + 300
+            while int(latest.read_text().strip()[5:]) < first + 2:
+                assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert (pinned / "COMPLETE").exists(), sorted(p.name for p in pinned.parent.iterdir())
+        tags = []
+        for i in range(3):  # real exports while the trainer saves and prunes every step
             out = tmp_path / f"export{i}"
-            before = latest.read_text().strip()
             proc = subprocess.run(
                 [sys.executable, str(REPO / "launch" / "export.py"), "--checkpoint",
                  str(run / "checkpoints"), "--out", str(out)],
@@ -532,15 +545,13 @@ def test_export_while_training_saves_and_prunes_every_step(tiny_corpus, tmp_path
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "Traceback" not in proc.stderr
             tags.append(json.loads((out / "linformer_export.json").read_text())["tag"])
-            # the trainer saved (and pruned) at least twice while this export read its tag
-            assert int(latest.read_text().strip()[5:]) >= int(before[5:]) + 2, (before, tags)
         assert trainer.poll() is None, log.read_text()[-3000:]  # still training and pruning
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(timeout=300) == 75, log.read_text()[-3000:]
     finally:
         trainer.kill()
     remaining = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert len(remaining) == 1 and remaining[0] > max(tags), (remaining, tags)
+    assert len(remaining) == 1 and remaining[0] > max(tags + [pinned.name]), (remaining, tags)
 
 
 def test_metrics_jsonl_once_per_step_after_resume_from_older_tag_and_failed_start_frees_dirs(
