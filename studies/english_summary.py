@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 ARMS = ("linear", "conv_hybrid", "dense")
+LONG = ("linear_500", "dense_500")  # the optional 500-step points
 PACKING = (("linear", "full, mixed"), ("linear_isolated", "full, isolated"), ("linear_pad", "pad"))
 
 
@@ -39,8 +40,10 @@ def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> st
         "| context gain (nats) | eval accuracy | unigram accuracy | train tokens/s (median) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for v in ARMS + tuple(p for p, _ in PACKING[1:]):
+    for v in ARMS + tuple(p for p, _ in PACKING[1:]) + LONG:
         runs = list(by.get(v, {}).values())
+        if not runs and v in LONG:
+            continue
         if not runs:
             md.append(f"| {v} | - | not run | | | | | | |")
             continue
@@ -60,15 +63,19 @@ def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> st
     md += ["", "Relative eval-loss gap to dense, per seed ((loss - dense loss) / dense loss):", ""]
     md += ["| variant | per seed | mean |", "|---|---|---|"]
     dense = by.get("dense", {})
-    for v in ("linear", "conv_hybrid"):
+    for v, ref in (("linear", "dense"), ("conv_hybrid", "dense"), ("linear_500", "dense_500")):
+        dense = by.get(ref, {})
         gaps = {
             s: (r["final_eval_loss"] - dense[s]["final_eval_loss"]) / dense[s]["final_eval_loss"]
             for s, r in sorted(by.get(v, {}).items())
             if s in dense
         }
+        if not gaps:
+            continue
         cells = ", ".join(f"seed {s}: {100 * g:+.2f} %" for s, g in gaps.items()) or "-"
         mean = f"{100 * statistics.mean(gaps.values()):+.2f} %" if gaps else "-"
-        md.append(f"| {v} vs dense | {cells} | {mean} |")
+        md.append(f"| {v} vs {ref} | {cells} | {mean} |")
+    dense = by.get("dense", {})
     if 0 in dense and 1 in dense:
         d0, d1 = dense[0]["final_eval_loss"], dense[1]["final_eval_loss"]
         md.append(f"| dense seed 1 vs seed 0 | {100 * (d1 - d0) / d0:+.2f} % | |")
