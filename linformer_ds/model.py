@@ -33,6 +33,7 @@ MODEL_FORMAT_VERSION = 1
 PROJECTIONS = ("linear", "conv", "dense")  # the built-in kinds (more: register_projection)
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
+PROJECTION_INITS = ("normal", "pooling")
 NORM_STYLES = ("pre", "post")
 
 # The range of every numeric option. Integers: (low, high), inclusive. The upper bounds of sizes
@@ -111,7 +112,10 @@ class ModelConfig:
     layer_k: Optional[List[int]] = None  # per-layer k, overrides `k`
     sharing: str = "layerwise"
     freeze_projection: bool = False  # keep E/F (or conv kernels) fixed at their init
-    projection_init_std: Optional[float] = None  # default 1/sqrt(max_seq_len)
+    projection_init_std: Optional[float] = None  # default 1/sqrt(max_seq_len) ("normal" init)
+    # E/F and conv kernels at init: "normal" (random, std projection_init_std) or "pooling"
+    # (summary j = the mean of the j-th window of N/k positions; conv = mean over each block)
+    projection_init: str = "normal"
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2
@@ -160,7 +164,8 @@ class ModelConfig:
                 "hidden_size", f"{self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
         for name, choices in (("norm", NORM_STYLES), ("sharing", SHARING_MODES),
-                              ("projection", projection_names() + ("hybrid",))):  # fmt: skip
+                              ("projection", projection_names() + ("hybrid",)),
+                              ("projection_init", PROJECTION_INITS)):  # fmt: skip
             if getattr(self, name) not in choices:
                 _bad(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
@@ -433,15 +438,29 @@ class LinearProjection(nn.Module):
     sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
     projection_kind = "linear"  # its registered kind (_make_projection sets it on every module)
 
-    def __init__(self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool):
+    def __init__(
+        self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool,
+        init: str = "normal",
+    ):  # fmt: skip
         super().__init__()
         self.k, self.max_seq_len, self.heads = k, max_seq_len, heads
-        self.init_std = init_std
+        self.init_std, self.init = init_std, init
         self.weight = nn.Parameter(torch.empty(heads, k, max_seq_len), requires_grad=not frozen)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.init_std)
+        """``normal``: N(0, init_std). ``pooling``: row j averages the positions
+        ``n`` with ``floor(n k / N_max) = j`` (the same for every head; sharded: own columns)."""
+        if self.init != "pooling":
+            nn.init.normal_(self.weight, std=self.init_std)
+            return
+        width = self.weight.shape[-1]
+        slot = torch.arange(self.max_seq_len) * self.k // self.max_seq_len  # [N_max]
+        count = torch.bincount(slot, minlength=self.k).clamp(min=1)  # [k] positions per row
+        cols = slot[self.shard_start : self.shard_start + width]
+        w = (cols[None, :] == torch.arange(self.k)[:, None]) / count[:, None]  # [k, width]
+        with torch.no_grad():
+            self.weight.copy_(w.to(self.weight.dtype).expand_as(self.weight))
 
     def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
         """``[B, n, h, d] -> [B, k, h, d]``; with ``documents``: each span's own summaries
@@ -514,9 +533,9 @@ class ConvProjection(nn.Module):
     sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
     projection_kind = "conv"
 
-    def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool):
+    def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool, init: str = "normal"):
         super().__init__()
-        self.stride, self.heads, self.head_dim = stride, heads, head_dim
+        self.stride, self.heads, self.head_dim, self.init = stride, heads, head_dim, init
         self.weight = nn.Parameter(
             torch.empty(heads, head_dim, head_dim, stride), requires_grad=not frozen
         )
@@ -524,7 +543,13 @@ class ConvProjection(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
+        """``normal``: N(0, 1/sqrt(r d)); ``pooling``: the block mean (identity / r per tap)."""
+        if self.init == "pooling":
+            eye = torch.eye(self.head_dim, dtype=self.weight.dtype) / self.stride  # [d_out, d_in]
+            with torch.no_grad():
+                self.weight.copy_(eye[None, :, :, None].expand_as(self.weight))
+        else:
+            nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
         nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
@@ -664,14 +689,16 @@ def _make_projection(config: ModelConfig, layer_idx: int, kind: str, heads: int)
 def _linear(config: ModelConfig, layer_idx: int, heads: int) -> nn.Module:
     std = config.projection_init_std or 1.0 / math.sqrt(config.max_seq_len)
     return LinearProjection(
-        config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection
-    )
+        config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection,
+        config.projection_init,
+    )  # fmt: skip
 
 
 def _conv(config: ModelConfig, layer_idx: int, heads: int) -> nn.Module:
     return ConvProjection(
-        config.conv_stride(layer_idx), config.head_dim, heads, config.freeze_projection
-    )
+        config.conv_stride(layer_idx), config.head_dim, heads, config.freeze_projection,
+        config.projection_init,
+    )  # fmt: skip
 
 
 def _conv_check(config: ModelConfig, i: int) -> Optional[str]:

@@ -434,3 +434,46 @@ def test_property_attention_matches_reference(
     ref = naive_attention(attn, x, mask, shared)
     for s, length in enumerate(lengths):
         assert torch.allclose(got[s, :length], ref[s, :length], atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- projection_init
+@settings(max_examples=25, deadline=None)
+@given(
+    n_max=st.integers(1, 64), k=st.integers(1, 16), heads=st.integers(1, 3),
+    n=st.integers(1, 64), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_pooling_init_projects_window_means(n_max, k, heads, n, seed):
+    """``projection_init=pooling``: summary j of an input of n <= N_max positions is the mean of
+    the positions p < n with floor(p k / N_max) = j, divided by the window's full width (the
+    first-columns slicing of a shorter input keeps E's weights); empty windows give zeros."""
+    n = min(n, n_max)
+    proj = LinearProjection(k, n_max, heads, 0.1, frozen=False, init="pooling")
+    x = torch.randn(2, n, heads, 3, generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64)  # fmt: skip
+    got = proj.double()(x)
+    want = torch.zeros(2, k, heads, 3, dtype=torch.float64)
+    width = [sum(1 for p in range(n_max) if p * k // n_max == j) for j in range(k)]
+    for p in range(n):
+        want[:, p * k // n_max] += x[:, p] / width[p * k // n_max]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)  # E was built in fp32
+
+
+def test_pooling_init_conv_is_block_mean():
+    """Conv pooling init: each block's output is the mean of its r positions (avg_pool1d)."""
+    proj = ConvProjection(stride=4, head_dim=5, heads=2, frozen=False, init="pooling")
+    x = torch.randn(3, 16, 2, 5)
+    want = F.avg_pool1d(x.permute(0, 2, 3, 1).reshape(6, 5, 16), 4).reshape(3, 2, 5, 4)
+    torch.testing.assert_close(proj(x), want.permute(0, 3, 1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_projection_init_option():
+    """Every model built with ``pooling`` holds pooling E/F; an unknown value names the key."""
+    model = LinformerForMaskedLM(tiny(projection_init="pooling", projection="hybrid"))
+    linear = [m for m in model.modules() if isinstance(m, LinearProjection)]
+    conv = [m for m in model.modules() if isinstance(m, ConvProjection)]
+    assert linear and conv
+    for m in linear:
+        assert torch.equal(m.weight.sum(-1), torch.ones_like(m.weight.sum(-1)))
+        assert int((m.weight > 0).sum()) == m.heads * m.max_seq_len
+    with pytest.raises(ModelConfigError, match="model.projection_init"):
+        tiny(projection_init="identity")

@@ -58,6 +58,7 @@ VALUES = {
     "model.sharing": ["model.sharing=none"],
     "model.freeze_projection": ["model.freeze_projection=true"],
     "model.projection_init_std": ["model.projection_init_std=0.05"],
+    "model.projection_init": ["model.projection_init=pooling"],
     "model.initializer_range": ["model.initializer_range=0.03"],
     "model.pad_token_id": ["model.pad_token_id=1"],
     "model.num_labels": ["model.num_labels=3"],
