@@ -106,6 +106,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  
             item.add_marker(slow)
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def _clean_env() -> Iterator[None]:
+    """The test starts without the rank variables (DIST_VARS) and gets the environment back as
+    it was afterwards (the trainer's and data_prep's main() fill them in for a single process).
+    Asked for by name, or by a whole module: ``pytestmark = pytest.mark.usefixtures(...)``."""
+    saved = dict(os.environ)
+    for var in DIST_VARS:
+        os.environ.pop(var, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """A real data_prep output (stdlib subset, vocab 2000, N = 128), built once per session."""

@@ -37,15 +37,7 @@ from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-@pytest.fixture(autouse=True)
-def _clean_env():
-    """main() fills in the rank variables of a single process: undo that after each case."""
-    saved = dict(os.environ)
-    for var in DIST_VARS:
-        os.environ.pop(var, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("_clean_env")  # main() fills in the rank variables
 
 
 @pytest.fixture(scope="module")

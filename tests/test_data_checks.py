@@ -5,7 +5,6 @@ weights that cannot be normalised, and a data_prep output with an empty split.""
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -22,18 +21,7 @@ from linformer_ds.data.splits import empty_split_fix
 from linformer_ds.data.stages import resolve_stages
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def _clean_env():
-    """main() fills in the rank variables of a single process: undo that after each case."""
-    saved = dict(os.environ)
-    for var in DIST_VARS:
-        os.environ.pop(var, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("_clean_env")  # main() fills in the rank variables
 
 
 def tree(root: Path) -> Dict[str, str]:

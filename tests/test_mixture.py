@@ -449,17 +449,6 @@ def test_two_rank_mixture_shares_eval_and_exact_resume_after_kill(mixture_runs):
 
 
 # ========================================================== bad input: one line, exit 2
-@pytest.fixture
-def _clean_env():
-    """train.main fills in the rank variables of a single process: undo that afterwards."""
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def other_sources(tiny_corpus, tmp_path_factory):
     """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""

@@ -3,7 +3,6 @@ TensorBoard off, ``[setup] train_rows`` of a mixture, a resume at or past ``trai
 ``--config`` naming a directory, and ``data_prep --resume`` with changed options."""
 
 import json
-import os
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -13,17 +12,6 @@ from linformer_ds.config import ConfigError, load_config
 from linformer_ds.data.shards import open_sources
 from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG
 from tests.test_mixture import docs_corpus, prepare, sources_override
-
-
-@pytest.fixture
-def _clean_env():
-    """train.main fills in the rank variables of a single process: undo that afterwards."""
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _tree(root: Path) -> Dict[str, bytes]:
