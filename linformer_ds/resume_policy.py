@@ -151,6 +151,7 @@ POLICY: Dict[str, Policy] = {
     "checkpoint.save_final": _F,
     "checkpoint.allow_seed_change": _F,
     "checkpoint.allow_data_change": _F,
+    "checkpoint.init_from": _F,  # read at a fresh start only: a resume loads its weights
     "parallel.sequence_parallel_size": _a("layout"),
     "parallel.shard_sequence_parameters": _a("layout"),
     "parallel.auto_shard": _F,  # derived: why auto chose

@@ -45,6 +45,7 @@ from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
 from linformer_ds.sequence_parallel import isolation_errors
 from linformer_ds.versions import check_versions
+from linformer_ds.warm_start import check_source, load_into
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -256,6 +257,9 @@ class Trainer:
         if self.rank == 0:
             check_writable(cfg.logging.dir, "logging.dir")
         self.checkpoints.prepare()
+        if cfg.checkpoint.init_from and self.checkpoints.tag is None:  # refused before any collective
+            check_source(cfg.checkpoint.init_from, cfg.model, self.train_ds.vocab_size,
+                         str(self.train_ds.path))  # fmt: skip
         self.unigram = self._context_meters() if evaluating else {}
 
     def _document_isolation(self) -> "tuple[bool, str]":
@@ -307,6 +311,9 @@ class Trainer:
         self.sp_group = g.sp_group if g is not None else None
         self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
         self.model = eng.build_model(cfg)
+        if cfg.checkpoint.init_from and self.checkpoints.tag is None:  # a fresh warm start
+            rank0_print(load_into(self.model, cfg.checkpoint.init_from,
+                                  self.train_ds.vocab_size, str(self.train_ds.path)))  # fmt: skip
         # ids are checked on the host: every row against the data's vocabulary when read
         # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
         # model's own check would read min and max back from the device every micro-batch

@@ -134,6 +134,7 @@ VALUES = {
     "checkpoint.save_final": ["checkpoint.save_final=false"],
     "checkpoint.allow_seed_change": ["checkpoint.allow_seed_change=true"],
     "checkpoint.allow_data_change": ["checkpoint.allow_data_change=true"],
+    "checkpoint.init_from": ["checkpoint.init_from=hf:/nowhere"],  # a resume never reads it
     "parallel.sequence_parallel_size": ["parallel.sequence_parallel_size=2"],
     "parallel.shard_sequence_parameters": ["parallel.shard_sequence_parameters=true"],
     "parallel.auto_shard": [],  # derived by resolve

@@ -1,0 +1,403 @@
+"""Warm start from a Hugging Face BERT or RoBERTa directory (issue 32): the source's weights
+in our Linformer encoder (``checkpoint.init_from: hf:PATH``, read at a fresh start).
+
+The mapping is exact: with dense attention in every layer, the converted model gives the
+source's last hidden states and MLM logits (tests/test_warm_start.py: within 1e-5 in fp32).
+
+* embeddings: word -> ``token_embeddings``; the token-type row 0 (every input is one segment)
+  is added to every row of ``position_embeddings``; LayerNorm -> ``embed_ln``.
+* positions: BERT's row j is position j; RoBERTa's position j is row ``padding_idx + 1 + j``
+  (offset 2). The table is extended to ``model.max_seq_len`` by copying the source's P learned
+  positions along it (Longformer's recipe): row j = source position ``j mod P``.
+* layers (post-LN, erf GELU): query/key/value -> ``attention.qkv`` (concatenated), attention
+  output -> ``attention.out``, its LayerNorm -> ``ln1``; intermediate/output -> ``ffn.fc1`` /
+  ``fc2``, output LayerNorm -> ``ln2``.
+* MLM head: transform dense + GELU + LayerNorm -> ``lm_head.dense/ln``; decoder (tied to the
+  word embeddings unless the source unties them) and its bias -> ``lm_head.decoder``. A source
+  without an MLM head (``BertModel``) leaves our head at its initialisation (said so).
+* E/F (linear) and conv kernels are not in the source: ``model.projection_init`` sets them
+  (``pooling``: each summary slot averages a window of positions; see docs/export.md).
+* the BERT pooler is dropped.
+
+The source is read with json and safetensors/torch only (no transformers import). What cannot
+be mapped is refused in one line: another model_type, relative position embeddings, another
+activation, a decoder, and a model section or data vocabulary that does not match.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from linformer_ds.config import _load_yaml
+from linformer_ds.config_fields import ConfigError
+from linformer_ds.model import ModelConfig
+
+HF_PREFIX = "hf:"
+MODEL_TYPES = ("bert", "roberta")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")  # fmt: skip
+
+
+class WarmStartError(ConfigError):
+    """The source cannot be mapped onto the model; one line naming the problem."""
+
+
+def source_path(spec: str) -> str:
+    """``hf:PATH`` -> PATH (WarmStartError for any other form)."""
+    if not isinstance(spec, str) or not spec.startswith(HF_PREFIX) or not spec[3:].strip():
+        raise WarmStartError(f"init_from: must be hf:PATH (a Hugging Face model directory), "
+                             f"got {spec!r}")  # fmt: skip
+    return spec[len(HF_PREFIX):]
+
+
+def read_source_config(path: str) -> Dict[str, Any]:
+    """The source's ``config.json``, checked to be a BERT or RoBERTa encoder we can map."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise WarmStartError(f"hf:{path}: not a directory (a save_pretrained output)")
+    if not os.path.isfile(cfg_path):
+        raise WarmStartError(f"hf:{path}: no config.json (a save_pretrained output has one)")
+    try:
+        with open(cfg_path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WarmStartError(f"{cfg_path}: unreadable ({e})") from None
+    if not isinstance(hf, dict):
+        raise WarmStartError(f"{cfg_path}: not a JSON object")
+    problem = source_problem(hf)
+    if problem:
+        raise WarmStartError(f"hf:{path}: {problem}")
+    return hf
+
+
+def source_problem(hf: Dict[str, Any]) -> Optional[str]:
+    """Why ``config.json`` ``hf`` cannot be mapped onto our encoder (None: it can)."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        return f"model_type {kind!r} cannot be converted (only {' and '.join(MODEL_TYPES)})"
+    pos = hf.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        return (f"position_embedding_type {pos!r}: only absolute learned positions map onto "
+                "our position table")  # fmt: skip
+    act = hf.get("hidden_act", "gelu")
+    if act != "gelu":
+        return f"hidden_act {act!r}: our layers and MLM head use the exact (erf) GELU ('gelu')"
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        return "a decoder (is_decoder / add_cross_attention): only encoders convert"
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "intermediate_size",
+                           "max_position_embeddings") if not isinstance(hf.get(k), int)]  # fmt: skip
+    if missing:
+        return f"config.json lacks {', '.join(missing)}"
+    if source_positions(hf) < 1:
+        return f"max_position_embeddings {hf['max_position_embeddings']} leaves no position"
+    return None
+
+
+def position_offset(hf: Dict[str, Any]) -> int:
+    """The source row of position 0: RoBERTa's positions start after its padding index."""
+    return int(hf.get("pad_token_id", 1)) + 1 if hf["model_type"] == "roberta" else 0
+
+
+def source_positions(hf: Dict[str, Any]) -> int:
+    """P, the number of learned positions of the source (BERT 512, RoBERTa 514 - 2)."""
+    return int(hf["max_position_embeddings"]) - position_offset(hf)
+
+
+def model_options(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``model.*`` options the source fixes (sizes, post-LN, eps, pad id, tying) and the
+    ones it suggests (dropouts, initializer_range); the Linformer options are the run's."""
+    return {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": int(hf["num_attention_heads"]),
+        "intermediate_size": int(hf["intermediate_size"]),
+        "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
+        "norm": "post",
+        "pad_token_id": int(hf.get("pad_token_id") or 0),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "dropout": float(hf.get("hidden_dropout_prob", 0.1)),
+        "attention_dropout": float(hf.get("attention_probs_dropout_prob", 0.1)),
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+    }
+
+
+# the options that give the weights their meaning: the run's model section must equal them
+FIXED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+         "layer_norm_eps", "norm", "pad_token_id", "tie_word_embeddings")  # fmt: skip
+
+
+def check_model(model: ModelConfig, hf: Dict[str, Any], where: str) -> None:
+    """WarmStartError naming every ``model.*`` option that differs from the source's."""
+    want = model_options(hf)
+    diff = [f"model.{k}={getattr(model, k)!r} (source: {want[k]!r})"
+            for k in FIXED if getattr(model, k) != want[k]]  # fmt: skip
+    if diff:
+        raise WarmStartError(
+            f"{where}: the model section does not match the source: {', '.join(diff)} "
+            "(launch/convert.py prints the matching section)"
+        )
+
+
+def check_vocabulary(hf: Dict[str, Any], data_vocab: Optional[int], where: str, data: str) -> None:
+    """The data's tokenizer must be the source's: refuse another vocabulary size."""
+    if data_vocab is not None and int(data_vocab) != int(hf["vocab_size"]):
+        raise WarmStartError(
+            f"{where}: the source's vocabulary has {hf['vocab_size']} ids, the data's tokenizer "
+            f"({data}) {data_vocab}: the data must be tokenized with the source's tokenizer"
+        )
+
+
+# ====================================================================================== weights
+def _load_file(path: str) -> Dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file  # optional dependency (the hf extra)
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
+    """The source's state dict (safetensors or pytorch_model.bin, single or sharded)."""
+    found = next((f for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))), None)
+    if found is None:
+        raise WarmStartError(f"hf:{path}: no weights ({' or '.join(_WEIGHT_FILES[::2])})")
+    full = os.path.join(path, found)
+    try:
+        if found.endswith(".index.json"):
+            with open(full) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            sd: Dict[str, torch.Tensor] = {}
+            for name in files:
+                sd.update(_load_file(os.path.join(path, name)))
+            return sd
+        return _load_file(full)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise WarmStartError(f"{full}: unreadable weights ({type(e).__name__}: {e})") from None
+
+
+def _strip(sd: Dict[str, torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
+    """Names without the ``bert.`` / ``roberta.`` prefix, old ``gamma``/``beta`` renamed."""
+    out = {}
+    for name, t in sd.items():
+        if name.startswith(kind + "."):
+            name = name[len(kind) + 1:]
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight")
+        name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+        out[name] = t
+    return out
+
+
+def extend_positions(table: torch.Tensor, length: int) -> torch.Tensor:
+    """``[P, D]`` learned positions -> ``[length, D]``: row j is row ``j mod P`` (Longformer's
+    copy; shorter: the first ``length`` rows)."""
+    p = table.shape[0]
+    return table[torch.arange(length) % p].clone()
+
+
+def convert_state_dict(
+    source: Dict[str, torch.Tensor], hf: Dict[str, Any], model: ModelConfig
+) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """Our state dict (float32; E/F and conv kernels absent) from the source's, and notes on
+    what was not mapped one to one (dropped pooler, missing head)."""
+    kind = hf["model_type"]
+    sd = _strip(source, kind)
+    notes: List[str] = []
+
+    def take(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise WarmStartError(f"the source has no weight {name!r} ({kind} layout expected)")
+        return sd.pop(name).float()
+
+    out: Dict[str, torch.Tensor] = {}
+    word = take("embeddings.word_embeddings.weight")
+    out["encoder.token_embeddings.weight"] = word
+    pos = take("embeddings.position_embeddings.weight")
+    off = position_offset(hf)
+    pos = pos[off:]
+    types = sd.pop("embeddings.token_type_embeddings.weight", None)
+    if types is not None:
+        pos = pos + types[0].float()  # every input is segment 0
+    out["encoder.position_embeddings.weight"] = extend_positions(pos, model.max_seq_len)
+    out["encoder.embed_ln.weight"] = take("embeddings.LayerNorm.weight")
+    out["encoder.embed_ln.bias"] = take("embeddings.LayerNorm.bias")
+    for i in range(model.num_layers):
+        src, dst = f"encoder.layer.{i}.", f"encoder.layers.{i}."
+        for part in ("weight", "bias"):
+            out[dst + f"attention.qkv.{part}"] = torch.cat(
+                [take(src + f"attention.self.{m}.{part}") for m in ("query", "key", "value")]
+            )
+            pairs = (("attention.output.dense", "attention.out"),
+                     ("attention.output.LayerNorm", "ln1"), ("intermediate.dense", "ffn.fc1"),
+                     ("output.dense", "ffn.fc2"), ("output.LayerNorm", "ln2"))  # fmt: skip
+            for a, b in pairs:
+                out[dst + f"{b}.{part}"] = take(src + f"{a}.{part}")
+    head = _head_names(sd, kind)
+    if head is None:
+        notes.append("the source has no MLM head: lm_head keeps its initialisation")
+    else:
+        for ours, theirs in head.items():
+            if ours == "lm_head.decoder.weight" and model.tie_word_embeddings:
+                out[ours] = word  # tied: the word embeddings (a save may omit the copy)
+            else:
+                out[ours] = take(theirs)
+    if any(k.startswith("pooler.") for k in sd):
+        notes.append("the pooler is dropped")
+    return out, notes
+
+
+def _head_names(sd: Dict[str, torch.Tensor], kind: str) -> Optional[Dict[str, str]]:
+    """Our MLM head's names -> the source's (None: the source has no head)."""
+    if kind == "bert":
+        p, names = "cls.predictions.", ("transform.dense", "transform.LayerNorm", "decoder")
+    else:
+        p, names = "lm_head.", ("dense", "layer_norm", "decoder")
+    if f"{p}{names[0]}.weight" not in sd:
+        return None
+    # the decoder's own bias is the one its forward adds (tied to ``bias`` unless untied)
+    bias = f"{p}decoder.bias" if f"{p}decoder.bias" in sd else f"{p}bias"
+    return {
+        "lm_head.dense.weight": f"{p}{names[0]}.weight",
+        "lm_head.dense.bias": f"{p}{names[0]}.bias",
+        "lm_head.ln.weight": f"{p}{names[1]}.weight",
+        "lm_head.ln.bias": f"{p}{names[1]}.bias",
+        "lm_head.decoder.weight": f"{p}{names[2]}.weight",
+        "lm_head.decoder.bias": bias,
+    }
+
+
+def _projection_param(name: str) -> bool:
+    """E/F or conv kernels (layerwise-shared or per layer): not in any source."""
+    return ".shared_" in f".{name}" or ".proj_k." in name or ".proj_v." in name
+
+
+def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None,
+                 data: str = "") -> Dict[str, Any]:  # fmt: skip
+    """Everything but the weights: the source maps, the model section and the data's
+    vocabulary match it (WarmStartError otherwise); returns the source's config.json."""
+    hf = read_source_config(source_path(spec))
+    check_model(model, hf, spec)
+    check_vocabulary(hf, data_vocab, spec, data)
+    return hf
+
+
+def load_into(model: torch.nn.Module, spec: str, data_vocab: Optional[int] = None,
+              data: str = "") -> str:  # fmt: skip
+    """Load source ``spec`` (``hf:PATH``) into ``model`` (a task model built from its config,
+    whole: before any sharding); returns the one-line summary for the run's log."""
+    cfg: ModelConfig = model.config
+    hf, path = check_source(spec, cfg, data_vocab, data), source_path(spec)
+    weights, notes = convert_state_dict(read_source_weights(path), hf, cfg)
+    ours = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in weights.items()
+             if k in ours and v.shape != ours[k].shape]  # fmt: skip
+    if wrong:
+        raise WarmStartError(f"{spec}: shapes differ: {', '.join(wrong[:3])}")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    headless = not any(k.startswith("lm_head.") for k in weights)
+    missing = [k for k in missing
+               if not _projection_param(k) and not (headless and k.startswith("lm_head."))]
+    if missing or unexpected:
+        raise WarmStartError(f"{spec}: not mapped: {', '.join((missing + unexpected)[:4])}")
+    p = source_positions(hf)
+    rule = (f"{p} positions copied to {cfg.max_seq_len}" if cfg.max_seq_len > p
+            else f"the first {cfg.max_seq_len} of {p} positions")  # fmt: skip
+    init = getattr(cfg, "projection_init", "normal")
+    where = f"{hf['model_type']}, {rule}, E/F: {init}"
+    return f"[init] weights from {spec} ({where}{''.join('; ' + n for n in notes)})"
+
+
+def model_section(hf: Dict[str, Any], **linformer: Any) -> Dict[str, Any]:
+    """The ``model:`` section that matches source ``hf``, with the run's Linformer options
+    (max_seq_len, projection, k, sharing, projection_init, ...)."""
+    section = model_options(hf)
+    section.update({k: v for k, v in linformer.items() if v is not None})
+    ModelConfig(**section)  # checked like a job config's
+    return section
+
+
+# ========================================================================= launch/convert.py
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Check a Hugging Face BERT/RoBERTa directory for a warm start and write the "
+        "job config that starts from it (checkpoint.init_from, the matching model section).",
+    )
+    p.add_argument("--from", dest="source", required=True, help="hf:PATH (save_pretrained dir)")
+    p.add_argument("--out", help="the job config to write (default: print it)")
+    p.add_argument("--config", help="a job config the written one builds on (its defaults:)")
+    p.add_argument("--data", help="a data_prep output: its tokenizer must be the source's")
+    p.add_argument("overrides", nargs="*", help="model.KEY=VALUE: the Linformer options "
+                   "(max_seq_len, projection, k, sharing, projection_init, ...)")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def _overrides(items: List[str]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("model.") or "." in key[6:]:
+            raise WarmStartError(f"override {item!r}: only model.KEY=VALUE (a model option)")
+        out[key[6:]] = yaml.safe_load(value)
+    return out
+
+
+def job_config_text(spec: str, section: Dict[str, Any], base: Optional[str]) -> str:
+    """The YAML of a job config: ``defaults: base``, the model section, ``init_from``."""
+    head = f"# warm start from {spec} (launch/convert.py); see docs/export.md\n"
+    if base:
+        head += f"defaults: {os.path.abspath(base)}\n"
+    body = {"model": section, "checkpoint": {"init_from": spec}}
+    return head + yaml.safe_dump(body, sort_keys=False)
+
+
+def _base_model(path: str) -> Dict[str, Any]:
+    """The ``model:`` section of job config ``path`` (with its ``defaults:`` chain)."""
+    model = OmegaConf.to_container(_load_yaml(path), resolve=True).get("model") or {}
+    return dict(model) if isinstance(model, dict) else {}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Exit 0 with the config written (or printed), 2 with one line naming the problem."""
+    args = parse_args(argv)
+    try:
+        spec = HF_PREFIX + os.path.abspath(source_path(args.source))
+        hf = read_source_config(source_path(spec))
+        wanted = _overrides(args.overrides)
+        clash = [f"model.{k}={v!r} (source: {model_options(hf)[k]!r})"
+                 for k, v in wanted.items() if k in FIXED and v != model_options(hf)[k]]  # fmt: skip
+        if clash:
+            raise WarmStartError(f"{spec}: the source fixes {', '.join(clash)}")
+        if args.config and not os.path.isfile(args.config):
+            raise WarmStartError(f"--config {args.config}: no such file")
+        section = {**model_options(hf), **wanted}
+        base = _base_model(args.config) if args.config else {}
+        try:  # checked as the written config will be read: the base's model under it
+            ModelConfig(**{**base, **section})
+        except (ValueError, TypeError) as e:
+            raise WarmStartError(str(e).splitlines()[0]) from None
+        if args.data:
+            manifest = os.path.join(args.data, "manifest.json")
+            try:
+                with open(manifest) as f:
+                    vocab = int(json.load(f)["vocab_size"])
+            except (OSError, ValueError, KeyError) as e:
+                raise WarmStartError(f"{manifest}: unreadable ({e})") from None
+            check_vocabulary(hf, vocab, spec, args.data)
+        text = job_config_text(spec, section, args.config)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+            print(f"wrote {args.out}: launch/pretrain.py --config {args.out} [key=value ...]")
+        else:
+            print(text, end="")
+        return 0
+    except (ConfigError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
