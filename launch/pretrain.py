@@ -12,18 +12,23 @@ import sys
 
 
 class _EarlySignals:
-    """Records SIGUSR1/SIGTERM/SIGINT from the first line on (importing torch takes seconds, and the
-    default action would kill the rank); the trainer's SignalFlag adopts ``pending``."""
-
-    def __init__(self) -> None:
-        self.pending: list = []
+    """SIGINT/SIGTERM/SIGUSR1 from the first line on (importing torch takes seconds): until the
+    trainer installs its own handler nothing is written, so the process ends at once, exit 75
+    (EX_TEMPFAIL: the last checkpoint is current) with one line. Under SLURM a signal kept for
+    a step-1 checkpoint made a rank wait for the cluster's KillWait when another one was gone."""
 
     def __call__(self, signum, frame) -> None:  # noqa: ARG002
-        self.pending.append(signum)
+        env = os.environ
+        rank = next((env[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+                     if v in env), "0")  # fmt: skip
+        os.write(2, f"error: rank {rank}: {signal.Signals(signum).name} during start-up "
+                    "(received before it began): stopped before the first step (the last "
+                    "checkpoint is current)\n".encode())  # fmt: skip
+        os._exit(75)  # linformer_ds.train.EXIT_PREEMPTED (not imported yet)
 
 
 _early = _EarlySignals()
-for _s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # SIGUSR1's handler last: all are set
     signal.signal(_s, _early)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

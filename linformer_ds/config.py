@@ -30,7 +30,7 @@ from linformer_ds.config_fields import (
     unusable_dir,
 )
 from linformer_ds.config_fields import ConfigError as ConfigError  # re-exported
-from linformer_ds.dist_env import DEFAULT_INIT_TIMEOUT_S
+from linformer_ds.dist_env import DEFAULT_INIT_TIMEOUT_S, START_UP_PHASES
 from linformer_ds.model import ModelConfig, ModelConfigError
 
 
@@ -351,6 +351,8 @@ class DebugConfig(Section):
     # TEST HOOK: the loss of this optimizer step times NaN (on rank nan_rank; null: every rank)
     nan_at_step: Optional[int] = bounded(None, 1, MAX_STEPS, note="or null: off")
     nan_rank: Optional[int] = bounded(None, 0, MAX_COUNT, note="or null: every rank")
+    # TEST HOOK: start-up holds at this phase (one line) until a signal ends it
+    pause_at: Optional[str] = one_of(None, START_UP_PHASES, note="or null: off")
 
     def rules(self, job: "JobConfig") -> None:
         for name in ("sample_log", "sync_log"):

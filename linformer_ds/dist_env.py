@@ -30,7 +30,7 @@ import time
 import zlib
 from collections.abc import MutableMapping
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -422,13 +422,20 @@ def _alive(pid: int) -> bool:
         return True
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # end start-up at once
+# the trainer's start-up phases after the first (named in the one line; debug.pause_at)
+START_UP_PHASES = ("data loading", "process-group init", "engine build", "checkpoint load")
+
+
 class Watchdog:
     """A daemon thread that keeps a rank from waiting forever.
 
     - Start-up (from construction until :meth:`training_started`): SIGTERM/SIGUSR1/SIGINT end
       the process at once (exit 75, one line), also while the main thread is blocked inside a
       rendezvous or builds indices: no optimizer step has run, so the last checkpoint is
-      current. (Signals recorded before the watchdog started are adopted by the trainer.)
+      current. A signal recorded before the watchdog started (``pending`` of
+      :func:`start_watchdog`) ends it the same way as soon as it starts. ``on_leave`` runs
+      first (the trainer releases its directory locks).
     - Always, when ``watch_launcher``: if the launcher process exits (see :func:`launcher_pids`),
       the rank sends itself SIGTERM (the trainer checkpoints at the next step and exits 75) and
       leaves with exit 143 if it is still running ``grace_s`` seconds later.
@@ -442,6 +449,8 @@ class Watchdog:
 
         self.exit_code, self.grace_s, self.poll_s = exit_code, float(grace_s), poll_s
         self.phase: Optional[str] = phase
+        self.on_leave: Optional[Callable[[], None]] = None
+        self.pause_at: Optional[str] = None
         self.launchers = launcher_pids() if watch_launcher else []
         self._read, write = os.pipe()
         os.set_blocking(write, False)
@@ -451,12 +460,25 @@ class Watchdog:
         self._thread.start()
 
     def set_phase(self, phase: str) -> None:
-        """Name what start-up is doing now (shown if a signal ends it)."""
+        """Name what start-up is doing now (shown if a signal ends it). TEST HOOK: at the phase
+        ``pause_at`` (job config ``debug.pause_at``) start-up holds (one line) until a signal."""
         self.phase = phase
+        if phase == self.pause_at:
+            print(f"[debug] start-up paused at {phase} (debug.pause_at)", flush=True)
+            time.sleep(3600)
 
     def training_started(self) -> None:
         """From now on a signal is the trainer's business (checkpoint at the next step)."""
         self.phase = None
+
+    def stop_for(self, signum: int, when: str) -> None:
+        """End start-up on ``signum`` (exit ``exit_code``, one line); ``when``: the phase."""
+        where = "" if when == "start-up" else f" ({when})"
+        self._leave(
+            f"{signal.Signals(signum).name} during start-up{where}: stopped before the first "
+            "step (the last checkpoint is current)",
+            self.exit_code,
+        )
 
     def _leave(self, message: str, code: int) -> None:
         rank = os.environ.get("RANK", "?")
@@ -464,6 +486,11 @@ class Watchdog:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
+        if self.on_leave is not None:
+            try:
+                self.on_leave()
+            except Exception:  # noqa: BLE001 (leaving anyway: the kernel drops the flocks)
+                pass
         os.write(2, f"error: rank {rank}: {message}\n".encode())
         os._exit(code)
 
@@ -474,14 +501,9 @@ class Watchdog:
             ready, _, _ = select.select([self._read], [], [], self.poll_s)
             if ready:
                 for signum in os.read(self._read, 64):
-                    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-                    if signum in stops and self.phase is not None:
-                        name = signal.Signals(signum).name
-                        self._leave(
-                            f"{name} during {self.phase}: stopped before the first step (the "
-                            "last checkpoint is current)",
-                            self.exit_code,
-                        )
+                    phase = self.phase
+                    if signum in STOP_SIGNALS and phase is not None:
+                        self.stop_for(signum, phase)
             if self.launchers and orphaned_at is None:
                 dead = [pid for pid in self.launchers if not _alive(pid)]
                 if dead:
@@ -499,8 +521,13 @@ _WATCHDOG: Optional[Watchdog] = None
 
 
 def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
-                   grace_s: float = DEFAULT_INIT_TIMEOUT_S) -> Watchdog:  # fmt: skip
-    """The process's one :class:`Watchdog`, (re)armed for start-up. Call from the main thread."""
+                   grace_s: float = DEFAULT_INIT_TIMEOUT_S,
+                   pending: Optional[Callable[[], Optional[int]]] = None) -> Watchdog:  # fmt: skip
+    """The process's one :class:`Watchdog`, (re)armed for start-up. Call from the main thread.
+
+    ``pending()``: a stop signal the trainer's handler recorded before, read once the watchdog
+    listens: start-up then ends at once (no step would run: under SLURM another rank may be
+    gone already, and a rank kept for a step-1 checkpoint waited for the cluster's KillWait)."""
     global _WATCHDOG
     if hasattr(signal, "SIGXFSZ"):  # a write past `ulimit -f` fails (EFBIG), not kills the rank
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -509,5 +536,9 @@ def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
     else:
         _WATCHDOG.exit_code, _WATCHDOG.grace_s = exit_code, float(grace_s)
         _WATCHDOG.launchers = launcher_pids() if watch_launcher else []
+        _WATCHDOG.on_leave = _WATCHDOG.pause_at = None
         _WATCHDOG.set_phase("start-up")
+    signum = pending() if pending is not None else None  # after set_wakeup_fd: no gap
+    if signum in STOP_SIGNALS:
+        _WATCHDOG.stop_for(signum, "received before it began")
     return _WATCHDOG

@@ -161,6 +161,7 @@ POLICY: Dict[str, Policy] = {
     "debug.sync_steps": _F,
     "debug.nan_at_step": _F,  # a test instrument (poisons one step's loss)
     "debug.nan_rank": _F,
+    "debug.pause_at": _F,  # a test instrument (holds start-up for a signal)
 }
 
 

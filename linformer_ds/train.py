@@ -78,14 +78,10 @@ class SignalFlag:
     """Records SIGUSR1/SIGTERM/SIGINT; the loop checks it at step boundaries (all ranks agree)."""
 
     def __init__(self, enabled: bool):
+        # (before this, launch/pretrain.py's handler ends the process at once: exit 75)
         self.signum: Optional[int] = None
         for s in STOP_SIGNALS:
-            # launch/pretrain.py records signals from its first line: adopt what came early
-            early = list(getattr(signal.getsignal(s), "pending", None) or [])
-            self.signum = self.signum or (early[-1] if early else None)
             signal.signal(s, self._handle if enabled else signal.SIG_DFL)
-        if not enabled and self.signum is not None:  # the default action, delayed
-            os.kill(os.getpid(), self.signum)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.signum = signum
@@ -209,12 +205,17 @@ class Trainer:
         self.stop = SignalFlag(cfg.train.save_on_signal)
         self.env = setup_distributed_env()
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # start-up waits end on a signal at once; a rank leaves when its launcher dies
+        # start-up waits end on a signal at once (one recorded before too: under SLURM another
+        # rank may be gone, no step could run); a rank leaves when its launcher dies
         self.watchdog = start_watchdog(
             EXIT_PREEMPTED,
             self.env["launcher"] != "single",
             cfg.parallel.init_timeout_s,
+            pending=lambda: self.stop.signum,
         )
+        self.watchdog.on_leave = lambda: release_locks(self.run_locks)  # no stale lock left
+        self.watchdog.pause_at = cfg.debug.pause_at  # a test instrument
+        self.watchdog.set_phase("data loading")
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
         self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_lens(cfg))
@@ -224,6 +225,7 @@ class Trainer:
         self._build_engine()
         self._build_metrics()
         self.compiled = compile_engine(self.engine, cfg, self.metrics)  # train.compile
+        self.watchdog.set_phase("checkpoint load")
         self.step = self.checkpoints.resume(self.engine)
         if self.checkpoints.tag is not None:
             self.metrics.on_resume(self.step, self.checkpoints.load_seconds)
@@ -240,6 +242,8 @@ class Trainer:
         if cfg.train.stop_at_step is not None:
             self.end = min(self.end, cfg.train.stop_at_step)
         self.stop_requested = False
+        # a signal from here on checkpoints at the next step (config.json is then current)
+        self.watchdog.training_started()
         if self.rank == 0:  # the start succeeded: config.json is what this segment uses
             record_start(cfg, self.step, self.checkpoints.tag, self.checkpoints.changes)
 
@@ -302,7 +306,9 @@ class Trainer:
 
         cfg = self.cfg
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.watchdog.set_phase("process-group init")
         self.w = eng.init_world(cfg, self.rank, self.world, local_rank)
+        self.watchdog.set_phase("engine build")
         self.device = self.w.device
         overrides = self.checkpoints.ds_config_overrides()
         self.ds_config = eng.final_deepspeed_config(cfg, self.world, overrides)

@@ -232,11 +232,12 @@ def _maps_hold(p: psutil.Process, name: str) -> bool:
         return False
 
 
-def test_signal_during_startup_checkpoints_and_exits_75(reference, tiny_corpus, tmp_path):
-    """SIGUSR1 to both ranks of a 2-rank job while they start up (launch/pretrain.py records it
+def test_signal_during_startup_ends_it_at_once(tiny_corpus, tmp_path):
+    """SIGUSR1 to both ranks of a 2-rank job while they start up (launch/pretrain.py handles it
     from its first line, typically before torch is even imported; DeepSpeed not yet initialised:
-    no "[setup]" line): the job runs to the first step boundary, saves step 1, exits 75
-    (EX_TEMPFAIL: requeue), and the resumed job equals the uninterrupted one."""
+    no "[setup]" line): each rank ends at once with one line and exit 75, nothing written (the
+    last checkpoint is current; none here). It was kept for a step-1 checkpoint, which under
+    SLURM, with another rank gone, left the rank waiting for the cluster's KillWait."""
     log = tmp_path / "launch.log"
     proc = _launch(tiny_corpus, tmp_path, COMMON, log)
     ranks = _ranks(proc)
@@ -252,13 +253,11 @@ def test_signal_during_startup_checkpoints_and_exits_75(reference, tiny_corpus, 
     assert early, "the signal came after DeepSpeed init; the test did not probe start-up"
     assert rc == 75, out[-3000:]
     assert "Traceback" not in out
-    assert f"[checkpoint] signal 10: {tmp_path / 'checkpoints' / 'step_00000001'}" in out
-    assert "[preempted] stopped at step 1; resume continues here" in out
-    assert latest_tag(str(tmp_path / "checkpoints")) == "step_00000001"
-    assert tag_problem(str(tmp_path / "checkpoints"), "step_00000001") is None
-    resumed = run_pretrain(tiny_corpus, tmp_path, COMMON)
-    assert "step_00000001: step 1," in resumed.stdout
-    assert losses(tmp_path, STEPS) == losses(reference, STEPS)
+    stopped = [ln for ln in out.splitlines() if "SIGUSR1 during start-up" in ln]
+    assert 1 <= len(stopped) <= 2, out[-3000:]  # the launcher may stop the other rank first
+    assert all(ln.endswith("stopped before the first step (the last checkpoint is current)")
+               for ln in stopped), stopped  # fmt: skip
+    assert "[checkpoint]" not in out and not (tmp_path / "checkpoints" / "latest").exists()
 
 
 # ===================================================================== metrics window on resume
