@@ -304,18 +304,11 @@ class CheckpointConfig(Section):
     # Resume although the data differs from the checkpoint's (another tokenizer, N or manifest:
     # the rest of the epoch then runs over other rows).
     allow_data_change: bool = False
-    # A fresh start (nothing to resume) takes its weights from here: hf:PATH, a Hugging Face
-    # BERT or RoBERTa directory (linformer_ds.warm_start; launch/convert.py prints the matching
-    # model section). null: random initialisation. A resume loads the checkpoint's weights.
-    init_from: Optional[str] = None
+    init_from: Optional[str] = None  # hf:PATH: a fresh start's weights (linformer_ds.warm_start)
 
     def rules(self, job: "JobConfig") -> None:
         if self.resume not in ("auto", "never") and "/" in self.resume:
             self.bad("resume", "must be auto, never or a tag name inside checkpoint.dir")
-        src = self.init_from
-        if src is not None and (not src.startswith("hf:") or not src[3:].strip()):
-            self.bad("init_from", f"must be hf:PATH (a Hugging Face BERT or RoBERTa directory) "
-                     f"or null, got {src!r}")  # fmt: skip
 
 
 @dataclass

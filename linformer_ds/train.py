@@ -45,7 +45,7 @@ from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
 from linformer_ds.sequence_parallel import isolation_errors
 from linformer_ds.versions import check_versions
-from linformer_ds.warm_start import check_source, load_into
+from linformer_ds.warm_start import WarmStart
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
@@ -261,9 +261,7 @@ class Trainer:
         if self.rank == 0:
             check_writable(cfg.logging.dir, "logging.dir")
         self.checkpoints.prepare()
-        if cfg.checkpoint.init_from and self.checkpoints.tag is None:  # refused before any collective
-            check_source(cfg.checkpoint.init_from, cfg.model, self.train_ds.vocab_size,
-                         str(self.train_ds.path))  # fmt: skip
+        self.warm = WarmStart.for_run(cfg, self.checkpoints.tag, self.train_ds)  # checked here
         self.unigram = self._context_meters() if evaluating else {}
 
     def _document_isolation(self) -> "tuple[bool, str]":
@@ -317,9 +315,7 @@ class Trainer:
         self.sp_group = g.sp_group if g is not None else None
         self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
         self.model = eng.build_model(cfg)
-        if cfg.checkpoint.init_from and self.checkpoints.tag is None:  # a fresh warm start
-            rank0_print(load_into(self.model, cfg.checkpoint.init_from,
-                                  self.train_ds.vocab_size, str(self.train_ds.path)))  # fmt: skip
+        self.warm.load(self.model, rank0_print)  # checkpoint.init_from at a fresh start
         # ids are checked on the host: every row against the data's vocabulary when read
         # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
         # model's own check would read min and max back from the device every micro-batch

@@ -51,8 +51,8 @@ class WarmStartError(ConfigError):
 def source_path(spec: str) -> str:
     """``hf:PATH`` -> PATH (WarmStartError for any other form)."""
     if not isinstance(spec, str) or not spec.startswith(HF_PREFIX) or not spec[3:].strip():
-        raise WarmStartError(f"init_from: must be hf:PATH (a Hugging Face model directory), "
-                             f"got {spec!r}")  # fmt: skip
+        raise WarmStartError(f"checkpoint.init_from: must be hf:PATH (a Hugging Face BERT or "
+                             f"RoBERTa directory) or null, got {spec!r}")  # fmt: skip
     return spec[len(HF_PREFIX):]
 
 
@@ -312,6 +312,33 @@ def load_into(model: torch.nn.Module, spec: str, data_vocab: Optional[int] = Non
     init = getattr(cfg, "projection_init", "normal")
     where = f"{hf['model_type']}, {rule}, E/F: {init}"
     return f"[init] weights from {spec} ({where}{''.join('; ' + n for n in notes)})"
+
+
+class WarmStart:
+    """A run's ``checkpoint.init_from``: checked when made (before any collective: the source,
+    the model section, the data's vocabulary), loaded by :meth:`load`. Nothing to do when
+    ``spec`` is None (no init_from, or a resume: the checkpoint has the weights)."""
+
+    def __init__(self, spec: Optional[str], model: ModelConfig, data_vocab: Optional[int] = None,
+                 data: str = ""):  # fmt: skip
+        self.spec, self.data_vocab, self.data = spec, data_vocab, data
+        if spec is not None:
+            try:
+                check_source(spec, model, data_vocab, data)
+            except WarmStartError as e:  # name the key
+                key = "checkpoint.init_from"
+                raise WarmStartError(str(e) if str(e).startswith(key) else f"{key}: {e}") from None
+
+    @classmethod
+    def for_run(cls, cfg: Any, resume_tag: Optional[str], dataset: Any) -> "WarmStart":
+        """``cfg`` a job config, ``dataset`` its first train split (ShardDataset)."""
+        spec = cfg.checkpoint.init_from if resume_tag is None else None
+        return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path))
+
+    def load(self, model: torch.nn.Module, log: Any = print) -> None:
+        """The source's weights into ``model`` (whole, before any sharding); ``log`` the line."""
+        if self.spec is not None:
+            log(load_into(model, self.spec, self.data_vocab, self.data))
 
 
 def model_section(hf: Dict[str, Any], **linformer: Any) -> Dict[str, Any]:

@@ -199,3 +199,16 @@ def test_warm_started_run_trains_with_the_trainer(tmp_path, tiny_corpus):
     losses = [m["loss"] for _, m in sorted(read_metrics(run).items())]
     assert len(losses) == 20 and all(x == x and abs(x) < 1e9 for x in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+
+
+def test_trainer_refuses_another_vocabulary_in_one_line(tmp_path, tiny_corpus):
+    """The source's vocabulary (3000) is not the data's tokenizer's (2000): exit 2 at start."""
+    save_source(tmp_path / "src", vocab=3000, positions=64)
+    over = [f"checkpoint.init_from=hf:{tmp_path / 'src'}", "model.vocab_size=3000",
+            "model.hidden_size=32", "model.intermediate_size=64", "model.norm=post",
+            "model.layer_norm_eps=1e-12", "train.max_steps=2"]  # fmt: skip
+    r = run_pretrain(tiny_corpus, tmp_path / "run", over, nproc=1, check=False)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("config error: checkpoint.init_from: hf:") and "3000 ids" in line, line
+    assert "the data's tokenizer" in line and "2000" in line
