@@ -2,10 +2,11 @@
 
 The corpus is cut into *units*, runs of consecutive documents in the single-process reading
 order, as each spec's source kind cuts it (a group of consecutive files of one source of about
-``unit_bytes``, or one contiguous shard of a Hugging Face dataset,
-``Dataset.shard(n, i, contiguous=True)``: :class:`data_prep.sources.SourceKind`). Units depend on
-the inputs and ``unit_bytes`` only, never on R. Because the packed streams of the single-process
-run are the concatenation of the units' streams, the run goes:
+``unit_bytes``, a part of a larger file cut between its documents (byte ranges, Parquet row
+groups: :meth:`data_prep.sources.Source.file_parts`), or one contiguous shard of a Hugging Face
+dataset, ``Dataset.shard(n, i, contiguous=True)``: :class:`data_prep.sources.SourceKind`).
+Units depend on the inputs and ``unit_bytes`` only, never on R. Because the packed streams of
+the single-process run are the concatenation of the units' streams, the run goes:
 
 1. **scan** (only to train a tokenizer or with ``--max-docs``/``--max-bytes``): each rank reads
    its units and counts the tokenizer's training lines (and documents and bytes, to place the
@@ -389,14 +390,16 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
             ctx.created = created
         unit_bytes = (state or {}).get("unit_bytes") or cfg.unit_bytes
         unit_bytes = unit_bytes or default_unit_bytes(source.total_bytes())
-        head = {"state": state, "unit_bytes": unit_bytes}
+        # rank 0 cuts the inputs (a large CSV is parsed once to find its row ends), the others
+        # receive the units
+        head = {"state": state, "unit_bytes": unit_bytes, "units": make_units(source, unit_bytes)}
         if state is not None:
             head["done"] = _finished_units(ctx.units_dir)
             with open(os.path.join(cfg.out, TOKENIZER), "rb") as f:
                 head["proto"] = f.read()
     head = comm.bcast(head, "output directory")
     state = head["state"]
-    units = make_units(source, head["unit_bytes"])
+    units: List[Unit] = head["units"]
     fingerprint = cfg.fingerprint()
     limited = cfg.max_docs is not None or cfg.max_bytes is not None
 

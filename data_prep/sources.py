@@ -35,7 +35,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from data_prep.errors import DataPrepError
 
@@ -169,12 +169,37 @@ def parse_hf(spec: str) -> HFSpec:
 
 @dataclass(frozen=True)
 class FileRange:
-    """Bytes ``[start, end)`` of a JSON-lines file, both at line starts: one work unit of a file
-    larger than the unit size (its records in order; the ranges of a file are the file)."""
+    """Bytes ``[start, end)`` of a local file, both at boundaries between its documents (JSON
+    lines: line starts; plain text: the ends of its ``max_doc_bytes`` documents; CSV: row
+    ends): one work unit of a file larger than the unit size (its documents in order; the
+    ranges of a file are the file)."""
 
     path: str
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """Row groups ``[start, end)`` of a Parquet file, one work unit of a file larger than the
+    unit size; ``nbytes``: its share of the file's size (its row groups' compressed bytes, the
+    first unit also the file's header and footer: the shares of a file sum to its size)."""
+
+    path: str
+    start: int
+    end: int
+    nbytes: int
+
+
+def _ranges(path: str, ends: Iterable[int], size: int, unit_bytes: int) -> List[FileRange]:
+    """``path`` (``size`` bytes) cut at the first of ``ends`` (increasing document ends,
+    streamed: only the cuts are kept) at or after each ``unit_bytes`` since the last cut."""
+    cuts = [0]
+    for e in ends:
+        if e - cuts[-1] >= unit_bytes and e < size:
+            cuts.append(e)
+    cuts.append(size)
+    return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 def line_ranges(path: str, size: int, unit_bytes: int) -> List[FileRange]:
@@ -189,6 +214,54 @@ def line_ranges(path: str, size: int, unit_bytes: int) -> List[FileRange]:
                 cuts.append(f.tell())
     cuts.append(size)
     return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def text_document_ends(path: str, size: int, max_doc_bytes: int) -> Iterator[int]:
+    """Where the plain-text reader ends each document of a ``size``-byte file larger than
+    ``max_doc_bytes``: after the line that brings the document to ``max_doc_bytes`` (the line
+    holding its byte ``max_doc_bytes - 1``), found by seeking; the last document's end
+    (``size``) is not given."""
+    with open(path, "rb") as f:
+        start = 0
+        while start + max_doc_bytes - 1 < size:
+            f.seek(start + max_doc_bytes - 1)
+            f.readline()
+            if f.tell() >= size:
+                return
+            start = f.tell()
+            yield start
+
+
+class _CsvLines:
+    """The lines of a binary file from byte ``pos`` (to ``end``), split where text mode with
+    ``newline=""`` splits them (``\n``, ``\r``, ``\r\n``) and decoded one at a time as UTF-8
+    (undecodable bytes escaped, a BOM at byte 0 dropped: ``utf-8-sig``); ``pos``: the byte after
+    the last line given, so after a CSV row is read, the end of that row."""
+
+    def __init__(self, f: Any, pos: int, end: Optional[int] = None) -> None:
+        self.f, self.pos, self.end = f, pos, end
+        f.seek(pos)
+
+    def __iter__(self) -> Iterator[str]:
+        for raw in self.f:
+            for piece in raw.splitlines(keepends=True):
+                if self.end is not None and self.pos >= self.end:
+                    return
+                text = piece[len(codecs.BOM_UTF8):] if self.pos == 0 and piece.startswith(
+                    codecs.BOM_UTF8) else piece  # fmt: skip
+                self.pos += len(piece)
+                yield text.decode("utf-8", errors="surrogateescape")
+
+
+def csv_row_ends(path: str, delimiter: str) -> Iterator[int]:
+    """The byte offset after each row of a UTF-8 CSV file, by parsing it (a quoted field may
+    hold newlines, so a row end cannot be found by seeking); ``csv.Error`` if the csv module
+    refuses the file."""
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    with open(path, "rb") as f:
+        lines = _CsvLines(f, 0)
+        for _ in csv.reader(lines, delimiter=delimiter):
+            yield lines.pos
 
 
 @dataclass
@@ -253,23 +326,87 @@ class Source:
         return self._state[spec]
 
     def iter_files(self, paths: List[Any]) -> Iterator[str]:
-        """The documents of some of the local files (or :class:`FileRange` of them), in order
-        (not counted as documents: see :meth:`read`)."""
+        """The documents of some of the local files (or :class:`FileRange` / :class:`RowGroups`
+        of them), in order (not counted as documents: see :meth:`read`)."""
         for path in paths:
-            if isinstance(path, FileRange):
+            if isinstance(path, (FileRange, RowGroups)):
                 self.stats.files += path.start == 0
                 try:
-                    yield from self._iter_jsonl(path.path, path.start, path.end)
+                    yield from self._iter_part(path)
                 except OSError as e:
                     raise DataPrepError(f"cannot read input file {path.path!r}: {e}") from e
                 continue
             self.stats.files += 1
             yield from self.iter_file(path)
 
-    def splits_by_lines(self, path: str) -> bool:
-        """Whether ``path`` is read by the built-in JSON-lines reader (a record per line), so
-        that byte ranges of it at line starts are work units."""
-        return file_reader(path) is _read_jsonl
+    def _iter_part(self, part: Any) -> Iterator[str]:
+        """The documents of a :class:`FileRange` or :class:`RowGroups` (see :meth:`file_parts`)."""
+        reader = file_reader(part.path)
+        if isinstance(part, RowGroups):
+            yield from self._iter_parquet(part.path, part)
+        elif reader is _read_jsonl:
+            yield from self._iter_jsonl(part.path, part.start, part.end)
+        elif reader in (_read_csv, _read_tsv):
+            yield from self._iter_csv_range(part.path, "\t" if reader is _read_tsv else ",",
+                                            part.start, part.end)  # fmt: skip
+        else:
+            yield from self._iter_text_range(part.path, part.start, part.end)
+
+    def file_parts(self, path: str, size: int, unit_bytes: int) -> Optional[List[Any]]:
+        """A file of ``size`` > ``unit_bytes`` bytes cut into work units read by the built-in
+        readers, whose documents in order are those of the whole file: JSON lines at line
+        starts, plain text at the ends of its documents (one of at most ``max_doc_bytes`` is
+        never cut; a file that is not text is not cut), UTF-8 CSV/TSV at row ends (found by
+        parsing it once), Parquet by row groups. None: one unit (another reader or encoding,
+        a CSV the csv module refuses, a single document or row group)."""
+        reader = file_reader(path)
+        if reader is _read_jsonl:
+            return line_ranges(path, size, unit_bytes)
+        if reader is _read_parquet:
+            return self._row_group_parts(path, size, unit_bytes)
+        if reader in (_read_csv, _read_tsv) and codecs.lookup(self.encoding).name == "utf-8":
+            ends = csv_row_ends(path, "\t" if reader is _read_tsv else ",")
+        elif reader is None and size > self.max_doc_bytes:
+            with open(path, "rb") as f:
+                if looks_binary(f.read(SNIFF_BYTES), self.encoding):
+                    return None
+            ends = text_document_ends(path, size, self.max_doc_bytes)
+        else:
+            return None
+        try:
+            parts = _ranges(path, ends, size, unit_bytes)
+        except csv.Error:  # the whole-file reader reports it
+            return None
+        return parts if len(parts) > 1 else None
+
+    @staticmethod
+    def _row_group_parts(path: str, size: int, unit_bytes: int) -> Optional[List[Any]]:
+        """Runs of consecutive row groups of about ``unit_bytes`` (compressed) of a Parquet
+        file; None when it has one."""
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except (OSError, ValueError):  # not Parquet (ArrowInvalid): the whole-file reader says so
+            return None
+        sizes = [
+            sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
+            for g in range(meta.num_row_groups)
+        ]
+        if len(sizes) < 2:
+            return None
+        parts: List[Any] = []
+        first, n = 0, 0
+        for g, b in enumerate(sizes):
+            n += b
+            if n >= unit_bytes or g == len(sizes) - 1:
+                parts.append(RowGroups(path, first, g + 1, n))
+                first, n = g + 1, 0
+        if len(parts) < 2:
+            return None
+        head = parts[0]  # the header, footer and page indexes: counted by the first unit
+        parts[0] = RowGroups(path, head.start, head.end, head.nbytes + size - sum(sizes))
+        return parts
 
     def iter_hf_shard(self, spec: str, num_shards: int, index: int) -> Iterator[str]:
         """The documents of one contiguous shard of an ``hf:`` spec (the datasets library's own
@@ -317,8 +454,20 @@ class Source:
         if self.stats.undecodable_bytes > before and len(self.stats.undecodable_files) < 3:
             self.stats.undecodable_files.append(path)
 
-    def _read_text(self, f: Any, size: int) -> Iterator[str]:
-        """Documents of an open binary file of ``size`` bytes (cut at ``max_doc_bytes``)."""
+    def _iter_text_range(self, path: str, start: int, end: int) -> Iterator[str]:
+        """The documents of bytes ``[start, end)`` of a plain-text file, both document ends
+        (:func:`text_document_ends`; the file is text: checked when it was cut)."""
+        before = self.stats.undecodable_bytes
+        with open(path, "rb") as f:
+            f.seek(start)
+            yield from self._read_text(f, os.path.getsize(path), end - start)
+        listed = self.stats.undecodable_files
+        if self.stats.undecodable_bytes > before and len(listed) < 3 and path not in listed:
+            listed.append(path)
+
+    def _read_text(self, f: Any, size: int, limit: Optional[int] = None) -> Iterator[str]:
+        """Documents of an open binary file of ``size`` bytes (cut at ``max_doc_bytes``), or of
+        its next ``limit`` bytes from a document end."""
         enc = self.encoding
         if size <= self.max_doc_bytes:
             raw = f.read()
@@ -327,7 +476,7 @@ class Source:
             return
         buf: List[bytes] = []
         n = 0
-        for line in f:
+        for line in f if limit is None else _lines_of(f, limit):
             buf.append(line)
             n += len(line)
             if n >= self.max_doc_bytes:
@@ -380,6 +529,24 @@ class Source:
                 if text is not None:
                     yield text
 
+    def _iter_csv_range(self, path: str, delimiter: str, start: int, end: int) -> Iterator[str]:
+        """The rows of bytes ``[start, end)`` of a UTF-8 CSV file, both row ends
+        (:func:`csv_row_ends`), read as :meth:`_iter_csv` reads them; the header from byte 0."""
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+        self.stats.bytes += end - start
+        with open(path, "rb") as f:
+            header = next(csv.reader(_CsvLines(f, 0), delimiter=delimiter), None)
+            if header is None or self.text_column not in header:
+                raise self._column_error(path, header or [])
+            rows = _CsvLines(f, start, end)
+            # from byte 0 the reader takes the header row itself, as _iter_csv's does
+            fields = None if start == 0 else header
+            for row in csv.DictReader(rows, fieldnames=fields, delimiter=delimiter):
+                where = f"{path}: the row ending at byte {rows.pos}"
+                text = self._text_value(row[self.text_column], where)
+                if text is not None:
+                    yield _replace_escaped(text, self.stats)
+
     def _iter_csv(self, path: str, delimiter: str) -> Iterator[str]:
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
         self.stats.bytes += os.path.getsize(path)
@@ -393,14 +560,17 @@ class Source:
                 if text is not None:
                     yield _replace_escaped(text, self.stats)
 
-    def _iter_parquet(self, path: str) -> Iterator[str]:
+    def _iter_parquet(self, path: str, part: Optional[RowGroups] = None) -> Iterator[str]:
+        """The rows of a Parquet file, or of some of its row groups."""
         import pyarrow.parquet as pq
 
-        self.stats.bytes += os.path.getsize(path)
+        self.stats.bytes += os.path.getsize(path) if part is None else part.nbytes
         pf = pq.ParquetFile(path)
         if self.text_column not in pf.schema_arrow.names:
             raise self._column_error(path, pf.schema_arrow.names)
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_column]):
+        groups = None if part is None else list(range(part.start, part.end))
+        for batch in pf.iter_batches(batch_size=1024, row_groups=groups,
+                                     columns=[self.text_column]):  # fmt: skip
             for value in batch.column(0).to_pylist():
                 text = self._text_value(value, path)
                 if text is not None:
@@ -506,13 +676,35 @@ def register_file_format(suffixes: Tuple[str, ...], reader: FileReader) -> None:
     _FILE_FORMATS.insert(0, (tuple(s.lower() for s in suffixes), reader))
 
 
-register_file_format(PARQUET_SUFFIXES, lambda src, path: src._iter_parquet(path))
-register_file_format((".tsv",), lambda src, path: src._iter_csv(path, "\t"))
-register_file_format((".csv",), lambda src, path: src._iter_csv(path, ","))
+def _read_parquet(src: Source, path: str) -> Iterator[str]:
+    return src._iter_parquet(path)
+
+
+def _read_tsv(src: Source, path: str) -> Iterator[str]:
+    return src._iter_csv(path, "\t")
+
+
+def _read_csv(src: Source, path: str) -> Iterator[str]:
+    return src._iter_csv(path, ",")
+
+
 def _read_jsonl(src: Source, path: str) -> Iterator[str]:
     return src._iter_jsonl(path)
 
 
+def _lines_of(f: Any, limit: int) -> Iterator[bytes]:
+    """The lines of an open binary file from its position through its next ``limit`` bytes
+    (the caller's ``limit`` ends at a line end)."""
+    for line in f:
+        yield line
+        limit -= len(line)
+        if limit <= 0:
+            return
+
+
+register_file_format(PARQUET_SUFFIXES, _read_parquet)
+register_file_format((".tsv",), _read_tsv)
+register_file_format((".csv",), _read_csv)
 register_file_format(JSONL_SUFFIXES, _read_jsonl)
 
 
@@ -577,19 +769,21 @@ class FilesKind(SourceKind):
         return expand_paths(spec)
 
     def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
-        """Runs of consecutive files of about ``unit_bytes``; a JSON-lines file larger than
-        that is cut into byte ranges at line starts (:func:`line_ranges`), so that a corpus of
-        a few huge files still has work for every rank."""
+        """Runs of consecutive files of about ``unit_bytes``; a file larger than that is cut
+        at document boundaries where its reader allows (:meth:`Source.file_parts`: JSON lines,
+        plain text, CSV, Parquet), so that a corpus of a few huge files still has work for
+        every rank."""
         out: List[Tuple[Any, int]] = []
         group: List[str] = []
         size = 0
         for path in source.files(spec):
             n = os.path.getsize(path)
-            if n > unit_bytes and source.splits_by_lines(path):
+            parts = source.file_parts(path, n, unit_bytes) if n > unit_bytes else None
+            if parts:
                 if group:
                     out.append((tuple(group), size))
                     group, size = [], 0
-                out += [((r,), r.end - r.start) for r in line_ranges(path, n, unit_bytes)]
+                out += [((r,), getattr(r, "nbytes", r.end - r.start)) for r in parts]
                 continue
             group.append(path)
             size += n

@@ -5,6 +5,7 @@ weights that cannot be normalised, and a data_prep output with an empty split.""
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -371,9 +372,10 @@ def test_e_units_of_large_jsonl_files_are_line_ranges(tmp_path):
     assert all(assign([(u.index, u.size) for u in units], 3))  # every rank has work
 
 
-def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
-    """A corpus of two large JSON-lines files on 3 ranks (srun's transport, threads), 8 KiB
-    units: ~10 units, every rank tokenizes, and the output equals one process's."""
+def _ranks_equal_one_process(tmp_path: Path, specs: List[str], ranks: int, more: Dict,
+                             min_units: int) -> None:  # fmt: skip
+    """data_prep of ``specs`` on ``ranks`` ranks (srun's transport, threads), 8 KiB units
+    (at least ``min_units``, work for every rank), writes the files of one process."""
     import threading
 
     from data_prep import PrepConfig, prepare
@@ -381,22 +383,21 @@ def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
     from data_prep.parallel import assign, make_units, prepare_distributed
     from data_prep.sources import Source
 
-    specs = _jsonl_corpus(tmp_path / "c")
     kw = dict(sources=specs, seq_len=32, vocab_size=200, workers=0, progress=False,
-              valid_fraction=0.2, shard_rows=20)  # fmt: skip
+              valid_fraction=0.2, shard_rows=20, **more)  # fmt: skip
     prepare(PrepConfig(out=str(tmp_path / "one"), **kw))
-    units = make_units(Source(specs), 8192)
-    assert len(units) >= 9 and all(assign([(u.index, u.size) for u in units], 3))
+    units = make_units(Source(specs, max_doc_bytes=kw.get("max_doc_bytes", 8 << 20)), 8192)
+    assert len(units) >= min_units and all(assign([(u.index, u.size) for u in units], ranks))
     errors: List[BaseException] = []
 
     def rank(r: int) -> None:
         try:
             cfg = PrepConfig(out=str(tmp_path / "many"), unit_bytes=8192, rank_timeout=60.0, **kw)
-            prepare_distributed(cfg, World("slurm", r, 3, "ranges"))
+            prepare_distributed(cfg, World("slurm", r, ranks, "ranges"))
         except BaseException as e:  # noqa: BLE001 - checked below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -412,3 +413,140 @@ def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
         return got
 
     assert files(tmp_path / "many") == files(tmp_path / "one")
+
+
+def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
+    """A corpus of two large JSON-lines files on 3 ranks (srun's transport, threads), 8 KiB
+    units: ~10 units, every rank tokenizes, and the output equals one process's."""
+    _ranks_equal_one_process(tmp_path, _jsonl_corpus(tmp_path / "c"), 3, {}, min_units=9)
+
+
+# ================================ e. large plain-text, CSV and Parquet files are many work units
+def _mixed_corpus(root: Path) -> List[str]:
+    """A plain-text file of about 60 KB (lines of words, CRLF and LF ends, a few undecodable
+    bytes, no final newline), a CSV of about 40 KB (a BOM, quoted fields holding newlines,
+    commas and doubled quotes, a literal quote in an unquoted field, blank lines, short rows,
+    CRLF rows), a TSV, and a Parquet file of 12 row groups; returns the --source specs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(7)
+    letters = "etaoinshrdlucmfwyp"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(600)]
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+
+    root.mkdir(parents=True, exist_ok=True)
+    raw = b""
+    while len(raw) < 60_000:
+        raw += text(1, 30).encode() + rng.choice([b"\n", b"\r\n", b"\n\n", b" \xff\n"])
+    (root / "big.txt").write_bytes(raw.rstrip(b"\n"))
+
+    def table(delim: str, bom: bool) -> bytes:
+        rows = [f"id{delim}text{delim}more"]
+        while sum(map(len, rows)) < 40_000:
+            t = text(1, 40)
+            kind = rng.random()
+            if kind < 0.2:
+                t = f'"{t}\n{text(1, 5)}\r\n{delim} ""{text(1, 3)}"""'  # quoted: newlines
+            elif kind < 0.25:
+                t = f'{t} 5" tall'  # a literal quote in an unquoted field
+            elif kind < 0.3:
+                rows.append("")  # a blank line (DictReader skips it)
+            elif kind < 0.33:
+                rows.append(f"{len(rows)}")  # a short row: no text (None)
+                continue
+            rows.append(f"{len(rows)}{delim}{t}{delim}x")
+        body = "".join(r + rng.choice(["\n", "\r\n"]) for r in rows)
+        return (b"\xef\xbb\xbf" if bom else b"") + body.encode()
+
+    (root / "big.csv").write_bytes(table(",", True))
+    (root / "big.tsv").write_bytes(table("\t", False))
+    texts = [text(1, 50) for _ in range(600)]
+    pq.write_table(pa.table({"n": list(range(600)), "text": texts}), root / "big.parquet",
+                   row_group_size=50)  # fmt: skip
+    return [str(root / f"big.{s}") for s in ("txt", "csv", "tsv", "parquet")]
+
+
+MIXED_MAX_DOC = 4096  # the plain-text file: ~15 documents of about 4 KiB
+
+
+def test_e_units_of_large_text_csv_and_parquet_files(tmp_path):
+    """Read unit by unit, the documents, byte, file and undecodable-byte counts are those of
+    one sequential read for any unit size; text files are cut at the ends of their documents,
+    CSV/TSV at row ends (never inside a quoted field), Parquet at row groups."""
+    from data_prep.parallel import assign, make_units
+    from data_prep.sources import FileRange, RowGroups, Source, csv_row_ends
+
+    specs = _mixed_corpus(tmp_path / "c")
+    whole = Source(specs, max_doc_bytes=MIXED_MAX_DOC)
+    docs = list(whole)
+    assert whole.stats.undecodable_bytes > 0 and any("\n" in d for d in docs[-700:-600])
+    for unit_bytes in (1, 97, 1000, 4096, 9000, 10**6):
+        src = Source(specs, max_doc_bytes=MIXED_MAX_DOC)
+        units = make_units(src, unit_bytes)
+        assert [d for u in units for d in src.read(u.spec, u.part)] == docs, unit_bytes
+        for key in ("bytes", "documents", "files", "undecodable_bytes"):
+            assert getattr(src.stats, key) == getattr(whole.stats, key), (unit_bytes, key)
+        for spec in specs:
+            parts = [r for u in units for r in u.part if not isinstance(r, str)
+                     and r.path == spec]  # fmt: skip
+            if unit_bytes >= os.path.getsize(spec):
+                assert parts == [], (unit_bytes, spec)
+                continue
+            assert len(parts) > 1 and parts[0].start == 0, (unit_bytes, spec)
+            assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+            if spec.endswith(".parquet"):
+                assert all(isinstance(r, RowGroups) for r in parts) and parts[-1].end == 12
+                assert sum(r.nbytes for r in parts) == os.path.getsize(spec)
+                continue
+            assert all(isinstance(r, FileRange) for r in parts)
+            assert parts[-1].end == os.path.getsize(spec)
+            if spec.endswith((".csv", ".tsv")):
+                ends = set(csv_row_ends(spec, "," if spec.endswith(".csv") else "\t"))
+                assert all(r.start in ends for r in parts[1:]), (unit_bytes, spec)
+    units = make_units(Source(specs, max_doc_bytes=MIXED_MAX_DOC), 4096)
+    assert len(units) >= 30
+    assert all(assign([(u.index, u.size) for u in units], 3))  # every rank has work
+
+
+def test_e_csv_cut_is_never_inside_a_quoted_field(tmp_path, monkeypatch):
+    """A CSV whose every row holds a quoted field with newlines that look like rows: the cuts
+    are row ends only (a cut at a line start inside the field would read other rows); a quote
+    left open takes the rest of the file into its row, cut or not; a file the csv module
+    refuses (here: a field over its size limit), and a CSV in another encoding, stay one unit."""
+    import csv
+
+    from data_prep.sources import Source
+
+    def same_docs(path: Path, unit_bytes: int) -> int:
+        src = Source([str(path)])
+        parts = src.file_parts(str(path), path.stat().st_size, unit_bytes)
+        assert parts is not None
+        assert [d for p in parts for d in src.iter_files([p])] == list(Source([str(path)]))
+        return len(parts)
+
+    rows = ["text,n"] + [f'"row {i}\n{i},fake row\n",{i}' for i in range(400)]
+    path = tmp_path / "q.csv"
+    path.write_text("\n".join(rows) + "\n")
+    assert same_docs(path, 500) > 10
+    open_quote = tmp_path / "open.csv"
+    open_quote.write_text("text\n" + "a\n" * 300 + '"unterminated\n' + "b\n" * 100)
+    assert same_docs(open_quote, 100) > 3
+    latin = Source([str(path)], encoding="latin-1")
+    assert latin.file_parts(str(path), path.stat().st_size, 500) is None
+    real = csv.field_size_limit
+    monkeypatch.setattr(csv, "field_size_limit", lambda n=None: real(8))
+    try:
+        assert Source([str(path)]).file_parts(str(path), path.stat().st_size, 500) is None
+    finally:
+        real(2**31 - 1)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_e_ranks_write_the_bytes_of_one_process_on_large_text_csv_parquet(tmp_path, ranks):
+    """The mixed corpus (one large file of each format) on 1, 2 and 3 ranks (srun's transport,
+    threads), 8 KiB units: every rank tokenizes, and the output equals one process's."""
+    _ranks_equal_one_process(tmp_path, _mixed_corpus(tmp_path / "c"), ranks,
+                             {"max_doc_bytes": MIXED_MAX_DOC}, min_units=15)  # fmt: skip
