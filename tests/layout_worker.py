@@ -7,6 +7,8 @@ SPEC: ``{"out": DIR, "runs": [{"name": ..., "overrides": [...]}, ...]}``. Each r
 through the real :class:`linformer_ds.train.Trainer` with ``logging.dir = DIR/name`` (its
 metrics.jsonl holds the per-step loss and grad norm); rank 0 then writes the whole final
 parameters to ``DIR/name/params.pt`` (gathered from ZeRO-3 partitions and sequence shards).
+A run with ``"perturb_frozen": true`` builds its model with every frozen parameter 1.0 off its
+initial value (as if the initialisation had changed): a resume must restore the saved ones.
 """
 
 import json
@@ -17,9 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from linformer_ds import engine as eng  # noqa: E402
 from linformer_ds.config import load_config  # noqa: E402
 from linformer_ds.train import Trainer  # noqa: E402
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
+
+BUILD_MODEL = eng.build_model
 
 
 def full_parameters(trainer: Trainer) -> dict:
@@ -40,12 +45,23 @@ def full_parameters(trainer: Trainer) -> dict:
         return {k: v.detach().clone().float() for k, v in sd.items() if k in names}
 
 
+def perturbed_frozen(cfg):
+    """``engine.build_model`` with every frozen parameter moved by 1.0."""
+    model = BUILD_MODEL(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.add_(1.0)
+    return model
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     for run in spec["runs"]:
         run_dir = os.path.join(spec["out"], run["name"])
         overrides = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + run["overrides"]
+        eng.build_model = perturbed_frozen if run.get("perturb_frozen") else BUILD_MODEL
         trainer = Trainer(load_config(TINY_CONFIG, overrides))
         try:
             code = trainer.train()

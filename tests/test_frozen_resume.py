@@ -1,21 +1,26 @@
-"""Frozen E/F (``model.freeze_projection=true``) saved sharded over P = 2 sequence-parallel
-ranks (issue 30 item 6). DeepSpeed's universal converter failed on them (``AssertionError:
-Unused patterns``: frozen parameters have no optimizer state) and left an empty
-``universal/``. The conversion now allows those patterns and the frozen weights are
-restored from the saved files: the run resumes on one rank and on DP = 2 (ZeRO-2), on one rank
-(ZeRO-3); into a sharded ZeRO-3 layout it is refused in one line before anything is converted."""
+"""Frozen E/F (``model.freeze_projection=true``) across layout changes (issue 30 item 6).
 
-import os
+DeepSpeed's universal converter failed on a checkpoint saved with them sharded over P = 2
+(``AssertionError: Unused patterns``: frozen parameters have no optimizer state) and left an
+empty ``universal/``. The conversion now allows those patterns and the frozen weights are
+restored from the saved files after the load (ZeRO-3: on rank 0 of each data-parallel group,
+cut for its sequence-parallel rank). Tests: saved sharded at P = 2, resumed on one rank and on
+DP = 2 under ZeRO-2 and ZeRO-3; and a frozen chain per ZeRO stage (0 and 3) through
+1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded -> DP 2, every resumed hop starting from other
+frozen values, equal to an uninterrupted one-rank run, with the frozen E/F bit-equal to their
+initial values."""
+
 import shutil
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from linformer_ds.checkpoint.reshard import convert_to_universal, frozen_universal_refusal
+from linformer_ds.checkpoint.reshard import convert_to_universal
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, run_pretrain
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics, run_pretrain
+from tests.test_resume_layout import COMMON, HOP, RTOL, _launch, _overrides, _rel
 
 FROZEN_SHARDED = [
     "model.freeze_projection=true",
@@ -39,43 +44,19 @@ def frozen_run(tiny_corpus, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.fixture
-def _clean_env():
-    saved = dict(os.environ)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+FROZEN_NAMES = ("proj_k.weight", "proj_v.weight", "shared_linear.weight")
 
 
-def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> Dict[str, torch.Tensor]:
-    """The frozen E/F of a checkpoint saved with them sharded over ``p`` ranks, whole."""
-    mods = [torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
-            for r in range(p)]  # fmt: skip
-    names = [n for n in mods[0] if n.endswith(("proj_k.weight", "proj_v.weight",
-                                               "shared_linear.weight"))]  # fmt: skip
-    assert names
-    return {n: torch.cat([m[n] for m in mods], 2) for n in names}
-
-
-@pytest.mark.slow  # one 2-rank launch (~1 min on 2 busy cores)
-def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
-    frozen_run, tiny_corpus, tmp_path, capsys, monkeypatch, _clean_env
-):
-    """ZeRO-2, saved P = 2 sharded -> one rank, P = 1: the universal conversion runs, the frozen
-    E/F come back whole from the saved files (this test's model starts with other frozen values,
-    as if its initialisation had changed), training continues to step 4 (exit 0), no universal/
-    stays and the saved tag is unchanged."""
+def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ckpts: Path,
+                                    stage: int, max_steps: int):  # fmt: skip
+    """A one-rank Trainer resuming ``ckpts`` (E/F frozen, ZeRO ``stage``) whose model starts
+    with every frozen parameter 1.0 off its initial value, as if the initialisation had
+    changed: after the resume they must be the saved ones."""
     from linformer_ds import engine as eng
     from linformer_ds.config import load_config
     from linformer_ds.data.stages import resolve_stages
     from linformer_ds.train import Trainer
 
-    ckpts = tmp_path / "checkpoints"  # a copy: the module's run stays at step 2
-    shutil.copytree(frozen_run / "checkpoints", ckpts)
-    want = _saved_frozen_whole(ckpts, "step_00000002", 2)
-    before = _tree(ckpts / "step_00000002")
     real = eng.build_model
 
     def other_init(cfg):
@@ -89,10 +70,35 @@ def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
     monkeypatch.setattr(eng, "build_model", other_init)
     cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
                                     f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
-                                    "model.freeze_projection=true", "deepspeed.zero.stage=2",
-                                    "train.max_steps=4", "checkpoint.save_interval=0"])  # fmt: skip
+                                    "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
+                                    f"train.max_steps={max_steps}",
+                                    "checkpoint.save_interval=0"])  # fmt: skip
     resolve_stages(cfg)
-    trainer = Trainer(cfg)
+    return Trainer(cfg)
+
+
+def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> Dict[str, torch.Tensor]:
+    """The frozen E/F of a checkpoint saved with them sharded over ``p`` ranks, whole."""
+    mods = [torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
+            for r in range(p)]  # fmt: skip
+    names = [n for n in mods[0] if n.endswith(FROZEN_NAMES)]
+    assert names
+    return {n: torch.cat([m[n] for m in mods], 2) for n in names}
+
+
+@pytest.mark.slow  # one 2-rank launch (~1 min on 2 busy cores)
+def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
+    frozen_run, tiny_corpus, tmp_path, capsys, monkeypatch, _clean_env
+):
+    """ZeRO-2, saved P = 2 sharded -> one rank, P = 1: the universal conversion runs, the frozen
+    E/F come back whole from the saved files (this test's model starts with other frozen values,
+    as if its initialisation had changed), training continues to step 4 (exit 0), no universal/
+    stays and the saved tag is unchanged."""
+    ckpts = tmp_path / "checkpoints"  # a copy: the module's run stays at step 2
+    shutil.copytree(frozen_run / "checkpoints", ckpts)
+    want = _saved_frozen_whole(ckpts, "step_00000002", 2)
+    before = _tree(ckpts / "step_00000002")
+    trainer = _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path, ckpts, 2, 4)
     try:
         got = dict(trainer.engine.module.named_parameters())
         for name, whole in want.items():
@@ -136,20 +142,6 @@ def test_failed_conversion_leaves_no_universal_dir(frozen_run):
     assert _tree(ckpts) == before
 
 
-def test_refusal_only_for_frozen_sharded_checkpoints_into_sharded_zero3():
-    meta = {"world_size": 2, "zero_stage": 3, "sequence_parallel_size": 2,
-            "shard_sequence_parameters": True, "model": {"freeze_projection": True}}  # fmt: skip
-    why = frozen_universal_refusal("ck/step_00000004", meta, 3, 2)
-    assert why is not None and why.startswith("ck/step_00000004 holds frozen E/F")
-    assert "under ZeRO-3 they cannot be loaded sharded over 2 ranks" in why and "\n" not in why
-    assert frozen_universal_refusal("ck/t", meta, 3, 1) is None  # restored whole
-    assert frozen_universal_refusal("ck/t", meta, 2, 2) is None  # restored and cut
-    unfrozen = {**meta, "model": {"freeze_projection": False}}
-    assert frozen_universal_refusal("ck/t", unfrozen, 3, 2) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "shard_sequence_parameters": False}, 3, 2) is None
-    assert frozen_universal_refusal("ck/t", {**meta, "sequence_parallel_size": 1}, 3, 2) is None
-
-
 @pytest.fixture(scope="module")
 def frozen_run3(tiny_corpus, tmp_path_factory) -> Path:
     """As frozen_run under ZeRO-3."""
@@ -171,9 +163,9 @@ def test_frozen_sharded_zero3_resumes_on_two_data_parallel_ranks(frozen_run3, ti
     run_pretrain(tiny_corpus, tmp_path / "run", [
         "model.freeze_projection=true", "deepspeed.zero.stage=3", "train.max_steps=3",
         "checkpoint.save_interval=0", f"checkpoint.dir={ckpts}"], nproc=2)  # fmt: skip
-    saved, final = consolidate(str(ckpts), "step_00000002"), consolidate(str(ckpts), "step_00000003")
-    names = [n for n in saved if n.endswith(("proj_k.weight", "proj_v.weight",
-                                             "shared_linear.weight"))]  # fmt: skip
+    saved = consolidate(str(ckpts), "step_00000002")
+    final = consolidate(str(ckpts), "step_00000003")
+    names = [n for n in saved if n.endswith(FROZEN_NAMES)]
     assert names and all(torch.equal(final[n], saved[n]) for n in names)
     assert not (ckpts / UNIVERSAL_DIR).exists()
 
@@ -186,35 +178,16 @@ def test_frozen_sharded_zero3_resumes_on_one_rank(frozen_run3, tiny_corpus, tmp_
     the saved tag), training continues (exit 0), no universal/ stays, the saved tag unchanged."""
     import deepspeed
 
-    from linformer_ds import engine as eng
-    from linformer_ds.config import load_config
-    from linformer_ds.data.stages import resolve_stages
     from linformer_ds.export import consolidate
-    from linformer_ds.train import Trainer
 
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(frozen_run3 / "checkpoints", ckpts)
     saved = consolidate(str(ckpts), "step_00000002")
     before = _tree(ckpts / "step_00000002")
-    real = eng.build_model
-
-    def other_init(cfg):
-        model = real(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.add_(1.0)
-        return model
-
-    monkeypatch.setattr(eng, "build_model", other_init)
-    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
-                                    f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
-                                    "model.freeze_projection=true", "deepspeed.zero.stage=3",
-                                    "train.max_steps=3", "checkpoint.save_interval=0"])  # fmt: skip
-    resolve_stages(cfg)
-    trainer = Trainer(cfg)
+    trainer = _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path, ckpts, 3, 3)
     try:
-        frozen = [(n, p) for n, p in trainer.engine.module.named_parameters() if not p.requires_grad]
+        named = trainer.engine.module.named_parameters()
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
         assert frozen
         with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
             for name, p in frozen:
@@ -225,3 +198,93 @@ def test_frozen_sharded_zero3_resumes_on_one_rank(frozen_run3, tiny_corpus, tmp_
     assert "[done] step 3: first loss " in capsys.readouterr().out
     assert not (ckpts / UNIVERSAL_DIR).exists()
     assert _tree(ckpts / "step_00000002") == before
+
+
+# ================================================ a frozen chain through the layouts, per stage
+# (ranks, P, E/F and positions sharded) of each hop, as tests/test_resume_layout.py's CHAIN; a
+# 4-rank hop resumes the P = 2 sharded checkpoint into another sharded layout (DP 2 x P = 2),
+# which ZeRO-3 refused before
+FROZEN_CHAIN: List[Tuple[int, int, bool]] = [
+    (1, 1, False),  # steps 1-2 on one rank
+    (2, 2, True),  # one rank -> P = 2 sharded
+    (4, 2, True),  # P = 2 sharded -> DP 2 x P = 2 sharded (ZeRO-3: universal, cut per SP rank)
+    (2, 1, False),  # DP 2 x P = 2 sharded -> DP 2
+]
+FROZEN_STEPS = HOP * len(FROZEN_CHAIN)
+FROZEN_STAGES = (0, 3)
+FROZEN_MORE = [f"train.max_steps={FROZEN_STEPS}", "model.freeze_projection=true"]
+
+
+@pytest.fixture(scope="module")
+def frozen_chains(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[str]]]:
+    """The reference (one rank, ZeRO-0, uninterrupted, E/F frozen) and one frozen chain per
+    ZeRO stage, each resumed hop's model built with other frozen values. Returns the output
+    directory and, per stage, rank 0's lines that name the stage's checkpoint directory."""
+    out = tmp_path_factory.mktemp("frozen_chain")
+    ref_over = _overrides(tiny_corpus, out / "ref_ckpt", 0, 1, 1, False) + FROZEN_MORE
+    launches: List[Tuple[int, List[dict]]] = [
+        (1, [{"name": "ref", "overrides": ref_over + ["checkpoint.save_final=false"]}])
+    ]
+    for i, (ranks, p, shard) in enumerate(FROZEN_CHAIN):
+        if launches[-1][0] != ranks:
+            launches.append((ranks, []))
+        for stage in FROZEN_STAGES:
+            over = _overrides(tiny_corpus, out / f"z{stage}_ckpt", stage, ranks, p, shard)
+            over += [*FROZEN_MORE, f"train.stop_at_step={HOP * (i + 1)}"]
+            launches[-1][1].append({"name": f"z{stage}_hop{i}", "overrides": over,
+                                    "perturb_frozen": i > 0})  # fmt: skip
+    logs = [_launch(ranks, runs, out, f"launch{j}") for j, (ranks, runs) in enumerate(launches)]
+    said = {s: [ln for log in logs for ln in log.splitlines() if f"z{s}_ckpt" in ln]
+            for s in FROZEN_STAGES}  # fmt: skip
+    return out, said
+
+
+@pytest.mark.slow  # 4 launches of 1, 2, 4 and 2 ranks
+@pytest.mark.parametrize("stage", FROZEN_STAGES)
+def test_frozen_chain_equals_uninterrupted_run(frozen_chains, stage):
+    """ZeRO-0 and ZeRO-3, E/F frozen: 1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded -> DP 2,
+    every resumed hop built with frozen values 1.0 off (a restore that missed one shows in the
+    loss): every step's loss and gradient norm within 1e-6 relative of the uninterrupted run,
+    the final parameters within 1e-5, and the frozen E/F after every hop bit-equal to the
+    initial ones (measured worst: printed)."""
+    from linformer_ds import engine as eng
+    from linformer_ds.config import load_config
+
+    out, said = frozen_chains
+    init_model = eng.build_model(load_config(TINY_CONFIG, TEST_OVERRIDES + COMMON + FROZEN_MORE))
+    init = {n: p.detach().clone().float() for n, p in init_model.named_parameters()
+            if not p.requires_grad}  # fmt: skip
+    assert init and all(n.endswith(FROZEN_NAMES) for n in init)
+    ref = read_metrics(out / "ref")
+    got: Dict[int, dict] = {}
+    for i in range(len(FROZEN_CHAIN)):
+        hop = read_metrics(out / f"z{stage}_hop{i}")
+        assert sorted(hop) == list(range(HOP * i + 1, HOP * (i + 1) + 1)), (i, sorted(hop))
+        got.update(hop)
+        params = torch.load(out / f"z{stage}_hop{i}" / "params.pt")
+        for n, w in init.items():
+            assert torch.equal(params[n], w), (i, n)
+    worst = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0}
+    for s in range(1, FROZEN_STEPS + 1):
+        for key in ("loss", "grad_norm"):
+            worst[key] = max(worst[key], _rel(got[s][key], ref[s][key]))
+    want = torch.load(out / "ref" / "params.pt")
+    assert all(torch.equal(want[n], w) for n, w in init.items())
+    assert params.keys() == want.keys()
+    for k, w in want.items():
+        d = (params[k] - w).double().norm().item() / max(w.double().norm().item(), 1e-12)
+        worst["param"] = max(worst["param"], d)
+    print(f"\nfrozen ZeRO-{stage} chain, {FROZEN_STEPS} steps, worst relative difference: {worst}")
+    assert worst["loss"] <= RTOL and worst["grad_norm"] <= RTOL, worst
+    assert worst["param"] <= 10 * RTOL, worst
+    lines = said[stage]
+    resumed = [ln for ln in lines if ": step " in ln and "sampler consumed" in ln]
+    assert [int(ln.split(": step ")[1].split(",")[0]) for ln in resumed] == [
+        HOP * i for i in range(1, len(FROZEN_CHAIN))
+    ]
+    text = "\n".join(lines)
+    if stage == 3:  # every hop changes the ranks: universal, frozen E/F from the saved files
+        assert text.count("universal checkpoint") == 3, text
+    else:  # the two sharding changes re-shard; the world change alone loads natively
+        assert text.count("re-shard") == 2 and "universal" not in text, text
+    assert not (out / f"z{stage}_ckpt" / "universal").exists()

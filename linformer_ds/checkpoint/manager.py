@@ -23,7 +23,6 @@ from linformer_ds.checkpoint.reshard import (
     config_layout,
     convert_to_universal,
     cut_universal_per_sequence_rank,
-    frozen_universal_refusal,
     layout_route,
     optimizer_index_names,
     repair_zero3_universal_load,
@@ -125,12 +124,6 @@ class CheckpointManager:
             route = layout_route(self.dir, self.tag, self.meta, self.cfg, self.world)
             self.route = VIA_UNIVERSAL if notice is not None else route
             self.universal = self.route == VIA_UNIVERSAL
-            frozen = frozen_universal_refusal(
-                where, self.meta, self.cfg.deepspeed.zero.stage,
-                sharded_sp_size(config_layout(self.cfg)),
-            )  # fmt: skip
-            if self.universal and frozen:  # before anything is converted or written
-                raise CheckpointError(frozen)
             same_world = int(self.meta["world_size"]) == self.world
             saved_p, now_p = sharded_sp_size(self.meta), sharded_sp_size(config_layout(self.cfg))
             if saved_p != now_p and self.rank == 0 and same_world:

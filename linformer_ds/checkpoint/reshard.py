@@ -137,28 +137,6 @@ def saved_frozen(meta: Dict[str, Any]) -> bool:
     return bool((meta.get("model") or {}).get("freeze_projection"))
 
 
-def frozen_universal_refusal(
-    where: str, meta: Dict[str, Any], stage: int, now_p: int
-) -> Optional[str]:
-    """Why a checkpoint cannot load through a universal checkpoint at ZeRO ``stage`` into a
-    layout sharded over ``now_p`` ranks, or None: one saved with frozen E/F
-    (``model.freeze_projection``) sharded over P ranks, into a sharded ZeRO-3 layout. Frozen
-    parameters have no optimizer state, so the universal copy holds none of them;
-    :func:`restore_frozen_params` takes them from the saved files, except into ZeRO-3
-    partitions of E/F slices (not supported yet)."""
-    saved_p = sharded_sp_size(meta)
-    if saved_p == 1 or not saved_frozen(meta) or stage != 3 or now_p == 1:
-        return None
-    return (
-        f"{where} holds frozen E/F (model.freeze_projection=true) sharded over {saved_p} "
-        f"sequence-parallel ranks; under ZeRO-3 they cannot be loaded sharded over {now_p} "
-        "ranks in another layout. Resume with the saved layout "
-        f"({meta['world_size']} ranks, parallel.sequence_parallel_size={saved_p}), with E/F "
-        "whole (parallel.shard_sequence_parameters=false or sequence_parallel_size=1), or "
-        "export the weights (launch/export.py) and start a new run"
-    )
-
-
 def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str, torch.Tensor]:
     """Every parameter of the saved model, whole (sharded ones joined along their sequence dim):
     ZeRO 1-2 from the model-parallel files' ``module``, ZeRO-3 by DeepSpeed's zero_to_fp32
@@ -184,20 +162,33 @@ def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str
     return whole
 
 
+def _partition_rank(params: List[torch.nn.Parameter]) -> int:
+    """This rank's index in the group ZeRO-3 partitions ``params`` over (the data-parallel
+    group of its sequence-parallel rank; 0 without torch.distributed)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    groups = {id(getattr(p, "ds_process_group", None)) for p in params}
+    if len(groups) != 1:  # GatheredParameters broadcasts from one group rank for all of them
+        raise CheckpointError(f"frozen parameters partitioned over {len(groups)} groups")
+    return dist.get_rank(group=getattr(params[0], "ds_process_group", None))
+
+
 def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int, stage: int) -> List[str]:
     """After a universal load: DeepSpeed restores weights from the universal copy, which holds
     only parameters with optimizer state, so every frozen parameter is copied from the saved
-    files (whole, then cut for this rank when it is sharded now; ZeRO-3: gathered, set on
-    rank 0 and partitioned again). Collective. Returns the names restored."""
+    files (whole, then cut for this rank's sequence-parallel slice when it is sharded now;
+    ZeRO-3: gathered, set on rank 0 of each data-parallel group, the group that partitions that
+    slice, and partitioned again). Collective. Returns the names restored."""
     frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
     if not frozen:
         return []
     mpu = getattr(engine, "mpu", None)
     sp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
     sp_size = mpu.get_model_parallel_world_size() if mpu is not None else 1
-    dist = torch.distributed
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    setting = stage < 3 or rank == 0  # ZeRO-3: rank 0's values are partitioned to every rank
+    # ZeRO-3: GatheredParameters(modifier_rank=0) partitions the values of rank 0 of each
+    # parameter's own group (global rank 0 is in one sequence-parallel rank's group only)
+    setting = stage < 3 or _partition_rank([p for _, p in frozen]) == 0
     whole = _frozen_whole(ckpt_dir, tag, saved_p, stage) if setting else {}
     gathered: Any = contextlib.nullcontext()
     if stage == 3:
