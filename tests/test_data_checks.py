@@ -1,8 +1,11 @@
 """Issue 30 item 5: data the trainer or data_prep must refuse in one line (exit 2) naming the
 problem and the fix, with no file changed: a tokenizer.model that is not the data's tokenizer
 although its sha256 matches the manifest, a stage ``path:`` named like another source, mixture
-weights that cannot be normalised, and a data_prep output with an empty split."""
+weights that cannot be normalised, and a data_prep output with an empty split. And (e) large
+input files (JSON lines, plain text, CSV/TSV, Parquet) cut into work units between their
+documents, so that data_prep on R ranks writes the bytes of one process."""
 
+import csv
 import hashlib
 import json
 import os
@@ -516,8 +519,6 @@ def test_e_csv_cut_is_never_inside_a_quoted_field(tmp_path, monkeypatch):
     are row ends only (a cut at a line start inside the field would read other rows); a quote
     left open takes the rest of the file into its row, cut or not; a file the csv module
     refuses (here: a field over its size limit), and a CSV in another encoding, stay one unit."""
-    import csv
-
     from data_prep.sources import Source
 
     def same_docs(path: Path, unit_bytes: int) -> int:
