@@ -102,7 +102,8 @@ def source_problem(hf: Dict[str, Any]) -> Optional[str]:
 
 def position_offset(hf: Dict[str, Any]) -> int:
     """The source row of position 0: RoBERTa's positions start after its padding index."""
-    return int(hf.get("pad_token_id", 1)) + 1 if hf["model_type"] == "roberta" else 0
+    pad = hf.get("pad_token_id")
+    return (1 if pad is None else int(pad)) + 1 if hf["model_type"] == "roberta" else 0
 
 
 def source_positions(hf: Dict[str, Any]) -> int:
