@@ -1,7 +1,8 @@
 """One owner per directory: advisory ``fcntl.flock`` locks held for a command's life.
 
 - :func:`run_dir_lock`: the trainer's ``logging.dir`` and ``checkpoint.dir`` (rank 0), a lock
-  file inside the directory (:data:`LOCK_NAME`).
+  file inside the directory (:data:`LOCK_NAME`); :func:`run_dir_locks` adds the ``--out`` lock
+  beside it, so data_prep, export and finetune cannot write there while a run does.
 - :func:`output_lock`: the ``--out`` of data_prep, export and finetune; those directories are
   replaced by a rename, so the lock file lies beside them (``.<name>.lock``).
 - :func:`pin_tag`: a reader (export) holds a shared lock on a checkpoint tag's ``COMPLETE``
@@ -20,6 +21,8 @@ import os
 import socket
 import time
 from typing import Any, Dict, Iterator, List, Optional
+
+from linformer_ds import outdir
 
 LOCK_NAME = ".linformer.lock"
 
@@ -158,6 +161,28 @@ def run_dir_lock(directory: str, what: str, command: str) -> DirLock:
     the trainer always did)."""
     os.makedirs(directory, exist_ok=True)
     return DirLock(os.path.join(directory, LOCK_NAME), f"{what} {directory}", command)
+
+
+def run_dir_locks(directory: str, what: str, command: str) -> List[DirLock]:
+    """A training run's locks on ``directory`` (``what``: logging.dir or checkpoint.dir), held
+    for the run's life: the one data_prep, export and finetune take on an ``--out`` (beside it;
+    skipped where no lock file can be made there) and :func:`run_dir_lock` (another run). The
+    output of another command is refused (a run inside it would make two owners)."""
+    found = outdir.identify(directory)
+    if found is not None and found[1] is not None:
+        raise LockError(f"{what} {directory} is {found[0]} (made by {found[1]}): a run writes to "
+                        "a new directory or its own; choose another")  # fmt: skip
+    beside: Optional[DirLock] = output_lock(directory, command, what)
+    try:
+        beside.acquire()
+    except OSError:
+        beside = None
+    try:
+        return [lk for lk in (beside, run_dir_lock(directory, what, command).acquire()) if lk]
+    except BaseException:
+        if beside is not None:
+            beside.release()
+        raise
 
 
 def output_lock(out: str, command: str, flag: str = "--out", shared: bool = False) -> DirLock:

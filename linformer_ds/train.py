@@ -34,7 +34,7 @@ from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
 from linformer_ds.debug import DebugHooks
-from linformer_ds.dirlock import DirLock, LockError, run_dir_lock
+from linformer_ds.dirlock import LOCK_NAME, DirLock, LockError, run_dir_locks
 from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
 from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
 from linformer_ds.evaluate import evaluate
@@ -563,12 +563,13 @@ def hold_run_dirs(cfg: JobConfig, rank: int) -> List[DirLock]:
     locks: List[DirLock] = []
     try:
         for what, d in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-            if any(os.path.realpath(d) == os.path.dirname(lk.path) for lk in locks):
+            if any(os.path.join(os.path.realpath(d), LOCK_NAME) == lk.path for lk in locks):
                 continue  # checkpoint.dir = logging.dir: one lock
             check_writable(d, what)
-            locks.append(run_dir_lock(os.path.realpath(d), what, "training").acquire())
-            if locks[-1].stale_note():
-                rank0_print(locks[-1].stale_note())
+            new = run_dir_locks(os.path.realpath(d), what, "training")  # + the --out lock
+            locks += new
+            for note in filter(None, (lk.stale_note() for lk in new)):
+                rank0_print(note)
     except BaseException:
         release_locks(locks)
         raise
