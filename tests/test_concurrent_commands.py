@@ -31,8 +31,6 @@ from hypothesis import strategies as st
 from linformer_ds.fsio import read_jsonl
 from tests.pretrain_utils import PRETRAIN, REPO, TEST_OVERRIDES, TINY_CONFIG, run_pretrain
 
-pytestmark = pytest.mark.slow  # two real commands per example (trainers among them)
-
 EXAMPLES = int(os.environ.get("LINFORMER_CONCURRENT_EXAMPLES", "0"))
 KINDS = ("pretrain", "pretrain2", "export_run", "export", "finetune", "data_prep")
 WRITES_D = {"pretrain": "run", "pretrain2": "run", "export": "export", "finetune": "finetune",
@@ -179,6 +177,7 @@ CONCURRENT = settings(
 )
 
 
+@pytest.mark.slow  # two real commands per example (trainers among them)
 @CONCURRENT
 @given(
     first=st.sampled_from(KINDS),
@@ -190,3 +189,34 @@ CONCURRENT = settings(
 @example(first="export", second="finetune", offset=0.0)
 def test_two_commands_on_one_directory_keep_the_contract(inputs, first, second, offset):
     run_pair(inputs, first, second, offset)
+
+
+def test_a_run_locks_beside_its_directory_and_refuses_another_commands_output(tmp_path):
+    """dirlock.run_dir_locks: the --out lock beside the run directory (data_prep, export and
+    finetune are refused naming the run) and the lock inside; a data_prep output, an export or
+    a fine-tuned model is refused as a run directory, leaving no lock file."""
+    from linformer_ds import dirlock
+
+    run = tmp_path / "run"
+    locks = dirlock.run_dir_locks(str(run), "logging.dir", "training")
+    assert sorted(Path(lk.path).relative_to(tmp_path).as_posix() for lk in locks) == [
+        ".run.lock", "run/.linformer.lock"]  # fmt: skip
+    for tool in ("data_prep", "export", "finetune"):
+        with pytest.raises(dirlock.LockError) as e:
+            dirlock.output_lock(str(run), tool).acquire()
+        assert str(e.value).startswith(
+            f"--out {run} is in use by training (host {socket.gethostname()}, pid {os.getpid()} "
+        ), str(e.value)
+    for lk in locks:
+        lk.release()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["run"]
+    for own, made_by in (("manifest.json", "data_prep"), ("linformer_export.json", "export"),
+                         ("finetune_results.json", "finetune")):  # fmt: skip
+        out = tmp_path / made_by
+        out.mkdir()
+        (out / own).write_text("{}")
+        (out / "tokenizer.model").write_text("")
+        with pytest.raises(dirlock.LockError) as e:
+            dirlock.run_dir_locks(str(out), "logging.dir", "training")
+        assert f"logging.dir {out} is " in str(e.value) and f"(made by {made_by})" in str(e.value)
+        assert not list(tmp_path.glob("**/*.lock")) and not list(tmp_path.glob(".*.lock"))
