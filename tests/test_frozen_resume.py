@@ -5,10 +5,10 @@ DeepSpeed's universal converter failed on a checkpoint saved with them sharded o
 empty ``universal/``. The conversion now allows those patterns and the frozen weights are
 restored from the saved files after the load (ZeRO-3: on rank 0 of each data-parallel group,
 cut for its sequence-parallel rank). Tests: saved sharded at P = 2, resumed on one rank and on
-DP = 2 under ZeRO-2 and ZeRO-3; and a frozen chain per ZeRO stage (0, 2 and 3) through
-1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded -> DP 2, every resumed hop starting from other
-frozen values, equal to an uninterrupted one-rank run, with the frozen E/F bit-equal to their
-initial values."""
+DP = 2 under ZeRO-2 and ZeRO-3; an engine change (ZeRO-2 bf16 -> ZeRO-1 fp32); and a frozen
+chain per ZeRO stage (0, 2 and 3) through 1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded ->
+DP 2, every resumed hop starting from other frozen values, equal to an uninterrupted one-rank
+run, with the frozen E/F bit-equal to their initial values."""
 
 import shutil
 from pathlib import Path
@@ -48,10 +48,12 @@ FROZEN_NAMES = ("proj_k.weight", "proj_v.weight", "shared_linear.weight")
 
 
 def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ckpts: Path,
-                                    stage: int, max_steps: int):  # fmt: skip
-    """A one-rank Trainer resuming ``ckpts`` (E/F frozen, ZeRO ``stage``) whose model starts
-    with every frozen parameter 1.0 off its initial value, as if the initialisation had
-    changed: after the resume they must be the saved ones."""
+                                    stage: int, max_steps: int, *more: str,
+                                    perturb: bool = True):  # fmt: skip
+    """A one-rank Trainer resuming ``ckpts`` (E/F frozen, ZeRO ``stage``, overrides ``more``)
+    whose model starts with every frozen parameter 1.0 off its initial value, as if the
+    initialisation had changed (unless not ``perturb``): after the resume they must be the
+    saved ones."""
     from linformer_ds import engine as eng
     from linformer_ds.config import load_config
     from linformer_ds.data.stages import resolve_stages
@@ -67,12 +69,12 @@ def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ck
                     p.add_(1.0)
         return model
 
-    monkeypatch.setattr(eng, "build_model", other_init)
+    monkeypatch.setattr(eng, "build_model", other_init if perturb else real)
     cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
                                     f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
                                     "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
                                     f"train.max_steps={max_steps}",
-                                    "checkpoint.save_interval=0"])  # fmt: skip
+                                    "checkpoint.save_interval=0", *more])  # fmt: skip
     resolve_stages(cfg)
     return Trainer(cfg)
 
@@ -140,6 +142,37 @@ def test_failed_conversion_leaves_no_universal_dir(frozen_run):
         convert_to_universal(str(ckpts), "step_00000002")
     assert not (ckpts / UNIVERSAL_DIR).exists()
     assert _tree(ckpts) == before
+
+
+@pytest.mark.slow  # two one-rank trainers in this process (~1 min on 2 busy cores)
+def test_frozen_resumes_under_another_zero_stage_and_precision(tiny_corpus, tmp_path, capsys,
+                                                               monkeypatch, _clean_env):  # fmt: skip
+    """An engine change the universal checkpoint carries (ZeRO-2 bf16 -> ZeRO-1 fp32, one
+    rank): the frozen E/F (other values at init) are the saved ones after the load (the bf16
+    run's values, exactly), training continues (exit 0), no universal/ stays."""
+    ckpts = tmp_path / "checkpoints"
+    first = _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path, ckpts, 2, 2,
+                                            perturb=False)  # fmt: skip
+    try:
+        assert first.train() == 0
+    finally:
+        first.close()
+    want = _saved_frozen_whole(ckpts, "step_00000002", 1)
+    assert all(w.dtype == torch.bfloat16 for w in want.values())
+    trainer = _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path, ckpts, 1, 3,
+                                              "deepspeed.precision=fp32")  # fmt: skip
+    try:
+        got = dict(trainer.engine.module.named_parameters())
+        for name, whole in want.items():
+            assert got[name].dtype == torch.float32
+            assert torch.equal(got[name].detach(), whole.float()), name
+        assert trainer.step == 2 and trainer.train() == 0
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert "deepspeed.zero.stage 2 -> 1, deepspeed.precision bf16 -> fp32" in out, out[-3000:]
+    assert "[done] step 3: first loss " in out
+    assert not (ckpts / UNIVERSAL_DIR).exists()
 
 
 @pytest.fixture(scope="module")
