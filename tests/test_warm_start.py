@@ -197,6 +197,7 @@ def test_warm_started_run_trains_with_the_trainer(tmp_path, tiny_corpus):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"[init] weights from hf:{tmp_path / 'src'} (bert, 64 positions copied to 128" in r.stdout
     losses = [m["loss"] for _, m in sorted(read_metrics(run).items())]
+    print("warm-started losses:", [round(x, 3) for x in losses])
     assert len(losses) == 20 and all(x == x and abs(x) < 1e9 for x in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
 
