@@ -285,13 +285,23 @@ class Documents(NamedTuple):
     """The documents of a packed batch (:func:`document_spans`): spans in row-major order that
     cover every token once. ``whole_rows``: every row (all slices together) is one document, so
     the plain path computes exactly the same thing. ``block_mask [B, 1, N, N]`` (sequence
-    parallel dense layers only): token i may attend to key j (same document, j not padding)."""
+    parallel dense layers only): token i may attend to key j (same document, j not padding).
+    ``per_span``: linear and conv layers run one product and one attention per span on views
+    of the row (exactly the work of each document alone: the CPU choice); False: batched over
+    :class:`DocumentChunks` (a few large ops, plus the chunks' padding and gathers)."""
 
     spans: List[DocumentSpan]
     num_shared: int = 0
     whole_rows: bool = False
     block_mask: Optional[torch.Tensor] = None
     plans: Optional[dict] = None  # chunk plans by size (document_chunks), built once per batch
+    per_span: bool = False
+
+    def split(self, t: torch.Tensor) -> tuple:
+        """``t [B, n, ...]`` -> each span's ``[L_i, ...]`` (views; the backward is one cat, where
+        slicing would zero-fill a whole ``[B, n, ...]`` gradient per span)."""
+        flat = t.reshape((t.shape[0] * t.shape[1],) + tuple(t.shape[2:]))
+        return flat.split([s.end - s.start for s in self.spans])
 
     def chunks(self, size: int, tokens: int, device: torch.device) -> "DocumentChunks":
         """:func:`document_chunks` of these spans (``tokens`` = B * n), cached per size."""
@@ -500,6 +510,17 @@ class LinearProjection(nn.Module):
         b, n, h, d = x.shape
         if self.shard_start or self.weight.shape[-1] != self.max_seq_len:
             raise ValueError("document isolation needs the whole E/F (not sharded)")
+        sp = self.sequence_parallel
+        if documents.per_span:  # span i: E[:, col : col + L] @ x[row, start:end], both views
+            ys = []
+            for s, xi in zip(documents.spans, documents.split(x)):  # xi [L, h, d]
+                w = self.weight[:, :, s.column : s.column + s.end - s.start]
+                if self.heads == 1:
+                    ys.append(torch.mm(w[0], xi.reshape(-1, h * d)))
+                else:
+                    ys.append(torch.einsum("hkn,nhd->khd", w, xi))
+            y = torch.stack(ys).view(len(ys), self.k, h, d)
+            return y if sp is None else sp.reduce_documents(y, documents)
         plan = documents.chunks(self.k, b * n, x.device)
         c, num = plan.size, len(documents.spans)
         flat = torch.cat([x.reshape(b * n, h * d), x.new_zeros(1, h * d)])  # + an empty slot
@@ -513,7 +534,6 @@ class LinearProjection(nn.Module):
         else:
             y = torch.einsum("hkjc,jchd->jkhd", wc, xc.view(-1, c, h, d))
         y = y.new_zeros((num,) + tuple(y.shape[1:])).index_add(0, plan.span, y)
-        sp = self.sequence_parallel
         return y if sp is None else sp.reduce_documents(y, documents)
 
     def extra_repr(self) -> str:
@@ -560,9 +580,11 @@ class ConvProjection(nn.Module):
                 raise ValueError("conv projection: document isolation under sequence parallelism")
             b, n, h, d = x.shape
             plan = documents.chunks(self.stride, b * n, x.device)  # one chunk = one window
-            flat = torch.cat([x.reshape(b * n, h * d), x.new_zeros(1, h * d)])
-            windows = flat.index_select(0, plan.tokens.reshape(-1)).view(1, -1, h, d)
-            return self._blocks(windows)[0]
+            # one scatter of every token to its window slot (tails stay zero); its backward is
+            # a gather, where index_select's would be a scatter-add
+            windows = x.new_zeros(plan.tokens.numel(), h * d)
+            windows = windows.index_copy(0, plan.slot, x.reshape(b * n, h * d))
+            return self._blocks(windows.view(1, -1, h, d))[0]
         b, n, h, d = x.shape
         r = self.stride
         pad = (-n) % r
@@ -865,8 +887,8 @@ class LinformerSelfAttention(nn.Module):
             if sp is not None:  # Ulysses over the whole rows, the documents' block mask
                 y = sp.dense_attention(q, k, v, documents.block_mask, dropout_p)
                 return self.out(y.reshape(b, n, self.hidden_size))
-            for s in spans:
-                qi, ki, vi = (t[s.row, s.start : s.end].transpose(0, 1)[None] for t in (q, k, v))
+            for s, *qkv_i in zip(spans, *(documents.split(t) for t in (q, k, v))):
+                qi, ki, vi = (t.transpose(0, 1)[None] for t in qkv_i)  # [1, h, L, d]
                 am = None
                 if s.padded and mask is not None:
                     am = _nonempty(mask[s.row, s.start : s.end][None])[:, None, None, :]
@@ -886,6 +908,23 @@ class LinformerSelfAttention(nn.Module):
         else:
             k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
             kp, vp = proj_k(k_in, documents), self.proj_v(v_in, documents)
+        if documents.per_span:  # each span's queries (a view) against its own summaries
+            counts = [1] * len(spans)  # summaries rows per span: linear [S, k, h, d]
+            if self.kind == "conv":  # [sum c_i, h, d] -> c_i = ceil(L_i / r) windows each
+                r = proj_k.stride
+                counts = [-(-(s.end - s.start) // r) for s in spans]
+            ks, vs = kp.split(counts), vp.split(counts)
+            qs = documents.split(q.transpose(1, 2))  # [L_i, h, d] views
+            for i, s in enumerate(spans):
+                am = None
+                if self.kind == "conv" and s.padded and mask is not None:  # padding windows
+                    real = F.pad(mask[s.row, s.start : s.end], (0, counts[i] * r - s.end + s.start))
+                    am = _nonempty(real.view(1, -1, r).any(-1))[:, None, None, :]
+                ki, vi = (t[i].reshape(-1, h, d).transpose(0, 1)[None] for t in (ks, vs))
+                qi = qs[i].transpose(0, 1)[None]  # [1, h, L, d]
+                y = sdpa(qi, ki, vi, attn_mask=am, dropout_p=dropout_p)
+                ys.append(y[0].transpose(0, 1))  # [L, h, d]
+            return self.out(torch.cat(ys).view(b, n, self.hidden_size))
         # queries in chunks of k positions of a document, each chunk against its document's
         # summaries (linear: k of them; conv: its windows, padded to the most of one document)
         plan = documents.chunks(self.config.k_for_layer(self.layer_idx), b * n, qkv.device)
@@ -1014,6 +1053,9 @@ class LinformerEncoder(nn.Module):
 
     position_shard_start = 0  # global position of the table's row 0 (sharded sequence parallel)
     check_token_ids = True  # False: the caller checked the ids on the host (the trainer does)
+    # document isolation: one product and attention per span (True), batched over chunks
+    # (False), or None: per span on the CPU (measured faster there), chunks on accelerators
+    document_per_span: Optional[bool] = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -1156,6 +1198,10 @@ class LinformerEncoder(nn.Module):
         documents = None
         if position_ids is not None:
             documents = self._documents(position_ids, attention_mask, n, off)
+            per_span = self.document_per_span
+            documents = documents._replace(
+                per_span=device.type == "cpu" if per_span is None else per_span
+            )
             pos = position_ids.long()
         checkpointed = self._checkpoint_fn is not None and self.training
         if checkpointed and self._checkpoint_granularity == "sublayer" and inputs_embeds is None:

@@ -125,21 +125,30 @@ def rows_strategy(draw):
     return out
 
 
+# both ways of running linear and conv layers over the documents: one product and attention
+# per span (the CPU default), and batched over chunks (the default on accelerators)
+PER_SPAN = pytest.mark.parametrize("per_span", [True, False], ids=["per_span", "chunks"])
+
+
+@PER_SPAN
 @pytest.mark.parametrize(
     "projection,sharing",
     [(p, s) for p in SCHEDULES if p != "dense" for s in SHARINGS] + [("dense", "none")],
 )
 @settings(max_examples=5, deadline=None, derandomize=True, phases=[Phase.generate])
 @given(rows=rows_strategy(), seed=st.integers(0, 2**16))
-def test_packed_row_equals_documents_alone(projection, sharing, rows, seed):
+def test_packed_row_equals_documents_alone(projection, sharing, per_span, rows, seed):
     model = make_model(projection, sharing)
+    model.encoder.document_per_span = per_span
     check_packed_equals_alone(model, rows, seed)
 
 
+@PER_SPAN
 @pytest.mark.parametrize("projection", SCHEDULES)
-def test_fixed_split_across_windows(projection):
+def test_fixed_split_across_windows(projection, per_span):
     """Documents of 5, 11 and 3 tokens, 5 padding: conv windows of 8 end inside documents."""
     model = make_model(projection, "none")
+    model.encoder.document_per_span = per_span
     check_packed_equals_alone(model, [([5, 11, 3], 5, True), ([24], 0, False)], seed=1)
 
 

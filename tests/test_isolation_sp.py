@@ -81,13 +81,17 @@ def _equivalence(rank: int, world: int) -> dict:
     count = (batch["labels"] != -100).sum().float()
     local, _ = shard_batch(batch, groups.sp_rank, groups.sp_size)
     results = {}
-    cases = [(s, sh, None) for s in ("linear",) for sh in ("none", "headwise", "kv", "layerwise")]
-    cases += [("dense", "none", None), ("mixed", "kv", "layer"), ("mixed", "layerwise", "sublayer")]
-    for sched, sharing, checkpointing in cases:
+    sharings = ("none", "headwise", "kv", "layerwise")
+    cases = [(s, sh, None, True) for s in ("linear",) for sh in sharings]
+    cases += [("linear", sh, None, False) for sh in ("none", "layerwise")]  # chunked path
+    cases += [("dense", "none", None, True), ("mixed", "kv", "layer", True)]
+    cases += [("mixed", "layerwise", "sublayer", True)]
+    for sched, sharing, checkpointing, per_span in cases:
         torch.manual_seed(0)
         ref = LinformerForMaskedLM(ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing}))
         model = copy.deepcopy(ref)
         apply_sequence_parallel(model, groups.sp_group)
+        model.encoder.document_per_span = per_span  # False: batched over DocumentChunks
         if checkpointing:
             fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
             model.encoder.set_activation_checkpointing(fn, granularity=checkpointing)
@@ -103,7 +107,8 @@ def _equivalence(rank: int, world: int) -> dict:
             g = p.grad.clone()
             dist.all_reduce(g, group=groups.sp_group)
             errs[name] = rel_err(g, p_ref.grad, floor)
-        results[f"{sched}/{sharing}" + (f"/ac-{checkpointing}" if checkpointing else "")] = errs
+        name = f"{sched}/{sharing}" + (f"/ac-{checkpointing}" if checkpointing else "")
+        results[name + ("" if per_span else "/chunks")] = errs
     return results
 
 
