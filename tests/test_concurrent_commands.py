@@ -15,6 +15,7 @@ examples instead of the fixed ones.
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -108,7 +109,7 @@ def whole(kind: str, d: Path, side: Path) -> str:
 def check_refusal(kind: str, err: str, other_pid: int) -> None:
     """Exit 2: one line; a directory in use names its holder (host and the other's pid)."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()]
+    errors = [ln for ln in lines if re.search(r"error|failed|refus|in use", ln, re.IGNORECASE)]
     assert len(errors) == 1, (kind, err[-3000:])
     if "in use by" in errors[0]:
         assert f"(host {socket.gethostname()}, pid {other_pid} " in errors[0], (kind, errors[0])
