@@ -186,6 +186,53 @@ def test_cancelled_job_checkpoints_and_stays_cancelled(slurm_cluster, tiny_data,
     assert_complete_checkpoint(tmp_path / "logs" / "checkpoints", int(saved[0]))
 
 
+def _start_up_ranks(log_dir: Path, timeout: float = 120) -> dict:
+    """SLURM_PROCID -> pid of the job's two trainer tasks, as soon as both exist."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                argv = p.info["cmdline"] or []
+                task = len(argv) > 1 and argv[1].endswith("launch/pretrain.py")  # not srun
+                if task and f"logging.dir={log_dir}" in argv:
+                    found[int(p.environ()["SLURM_PROCID"])] = p.pid
+            except (psutil.Error, KeyError, ValueError):
+                continue
+        if len(found) == 2:
+            return found
+        time.sleep(0.05)
+    raise AssertionError("the job's two trainer tasks did not start")
+
+
+def test_rank_killed_at_start_up_the_other_leaves_before_killwait(
+    slurm_cluster, tiny_data, tmp_path
+):
+    """Issue 30 item 3: task 0 of the 2-task srun step is killed (SIGKILL) the moment both
+    tasks exist (task 1 still importing torch); srun --kill-on-bad-exit sends task 1 SIGTERM,
+    which ends its start-up at once with one line and exit 75. It was recorded for a step-1
+    checkpoint that could not happen: task 1 went on to the rendezvous and waited for the
+    cluster's KillWait (30 s, SLURM's default here) and SIGKILL."""
+    kill_wait = 30.0
+    job_id = submit_pretrain(slurm_cluster, tiny_data, tmp_path)
+    ranks = _start_up_ranks(tmp_path / "logs")
+    os.kill(ranks[0], 9)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2 * kill_wait and Path(f"/proc/{ranks[1]}").exists():
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    info = slurm_cluster.wait(job_id, timeout=300)
+    log = job_log(tmp_path, job_id)
+    print(f"task 1 left {took:.2f} s after task 0 was killed (KillWait {kill_wait:g} s)")
+    assert "error: rank 1: SIGTERM during start-up" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert took < kill_wait - 5, (took, log[-3000:])
+    assert info.state == "FAILED" and info.restarts == 0, (info, log[-3000:])
+    assert not (tmp_path / "logs" / "checkpoints" / "latest").exists()
+
+
 def test_mpirun_inside_sbatch_trains_the_tiny_config(
     slurm_cluster, tiny_data, reference_run, tmp_path
 ):
