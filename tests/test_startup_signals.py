@@ -145,6 +145,7 @@ def test_signal_during_start_up_ends_it_at_once(tiny_corpus, trained, tmp_path, 
     assert "[checkpoint]" not in out and "[train]" not in out
     created = assert_unchanged_but_created(before, tree(run))
     assert LOCK_NAME not in " ".join(created) and "step_00000003" not in " ".join(created)
+    assert sorted(p.name for p in tmp_path.glob(".*")) == [], "a lock left beside the run"
     print(f"{name} at {at}: exit 75 after {took:.2f} s ({errors[0].split('(')[1].split(')')[0]});"
           f" created {created}")
 
