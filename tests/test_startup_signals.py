@@ -124,6 +124,7 @@ def test_cases_cover_every_start_up_phase():
     assert sorted({at for _, at in CASES} - {"launch"}) == sorted(START_UP_PHASES)
 
 
+@pytest.mark.slow  # six trainer start-ups (one rank each): out of the quick tier, in CI
 @pytest.mark.parametrize("signum,at", CASES, ids=[f"{s.name}-{a}" for s, a in CASES])
 def test_signal_during_start_up_ends_it_at_once(tiny_corpus, trained, tmp_path, signum, at):
     run = tmp_path / "run"
