@@ -49,6 +49,7 @@ class IsolationBenchConfig(ModelSizes):
     device: str = "auto"
     seed: int = 0
     out: str = "bench_out/isolation"
+    per_span: str = "auto"  # LinformerEncoder.document_per_span: auto (None), true, false
 
     def validate(self) -> None:
         self.validate_sizes()
@@ -91,6 +92,9 @@ class Stepper:
         if bc.precision == "bf16":
             self.model.to(torch.bfloat16)
         self.model.encoder.check_token_ids = False  # as the trainer runs it
+        self.model.encoder.document_per_span = {"auto": None, "true": True, "false": False}[
+            bc.per_span
+        ]
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
         rows = mlm_batch(bc.vocab, bc.batch, n, bc.mlm_fraction, seed=bc.seed + n)
         self.ids, self.labels = rows["input_ids"].to(device), rows["labels"].to(device)
@@ -173,6 +177,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> IsolationBenchConfig:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dropout", type=float, default=d.dropout)
     p.add_argument("--out", default=d.out)
+    p.add_argument("--per-span", default=d.per_span, choices=["auto", "true", "false"],
+                   help="document isolation path (LinformerEncoder.document_per_span)")
     a = p.parse_args(argv)
     return IsolationBenchConfig(**{k: v for k, v in vars(a).items()})
 

@@ -4,6 +4,7 @@ import math
 from typing import Dict, Optional
 
 import torch
+import torch.nn.functional as F
 
 from linformer_ds.config import JobConfig
 from linformer_ds.context_meter import UnigramMeter, figures
@@ -29,8 +30,10 @@ def evaluate(
     sequence-parallel ``sp_group`` every rank of the group evaluates its slice of the rows.
 
     ``unigram``: the context meter (linformer_ds.context_meter) of the train split, scored on
-    exactly the labels the model is scored on; adds ``unigram_loss``, ``unigram_accuracy``,
-    ``context_gain_nats`` and ``context_gain_accuracy`` to the figures. ``document_isolation``:
+    the hidden labels (those whose input is the mask token; the 10 % kept unchanged show the
+    model its answer, the 10 % replaced a wrong one); adds ``hidden_loss``, ``hidden_accuracy``
+    (the model on those labels), ``unigram_loss``, ``unigram_accuracy``, ``context_gain_nats``
+    and ``context_gain_accuracy`` to the figures. ``document_isolation``:
     the rows' documents are isolated (``position_ids`` restarting after every sep), as in
     training."""
     import deepspeed.comm as dist
@@ -50,7 +53,7 @@ def evaluate(
     n_rows = min(len(valid_ds), cfg.train.eval_batches * global_batch)
     mine = list(range(rank, n_rows - (n_rows % world), world))
     engine.eval()
-    stats = torch.zeros(4, dtype=torch.float64, device=device)
+    stats = torch.zeros(7, dtype=torch.float64, device=device)  # STAT_* + hidden loss, ok, n
     meter = [0.0, 0.0]  # the context-free predictor's summed loss and correct count (host)
     for start in range(0, len(mine), mb):
         idx = mine[start : start + mb]
@@ -58,16 +61,23 @@ def evaluate(
         batch = masker(tokens, torch.tensor(idx), 0)
         if sp_group is not None:
             batch, _ = shard_batch(batch, dist.get_rank(sp_group), dist.get_world_size(sp_group))
-        if unigram is not None:  # this rank's labels (its slice under sequence parallelism)
-            meter = [a + b for a, b in zip(meter, unigram.stats(batch["labels"]))]
+        if unigram is not None:  # this rank's hidden labels (its slice under sequence parallelism)
+            hidden = hidden_labels(batch["labels"], batch["input_ids"], valid_ds.mask_id)
+            meter = [a + b for a, b in zip(meter, unigram.stats(hidden))]
         batch = to_device(batch, device)  # with the labelled positions of this rank's slice
         extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],
                      labelled_index=batch["labelled_index"], **extra)  # fmt: skip
-        stats += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
+        stats[:4] += step_stats(out.loss, out.labelled_logits, out.labelled_targets)
+        if unigram is not None:
+            shown = batch["input_ids"].reshape(-1).index_select(0, batch["labelled_index"])
+            stats[4:] += hidden_stats(out.labelled_logits, out.labelled_targets,
+                                      shown == valid_ds.mask_id)  # fmt: skip
     engine.train()
     if unigram is not None:
         stats = torch.cat([stats, torch.tensor(meter, dtype=torch.float64, device=device)])
+    else:
+        stats = stats[:4]
     stats = all_reduce_sum(stats, torch.device(device)).tolist()  # the one read to the host
     loss = stats[STAT_LOSS] / max(stats[STAT_COUNT], 1)
     result = {
@@ -76,5 +86,24 @@ def evaluate(
         "mlm_accuracy": stats[STAT_CORRECT] / max(stats[STAT_COUNT], 1),
     }
     if unigram is not None:
-        result.update(figures(stats[4], stats[5], stats[STAT_COUNT], loss, result["mlm_accuracy"]))
+        n_hidden = max(stats[6], 1.0)
+        h_loss, h_acc = stats[4] / n_hidden, stats[5] / n_hidden
+        result.update({"hidden_loss": h_loss, "hidden_accuracy": h_acc})
+        result.update(figures(stats[7], stats[8], stats[6], h_loss, h_acc))
     return result
+
+
+def hidden_labels(labels: torch.Tensor, input_ids: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``labels`` with every position whose input is not ``mask_id`` set to ignored (-100):
+    the labels the model has to infer from context."""
+    return torch.where(input_ids == mask_id, labels, torch.full_like(labels, -100))
+
+
+def hidden_stats(logits: torch.Tensor, targets: torch.Tensor, hidden: torch.Tensor
+                 ) -> torch.Tensor:  # fmt: skip
+    """``[3]`` float64: summed cross-entropy, correct count and count of the labelled positions
+    (``logits [M, V]``, ``targets [M]``) flagged ``hidden [M]`` (input was the mask token)."""
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    h = hidden.to(ce.dtype)
+    ok = (logits.argmax(-1) == targets).to(ce.dtype)
+    return torch.stack([(ce * h).sum(), (ok * h).sum(), h.sum()]).double()

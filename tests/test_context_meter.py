@@ -107,9 +107,10 @@ def test_data_prep_record_is_used_and_checked(shards, tmp_path):
     assert load_counts(ShardDataset(shards, "train"), None)["from"] == "counted"
 
 
-def test_evaluate_reports_the_meter_on_the_scored_positions(shards, tmp_path, monkeypatch):
+def test_evaluate_reports_the_meter_on_the_hidden_positions(shards, tmp_path, monkeypatch):
     """evaluate() with a model that predicts uniformly: loss = log V on every position; the
-    meter's figures are those of the reference on the same masks (seed train.seed + 1)."""
+    meter's figures are those of the reference on the hidden labels (input = <mask>) of the
+    same masks (seed train.seed + 1)."""
     import linformer_ds.evaluate as ev
     from linformer_ds.evaluate import evaluate
 
@@ -134,29 +135,68 @@ def test_evaluate_reports_the_meter_on_the_scored_positions(shards, tmp_path, mo
     assert set(FIELDS) <= set(got)
     masker = MLMMasking(V, SPECIAL["mask"], valid.special_ids, seed=4, pad_id=0)
     rows = torch.stack([valid[i] for i in range(4)])  # eval_batches x micro-batch rows
-    lab = masker(rows, torch.arange(4), 0)["labels"].reshape(-1).tolist()
-    lab = [t for t in lab if t != IGNORE_INDEX]
+    masked = masker(rows, torch.arange(4), 0)
+    pairs = zip(masked["labels"].reshape(-1).tolist(), masked["input_ids"].reshape(-1).tolist())
+    lab = [t for t, x in pairs if t != IGNORE_INDEX and x == SPECIAL["mask"]]
+    assert 0 < len(lab) < int((masked["labels"] != IGNORE_INDEX).sum())  # kept/random left out
     want = -sum(logp[t] for t in lab) / len(lab)
     assert got["loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert got["hidden_loss"] == pytest.approx(math.log(V), rel=1e-6)
     assert got["unigram_loss"] == pytest.approx(want, rel=1e-12)
     assert got["unigram_accuracy"] == pytest.approx(sum(t == top for t in lab) / len(lab))
     assert got["context_gain_nats"] == pytest.approx(want - math.log(V), rel=1e-6)
     assert got["context_gain_accuracy"] == pytest.approx(
-        got["mlm_accuracy"] - got["unigram_accuracy"]
+        got["hidden_accuracy"] - got["unigram_accuracy"]
     )
     assert set(evaluate(Uniform(), valid, cfg, 0, 1, "cpu")) == {
         "loss", "perplexity", "mlm_accuracy"
     }  # fmt: skip
 
 
+def test_a_model_that_copies_its_input_shows_no_context_gain(shards, tmp_path, monkeypatch):
+    """A context-free cheat: predict the input token itself (sure of it). On the 10 % of labels
+    kept unchanged it is right, so the loss over all labels sits below the unigram level, but
+    on the hidden labels (input = <mask>) it is always wrong: hidden accuracy 0, and the
+    context gain is negative however the masks fall."""
+    import linformer_ds.evaluate as ev
+    from linformer_ds.evaluate import evaluate
+
+    monkeypatch.setattr(ev, "all_reduce_sum", lambda t, device: t)
+
+    class Copy(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, labels=None, labelled_index=None):
+            targets = labels.reshape(-1)[labelled_index]
+            shown = input_ids.reshape(-1)[labelled_index]
+            logits = 30.0 * torch.nn.functional.one_hot(shown, V).float()
+            loss = torch.nn.functional.cross_entropy(logits, targets)
+            return SimpleNamespace(loss=loss, labelled_logits=logits, labelled_targets=targets)
+
+    valid = ShardDataset(shards, "valid")
+    meter = UnigramMeter.for_dataset(ShardDataset(shards, "train"), tmp_path)
+    for seed in range(4):
+        cfg = SimpleNamespace(
+            data=SimpleNamespace(mlm_probability=0.5),
+            train=SimpleNamespace(seed=seed, micro_batch_size=2, gradient_accumulation_steps=1,
+                                  eval_batches=2),
+        )  # fmt: skip
+        got = evaluate(Copy(), valid, cfg, 0, 1, "cpu", unigram=meter)
+        assert got["mlm_accuracy"] > 0 and got["hidden_accuracy"] == 0.0
+        assert got["hidden_loss"] > 25.0 and got["context_gain_nats"] < 0
+        assert got["context_gain_accuracy"] <= 0
+
+
 def test_mixture_record_weights_the_meter_like_the_loss():
     per = {
-        "a": {"loss": 4.0, "mlm_accuracy": 0.3, "unigram_loss": 5.0, "unigram_accuracy": 0.1},
-        "b": {"loss": 2.0, "mlm_accuracy": 0.5, "unigram_loss": 6.0, "unigram_accuracy": 0.2},
-    }
+        "a": {"loss": 3.0, "mlm_accuracy": 0.4, "hidden_loss": 4.0, "hidden_accuracy": 0.3,
+              "unigram_loss": 5.0, "unigram_accuracy": 0.1},
+        "b": {"loss": 1.0, "mlm_accuracy": 0.6, "hidden_loss": 2.0, "hidden_accuracy": 0.5,
+              "unigram_loss": 6.0, "unigram_accuracy": 0.2},
+    }  # fmt: skip
     record = {"loss": 3.5, "perplexity": math.exp(3.5), "mlm_accuracy": 0.35, "loss/a": 4.0}
     out = with_mixture_meter(record, ["a", "b"], [0.75, 0.25], per)
-    assert list(out)[:7] == ["loss", "perplexity", "mlm_accuracy", *FIELDS]
+    assert list(out)[:9] == ["loss", "perplexity", "mlm_accuracy", *FIELDS]
+    assert out["hidden_loss"] == pytest.approx(3.5)
+    assert out["hidden_accuracy"] == pytest.approx(0.35)
     assert out["unigram_loss"] == pytest.approx(5.25)
     assert out["unigram_accuracy"] == pytest.approx(0.125)
     assert out["context_gain_nats"] == pytest.approx(1.75)
@@ -187,7 +227,7 @@ def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
     ev = read_metrics(run, "eval")
     assert sorted(ev) == [2, 4]
     r = ev[4]
-    assert r["context_gain_nats"] == pytest.approx(r["unigram_loss"] - r["loss"], abs=1e-12)
+    assert r["context_gain_nats"] == pytest.approx(r["unigram_loss"] - r["hidden_loss"], abs=1e-12)
     # reference: counts of the train shards, the eval masks of rows 0-3 (seed 42 + 1)
     train, valid = ShardDataset(data, "train"), ShardDataset(data, "valid")
     counts = np.zeros(train.vocab_size, dtype=np.int64)
@@ -201,8 +241,9 @@ def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
     masker = MLMMasking(valid.vocab_size, valid.mask_id, valid.special_ids, seed=43,
                         pad_id=valid.pad_id)  # fmt: skip
     rows = min(len(valid), 4)
-    labels = masker(torch.stack([valid[i] for i in range(rows)]), torch.arange(rows), 0)["labels"]
-    lab = labels[labels != IGNORE_INDEX].numpy()
+    masked = masker(torch.stack([valid[i] for i in range(rows)]), torch.arange(rows), 0)
+    labels = masked["labels"]
+    lab = labels[(labels != IGNORE_INDEX) & (masked["input_ids"] == valid.mask_id)].numpy()
     assert r["unigram_loss"] == pytest.approx(float(-np.log(p[lab]).mean()), rel=1e-9)
     top = int(np.argmax(np.where(maskable, counts, -1)))
     assert r["unigram_accuracy"] == pytest.approx(float((lab == top).mean()), rel=1e-12)

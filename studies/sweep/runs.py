@@ -83,7 +83,10 @@ def classify(
     }
 
 
-CONTEXT_METER = ("unigram_loss", "unigram_accuracy", "context_gain_nats", "context_gain_accuracy")
+CONTEXT_METER = (
+    "hidden_loss", "hidden_accuracy", "unigram_loss", "unigram_accuracy", "context_gain_nats",
+    "context_gain_accuracy",
+)  # fmt: skip
 
 
 def _ppl(loss: float) -> float:
