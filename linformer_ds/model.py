@@ -432,6 +432,13 @@ def document_block_mask(
 
 
 # ==================================================================================== projections
+def tracing() -> bool:
+    """True while ``torch.export`` / ``torch.onnx.export`` (dynamo) or ``torch.jit.trace`` records
+    the model: shape-generic code (no per-row loops, no branches on sizes or values) replaces the
+    eager fast paths, with the same math."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
 class LinearProjection(nn.Module):
     """Learned projection along the sequence axis: ``[B, n, h, d] -> [B, k, h, d]``.
 
@@ -488,6 +495,16 @@ class LinearProjection(nn.Module):
                 f"{off + self.shard_start + n}) is outside the E/F columns this rank holds "
                 f"[{self.shard_start}, {self.shard_start + width}): sharded E/F need N = max_seq_len"
             )
+        if tracing():  # any batch and length: one batched product, E sliced whatever n is
+            cols = torch.arange(off, off + n, device=x.device)  # a slice would guard n != N
+            w = self.weight.index_select(2, cols)
+            if self.heads == 1:  # bmm: matmul and einsum would guard on n == 1 or B == 1
+                e = w.expand(b, self.k, n)
+                y = torch.bmm(e, x.reshape(b, n, h * d)).view(b, self.k, h, d)
+            else:  # one bmm per head (a static count): reshaping x would guard on B == 1
+                e = [w[i].expand(b, self.k, n) for i in range(h)]
+                y = torch.stack([torch.bmm(e[i], x[:, :, i]) for i in range(h)], dim=2)
+            return y if sp is None else sp.reduce_projection(y)
         # Plain views where possible: the backward of slicing/indexing zero-fills a gradient.
         w = self.weight if n == width else self.weight[:, :, off : off + n]
         if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
@@ -587,11 +604,11 @@ class ConvProjection(nn.Module):
             return self._blocks(windows.view(1, -1, h, d))[0]
         b, n, h, d = x.shape
         r = self.stride
-        pad = (-n) % r
+        pad = (n + r - 1) // r * r - n  # to c r: no export guards; // of n >= 0 (ONNX truncates)
         sp = self.sequence_parallel
         if sp is not None and pad:
             raise ValueError(f"sequence parallel conv: slice length {n} is not a multiple of {r}")
-        if pad:
+        if tracing() or pad:  # traced: padded (by 0 when n is a multiple) for any length
             x = F.pad(x, (0, 0, 0, 0, 0, pad))
         y = self._blocks(x)
         return y if sp is None else sp.gather_blocks(y)
@@ -609,7 +626,11 @@ class ConvProjection(nn.Module):
             y = torch.matmul(x.reshape(b, c, h, r * d), w.t())  # [B, c, h, d_out]
         else:
             w = self.weight.permute(0, 3, 2, 1).reshape(h, r * d, d)  # [h, (r, d_in), d_out]
-            y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
+            if tracing():  # bmm per head: matmul would guard on B == 1 and c == 1
+                xh = x.permute(2, 0, 1, 3, 4).reshape(h, b * c, r * d)
+                y = torch.bmm(xh, w).view(h, b, c, d).permute(1, 2, 0, 3)
+            else:
+                y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
         return y + self.bias
 
     def extra_repr(self) -> str:
@@ -845,7 +866,7 @@ class LinformerSelfAttention(nn.Module):
         attn_mask = None
         if self.kind == "conv" and mask is not None:  # blocks made only of padding are ignored
             r = proj_k.stride
-            pad = (-n) % r
+            pad = (n + r - 1) // r * r - n  # as ConvProjection pads
             blocks = F.pad(mask, (0, pad)).view(b, -1, r).any(dim=-1)
             if sp is not None:  # the rank's blocks -> every block of the sequence
                 blocks = sp.gather_mask(blocks)
@@ -1028,7 +1049,7 @@ def check_inputs(
         )
     if n == 0:
         raise ValueError("input_ids has sequence length 0")
-    if check_ids:
+    if check_ids and not tracing():  # traced: no value-dependent branch in the graph
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= config.vocab_size:
             bad = hi if hi >= config.vocab_size else lo

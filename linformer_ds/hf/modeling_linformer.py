@@ -45,6 +45,7 @@ from ..model import (
     init_weights,
     mlm_loss,
     sequence_classification_loss,
+    tracing,
 )
 from .configuration_linformer import CAUSAL_REASON, LinformerConfig
 
@@ -81,10 +82,15 @@ def _check_kwargs(kwargs: Dict[str, Any]) -> None:
 
 def _compaction_order(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``[B, n]`` gather order that moves every row's real tokens to the front (stable), or
-    ``None`` when all padding is already on the right."""
+    ``None`` when all padding is already on the right. Traced (ONNX export): always the order
+    (the identity on right-padded rows), from distinct keys, with no branch on the mask's values."""
     if attention_mask is None:
         return None
     real = attention_mask != 0
+    if tracing():  # key: padding after every real token, then the position (ties impossible)
+        n = real.shape[1]
+        key = (~real).long() * n + torch.arange(n, device=real.device)
+        return torch.argsort(key, dim=1)
     if bool((real[:, 1:] <= real[:, :-1]).all()):  # every row: ones, then zeros
         return None
     return torch.argsort((~real).to(torch.int8), dim=1, stable=True)

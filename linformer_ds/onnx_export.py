@@ -1,0 +1,220 @@
+"""ONNX export of a Hugging Face model directory written by ``launch/export.py`` (or finetune).
+
+``python -m linformer_ds.onnx_export EXPORT_DIR OUT.onnx`` loads the directory with
+``transformers`` (its own remote code, float32), exports it with ``torch.onnx.export``
+(the dynamo exporter) with dynamic batch and sequence axes, and checks onnxruntime against
+PyTorch at batch sizes 1, 2 and 7 and two lengths (padded rows included).
+
+Inputs ``input_ids`` and ``attention_mask`` (int64 ``[batch, seq]``, ``2 <= seq <=
+max_seq_len``); outputs: the task's (``logits`` of the MLM or a classifier, ``start_logits``
+and ``end_logits`` of QA) and ``last_hidden_state [batch, seq, D]``. Not exported:
+``position_ids`` (document isolation: per-document spans are data-dependent shapes),
+``inputs_embeds``, multiple choice. Needs the ``onnx`` extra (onnx, onnxscript, onnxruntime).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+# architecture in config.json -> (transformers Auto class, output fields besides the hidden state)
+TASKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "LinformerModel": ("AutoModel", ()),
+    "LinformerForMaskedLM": ("AutoModelForMaskedLM", ("logits",)),
+    "LinformerForSequenceClassification": ("AutoModelForSequenceClassification", ("logits",)),
+    "LinformerForTokenClassification": ("AutoModelForTokenClassification", ("logits",)),
+    "LinformerForQuestionAnswering": (
+        "AutoModelForQuestionAnswering", ("start_logits", "end_logits"),
+    ),
+}
+INPUT_NAMES = ["input_ids", "attention_mask"]
+CHECK_BATCHES = (1, 2, 7)
+TOLERANCE = 1e-4  # max |onnxruntime - PyTorch| accepted by the check (float32)
+
+
+class OnnxExportError(RuntimeError):
+    """The ONNX export cannot proceed or its check failed; the message says why."""
+
+
+class _Outputs(nn.Module):
+    """``(input_ids, attention_mask) -> (task outputs..., last_hidden_state)`` as a tuple."""
+
+    def __init__(self, model: nn.Module, fields: Sequence[str]):
+        super().__init__()
+        self.model, self.fields = model, tuple(fields)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tuple:
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+            return_dict=True,
+        )  # fmt: skip
+        return tuple(getattr(out, f) for f in self.fields) + (out.hidden_states[-1],)
+
+
+def load(model_dir: str, architecture: Optional[str] = None) -> Tuple[nn.Module, List[str]]:
+    """The directory's model (float32, eval mode) wrapped by :class:`_Outputs`, and the output
+    names. ``architecture``: one of :data:`TASKS` (default: the one in ``config.json``)."""
+    import transformers
+
+    from linformer_ds.model_dir import check_remote_code
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise OnnxExportError(f"{model_dir}: not an exported model directory ({e})") from None
+    arch = architecture or (config.get("architectures") or ["LinformerForMaskedLM"])[0]
+    if arch not in TASKS:
+        raise OnnxExportError(
+            f"{model_dir}: architecture {arch!r} cannot be exported to ONNX; one of {sorted(TASKS)}"
+        )
+    problem = check_remote_code(model_dir)
+    if problem is not None:
+        raise OnnxExportError(f"{model_dir}: its code will not be run: {problem}")
+    auto, fields = TASKS[arch]
+    model = getattr(transformers, auto).from_pretrained(
+        model_dir, trust_remote_code=True, dtype=torch.float32
+    ).eval()
+    code = sys.modules[type(model.encoder).__module__]
+    if not hasattr(code, "tracing"):
+        raise OnnxExportError(
+            f"{model_dir}: its modeling code predates ONNX export (linformer_model.py has no "
+            "tracing()); export the checkpoint again with this version"
+        )
+    return _Outputs(model, fields), list(fields) + ["last_hidden_state"]
+
+
+def _inputs(batch: int, n: int, vocab: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random ids ``[batch, n]`` (no special ids below 5) and a mask with padding: the last row
+    right-padded after half its length, the first (batch > 1) left-padded by a quarter."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (batch, n), generator=g)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[-1, max(1, n // 2) :] = 0
+    if batch > 1:
+        mask[0, : n // 4] = 0
+    ids = ids.masked_fill(mask == 0, 0)  # pad id
+    return ids, mask
+
+
+@contextlib.contextmanager
+def _size_oblivious():
+    """Reason about sizes without assuming 0/1 specialisation (conv blocks: c may be 1)."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+
+        patch = fx_config.patch(backed_size_oblivious=True)
+    except (ImportError, AttributeError):  # an older torch: plain export
+        patch = contextlib.nullcontext()
+    with patch:
+        yield
+
+
+def export_onnx(
+    model_dir: str,
+    out: str,
+    architecture: Optional[str] = None,
+    optimize: bool = True,
+    check: bool = True,
+    lengths: Optional[Sequence[int]] = None,
+) -> Dict[str, Any]:
+    """Write ``out`` (an ``.onnx`` file) from the export ``model_dir``; with ``check``, compare
+    onnxruntime with PyTorch at :data:`CHECK_BATCHES` x ``lengths`` (default: a short length
+    and ``max_seq_len``). Returns ``{"outputs", "export_s", "check": [{"batch", "seq",
+    <output>: max abs diff}]}``; raises :class:`OnnxExportError` beyond :data:`TOLERANCE`."""
+    wrapper, names = load(model_dir, architecture)
+    cfg = wrapper.model.config
+    n_max, vocab = int(cfg.max_seq_len), int(cfg.vocab_size)
+    if n_max < 2:
+        raise OnnxExportError(f"{model_dir}: max_seq_len {n_max} < 2")
+    batch = torch.export.Dim("batch", min=1)
+    seq = torch.export.Dim("seq", min=2, max=n_max)  # 1 would need its own graph (size 1)
+    example = _inputs(2, max(2, n_max // 2 + 1), vocab, seed=0)
+    start = time.perf_counter()
+    try:
+        with torch.no_grad(), _size_oblivious():
+            program = torch.export.export(
+                wrapper, example, dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
+                strict=False,
+            )  # fmt: skip
+            onnx_program = torch.onnx.export(
+                program, example, input_names=INPUT_NAMES, output_names=names, dynamo=True,
+                optimize=optimize, verify=False, verbose=False,
+            )  # fmt: skip
+    except Exception as e:  # torch.export's and the translator's many error types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OnnxExportError(f"{model_dir}: torch.onnx.export failed: {first}") from e
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    onnx_program.save(out)
+    result: Dict[str, Any] = {
+        "outputs": names, "export_s": round(time.perf_counter() - start, 1), "check": [],
+    }  # fmt: skip
+    if check:
+        lengths = lengths or (max(2, min(n_max, 17)), n_max)
+        result["check"] = check_onnx(wrapper, out, names, vocab, lengths)
+    return result
+
+
+def check_onnx(
+    wrapper: nn.Module, path: str, names: Sequence[str], vocab: int, lengths: Sequence[int]
+) -> List[Dict[str, Any]]:
+    """Max abs difference of every output, onnxruntime vs PyTorch, at each batch size of
+    :data:`CHECK_BATCHES` and each length; :class:`OnnxExportError` beyond :data:`TOLERANCE`."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rows = []
+    for b in CHECK_BATCHES:
+        for n in lengths:
+            ids, mask = _inputs(b, n, vocab, seed=b * 1000 + n)
+            with torch.no_grad():
+                want = wrapper(ids, mask)
+            got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+            row: Dict[str, Any] = {"batch": b, "seq": n}
+            for name, w, g in zip(names, want, got):
+                row[name] = float((torch.from_numpy(g) - w).abs().max())
+            rows.append(row)
+            worst = max(row[name] for name in names)
+            if not worst <= TOLERANCE:
+                raise OnnxExportError(
+                    f"{path}: onnxruntime differs from PyTorch by {worst:.3g} (> {TOLERANCE}) "
+                    f"at batch {b}, length {n}: {row}"
+                )
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m linformer_ds.onnx_export EXPORT_DIR OUT.onnx``; returns the exit status."""
+    p = argparse.ArgumentParser(
+        description="Export a linformer_ds Hugging Face model directory to ONNX (dynamic batch "
+        "and sequence axes) and check onnxruntime against PyTorch."
+    )
+    p.add_argument("model_dir", help="directory written by launch/export.py or finetune")
+    p.add_argument("out", help="the .onnx file to write")
+    p.add_argument("--architecture", default=None, choices=sorted(TASKS),
+                   help="model class (default: the directory's config.json)")  # fmt: skip
+    p.add_argument("--no-optimize", action="store_true", help="skip onnxscript's graph optimizer")
+    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    args = p.parse_args(argv)
+    try:
+        result = export_onnx(
+            args.model_dir, args.out, args.architecture, not args.no_optimize, not args.no_check
+        )
+    except OnnxExportError as e:
+        print(f"onnx export failed: {e}", file=sys.stderr)
+        return 1
+    for row in result["check"]:
+        diffs = ", ".join(f"{k} {row[k]:.2g}" for k in result["outputs"])
+        print(f"  batch {row['batch']}, length {row['seq']}: max |ort - torch| {diffs}")
+    print(f"exported {args.model_dir} -> {args.out} ({result['export_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
