@@ -15,7 +15,7 @@ fi
 # Every other dependency at the tested version (constraints.txt, what CI runs); the torch pin is
 # dropped when another torch is already installed (a GPU user's CUDA build), which the trainer
 # then checks against its tested range (linformer_ds/versions.py).
-if ! python -c "import linformer_ds, deepspeed, omegaconf, datasets, sentencepiece, transformers, pytest, hypothesis" 2>/dev/null \
+if ! python -c "import linformer_ds, deepspeed, omegaconf, datasets, sentencepiece, transformers, pytest, hypothesis, onnxruntime, onnxscript" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ] || [ constraints.txt -nt .venv/.installed ]; then
   torch_now=$(python -c "import torch; print(torch.__version__.split('+')[0])")
   if grep -qx "torch==$torch_now" constraints.txt; then
