@@ -40,6 +40,17 @@ def _describe(holder: Dict[str, Any]) -> str:
             f"pid {holder.get('pid', '?')}{when})")  # fmt: skip
 
 
+def _await_holder(path: str, deadline_s: float = 5.0) -> Dict[str, Any]:
+    """The holder of a lock just found taken: a process that has locked the file but not yet
+    written its record (a few system calls apart) is waited for, up to ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    holder = read_holder(path)
+    while not holder and time.monotonic() < end:
+        time.sleep(0.02)
+        holder = read_holder(path)
+    return holder
+
+
 def read_holder(path: str) -> Dict[str, Any]:
     """The holder recorded in the lock file ``path`` ({} when none or unreadable)."""
     try:
@@ -96,7 +107,7 @@ class DirLock:
             except BlockingIOError:
                 os.close(fd)
                 raise LockError(
-                    f"{self.what} is in use by {_describe(read_holder(self.path))}: one owner per "
+                    f"{self.what} is in use by {_describe(_await_holder(self.path))}: one owner per "
                     f"directory; wait for it to end or choose another directory (lock file "
                     f"{self.path})"
                 ) from None

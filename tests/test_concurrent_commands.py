@@ -221,3 +221,27 @@ def test_a_run_locks_beside_its_directory_and_refuses_another_commands_output(tm
             dirlock.run_dir_locks(str(out), "logging.dir", "training")
         assert f"logging.dir {out} is " in str(e.value) and f"(made by {made_by})" in str(e.value)
         assert not list(tmp_path.glob("**/*.lock")) and not list(tmp_path.glob(".*.lock"))
+
+
+def test_a_refusal_waits_for_a_holder_that_has_not_written_its_record_yet(tmp_path):
+    """The race the generated test met in CI: the other process has flocked the file but not
+    yet written its record; the refusal waits for the record (bounded) and names the holder."""
+    import fcntl
+    import json
+    import threading
+
+    from linformer_ds import dirlock
+
+    path = tmp_path / ".target.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, no record yet
+    record = {"host": socket.gethostname(), "pid": 4242, "command": "data_prep"}
+    writer = threading.Timer(0.3, lambda: os.pwrite(fd, json.dumps(record).encode(), 0))
+    writer.start()
+    try:
+        with pytest.raises(dirlock.LockError) as e:
+            dirlock.DirLock(str(path), "--out target", "data_prep").acquire()
+        assert f"in use by data_prep (host {socket.gethostname()}, pid 4242" in str(e.value)
+    finally:
+        writer.join()
+        os.close(fd)
