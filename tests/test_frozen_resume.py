@@ -19,6 +19,7 @@ import torch
 
 from linformer_ds.checkpoint.reshard import convert_to_universal
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError
+from tests.layout_worker import perturbed_frozen
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics, run_pretrain
 from tests.test_resume_layout import COMMON, HOP, RTOL, _launch, _overrides, _rel
 
@@ -59,17 +60,8 @@ def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ck
     from linformer_ds.data.stages import resolve_stages
     from linformer_ds.train import Trainer
 
-    real = eng.build_model
-
-    def other_init(cfg):
-        model = real(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.add_(1.0)
-        return model
-
-    monkeypatch.setattr(eng, "build_model", other_init if perturb else real)
+    if perturb:  # the layout worker's rule, also used by the chains below
+        monkeypatch.setattr(eng, "build_model", perturbed_frozen)
     cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
                                     f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpts}",
                                     "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
