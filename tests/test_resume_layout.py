@@ -112,6 +112,17 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def read_chain(out: Path, stage: int, hops: int) -> Dict[int, dict]:
+    """The metrics of hops ``z{stage}_hop0..`` of a chain under ``out``, joined by step; each
+    hop holds exactly its own ``HOP`` steps."""
+    got: Dict[int, dict] = {}
+    for i in range(hops):
+        hop = read_metrics(out / f"z{stage}_hop{i}")
+        assert sorted(hop) == list(range(HOP * i + 1, HOP * (i + 1) + 1)), (i, sorted(hop))
+        got.update(hop)
+    return got
+
+
 @pytest.mark.slow  # the chains: 6 launches of 1, 2 and 4 ranks (~2.5 min on 2 busy cores)
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_across_layouts_equals_uninterrupted_run(chains, stage):
@@ -121,11 +132,7 @@ def test_resume_across_layouts_equals_uninterrupted_run(chains, stage):
     1e-5 (measured worst: printed)."""
     out, resumes = chains
     ref = read_metrics(out / "ref")
-    got: Dict[int, dict] = {}
-    for i in range(len(CHAIN)):
-        hop = read_metrics(out / f"z{stage}_hop{i}")
-        assert sorted(hop) == list(range(HOP * i + 1, HOP * (i + 1) + 1)), (i, sorted(hop))
-        got.update(hop)
+    got = read_chain(out, stage, len(CHAIN))
     worst = {"loss": 0.0, "grad_norm": 0.0, "param": 0.0}
     for s in range(1, STEPS + 1):
         for key in ("loss", "grad_norm"):
