@@ -23,5 +23,5 @@ ruff check .
 if [ "$quick" = 1 ]; then
   python -m pytest -q -m "not slow and not gpu" "$@"
 else
-  python -m pytest -q "$@"
+  python -m pytest -q --durations=30 "$@"
 fi
