@@ -193,7 +193,7 @@ def test_warm_started_run_trains_with_the_trainer(tmp_path, tiny_corpus):
             "model.layer_norm_eps=1e-12", "model.max_seq_len=128", "model.k=32",
             "model.projection_init=pooling", "train.max_steps=20", "scheduler.warmup_steps=2",
             "optimizer.lr=3e-3", "checkpoint.save_interval=0", "deepspeed.precision=fp32"]  # fmt: skip
-    r = run_pretrain(tiny_corpus, run, over, nproc=1, check=False)
+    r = run_pretrain(tiny_corpus, run, over, nproc=1, launcher="python", check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"[init] weights from hf:{tmp_path / 'src'} (bert, 64 positions copied to 128" in r.stdout
     losses = [m["loss"] for _, m in sorted(read_metrics(run).items())]
@@ -208,7 +208,8 @@ def test_trainer_refuses_another_vocabulary_in_one_line(tmp_path, tiny_corpus):
     over = [f"checkpoint.init_from=hf:{tmp_path / 'src'}", "model.vocab_size=3000",
             "model.hidden_size=32", "model.intermediate_size=64", "model.norm=post",
             "model.layer_norm_eps=1e-12", "train.max_steps=2"]  # fmt: skip
-    r = run_pretrain(tiny_corpus, tmp_path / "run", over, nproc=1, check=False)
+    r = run_pretrain(tiny_corpus, tmp_path / "run", over, nproc=1, launcher="python",
+                     check=False)  # fmt: skip
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("config error: checkpoint.init_from: hf:") and "3000 ids" in line, line
