@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import sentencepiece as spm
 
+from data_prep.hf_tokenizer import HFEncoder, HFPayload
 from data_prep.tokenizer import CLS_ID, PAD_ID, SEP_ID, document_lines
 from linformer_ds.data.splits import empty_split_fix
 
@@ -64,19 +65,36 @@ class EncodeSettings:
     valid_fraction: float
     seed: int
     dtype: str
+    cls_id: int = CLS_ID  # the tokenizer's special ids (SentencePiece: the fixed ones)
+    sep_id: int = SEP_ID
+    pad_id: int = PAD_ID
+
+
+def special_settings(tok_info: Dict[str, Any]) -> Dict[str, int]:
+    """The :class:`EncodeSettings` / :class:`FullPacker` ids of a manifest tokenizer entry
+    (a Hugging Face tokenizer records its own; a SentencePiece one has the fixed ids)."""
+    ids = tok_info.get("special_ids") or {"cls": CLS_ID, "sep": SEP_ID, "pad": PAD_ID}
+    return {"cls_id": int(ids["cls"]), "sep_id": int(ids["sep"]), "pad_id": int(ids["pad"])}
+
+
+def make_encoder(model: Any) -> Any:
+    """The worker's encoder: a SentencePiece model proto (bytes) or an :class:`HFPayload`."""
+    if isinstance(model, HFPayload):
+        return HFEncoder(model)
+    return spm.SentencePieceProcessor(model_proto=model)
 
 
 _worker: Dict[str, Any] = {}
 
 
-def init_worker(model_proto: bytes, settings: EncodeSettings, worker: bool = True) -> None:
+def init_worker(model_proto: Any, settings: EncodeSettings, worker: bool = True) -> None:
     """Pool initializer: load the tokenizer once per worker process (``worker=False``: in the
     main process, for ``--workers 0``)."""
 
 
     if worker:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process
-    _worker["sp"] = spm.SentencePieceProcessor(model_proto=model_proto)
+    _worker["sp"] = make_encoder(model_proto)
     _worker["settings"] = settings
 
 
@@ -94,6 +112,8 @@ def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dic
     """
     dtype = np.dtype(settings.dtype)
     doc_lines = [document_lines(t) for t in texts]
+    if getattr(sp, "whole_documents", False):  # a Hugging Face tokenizer: one call per document
+        doc_lines = [["\n".join(lines)] if lines else [] for lines in doc_lines]
     all_lines = list(itertools.chain.from_iterable(doc_lines))
     encoded = sp.encode(all_lines, num_threads=1) if all_lines else []
     line_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
@@ -109,7 +129,7 @@ def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dic
     counts = {s: {"documents": 0, "content": 0, "pad": 0} for s in SPLITS}
     empty = 0
     n = settings.seq_len
-    sep = np.array([SEP_ID], dtype=dtype)
+    sep = np.array([settings.sep_id], dtype=dtype)
     for i, text in enumerate(texts):
         tokens = flat[doc_bounds[i] : doc_bounds[i + 1]]
         if len(tokens) == 0:
@@ -124,12 +144,12 @@ def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dic
         else:
             chunk = n - 2
             k = -(-len(tokens) // chunk)
-            rows = np.full((k, n), PAD_ID, dtype=dtype)
-            rows[:, 0] = CLS_ID
+            rows = np.full((k, n), settings.pad_id, dtype=dtype)
+            rows[:, 0] = settings.cls_id
             for r in range(k):
                 part = tokens[r * chunk : (r + 1) * chunk]
                 rows[r, 1 : 1 + len(part)] = part
-                rows[r, 1 + len(part)] = SEP_ID
+                rows[r, 1 + len(part)] = settings.sep_id
             counts[split]["pad"] += k * n - len(tokens) - 2 * k
             pieces[split].append(rows)
     splits = {}
@@ -145,8 +165,16 @@ def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dic
 class FullPacker:
     """Main-process side of ``full`` packing: cuts a split's token stream into ``[cls] + N-1``."""
 
-    def __init__(self, seq_len: int, dtype: np.dtype, carry: Optional[List[int]] = None) -> None:
+    def __init__(
+        self,
+        seq_len: int,
+        dtype: np.dtype,
+        carry: Optional[List[int]] = None,
+        cls_id: int = CLS_ID,
+        pad_id: int = PAD_ID,
+    ) -> None:
         self.seq_len = seq_len
+        self.cls_id, self.pad_id = cls_id, pad_id
         self.dtype = np.dtype(dtype)
         self.carry = np.asarray(carry if carry is not None else [], dtype=self.dtype)
 
@@ -156,7 +184,7 @@ class FullPacker:
         buf = np.concatenate([self.carry, stream]) if len(self.carry) else stream
         k = len(buf) // body
         rows = np.empty((k, self.seq_len), dtype=self.dtype)
-        rows[:, 0] = CLS_ID
+        rows[:, 0] = self.cls_id
         rows[:, 1:] = buf[: k * body].reshape(k, body)
         self.carry = np.array(buf[k * body :], dtype=self.dtype)
         return rows
@@ -165,8 +193,8 @@ class FullPacker:
         """The last, padded row (``[1, N]``), or ``[0, N]`` if nothing is left over."""
         if len(self.carry) == 0:
             return np.zeros((0, self.seq_len), dtype=self.dtype)
-        row = np.full((1, self.seq_len), PAD_ID, dtype=self.dtype)
-        row[0, 0] = CLS_ID
+        row = np.full((1, self.seq_len), self.pad_id, dtype=self.dtype)
+        row[0, 0] = self.cls_id
         row[0, 1 : 1 + len(self.carry)] = self.carry
         self.carry = np.zeros(0, dtype=self.dtype)
         return row

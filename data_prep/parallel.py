@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-import sentencepiece as spm
 
+from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.distributed import PeerFailed, Transport, World, connect, remove_sync_root
 from data_prep.errors import DataPrepError
@@ -63,8 +63,6 @@ from data_prep.steps import (
     train_on_sample,
 )
 from data_prep.tokenizer import (
-    CLS_ID,
-    PAD_ID,
     document_lines,
     file_sha256,
     split_long_line,
@@ -272,6 +270,7 @@ class _Ctx:
         self.created: Optional[bool] = None  # rank 0: whether it made --out (until resumable)
         self.made_out = False  # rank 0: whether this run made --out
         self.die = None
+        self.ids: Dict[str, int] = {}  # the rows' cls/sep/pad ids (packing.special_settings)
         spec = os.environ.get(DIE_ENV)
         if spec:
             r, n = spec.split(":")
@@ -347,6 +346,10 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
             _clean_unstarted(cfg.out, ctx.created)
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _alike(ctx: "_Ctx", message: str) -> DataPrepError:
     """An error every rank meets at the same point: rank 0 prints it, the others exit quietly."""
     return DataPrepError(message) if ctx.rank == 0 else Quiet(message)
@@ -395,8 +398,11 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
         head = {"state": state, "unit_bytes": unit_bytes, "units": make_units(source, unit_bytes)}
         if state is not None:
             head["done"] = _finished_units(ctx.units_dir)
-            with open(os.path.join(cfg.out, TOKENIZER), "rb") as f:
+            saved = state["tokenizer"]
+            with open(os.path.join(cfg.out, saved.get("file", TOKENIZER)), "rb") as f:
                 head["proto"] = f.read()
+            if saved.get("kind") == hft.KIND and _sha(head["proto"]) == saved["sha256"]:
+                head["payload"] = hft.saved(cfg.out, saved)[0]  # what the workers encode with
     head = comm.bcast(head, "output directory")
     state = head["state"]
     units: List[Unit] = head["units"]
@@ -435,12 +441,14 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
                 f"interrupted run had {state.get('units')}; rerun with --overwrite",
             )
         plan, tok_info, proto, done = state["plan"], state["tokenizer"], head["proto"], head["done"]
-        if hashlib.sha256(proto).hexdigest() != tok_info["sha256"]:
-            raise _alike(ctx, f"cannot --resume: {TOKENIZER} changed since the interrupted run")
+        if _sha(proto) != tok_info["sha256"]:
+            name = tok_info.get("file", TOKENIZER)
+            raise _alike(ctx, f"cannot --resume: {name} changed since the interrupted run")
+        proto = head.get("payload", proto)
         _log(cfg, f"resuming: {len(done)} of {plan['units']} work units are done")
 
-    sp = spm.SentencePieceProcessor(model_proto=proto)
-    vocab_size = sp.get_piece_size()
+    vocab_size = int(tok_info["vocab_size"])
+    ctx.ids = pk.special_settings(tok_info)
     dtype = dtype_for_vocab(vocab_size)
     shard_rows = cfg.shard_rows or max(1, SHARD_TARGET_BYTES // (cfg.seq_len * dtype.itemsize))
 
@@ -647,10 +655,14 @@ def _collect(
     return out
 
 
-def _copy_tokenizer(ctx: _Ctx) -> Tuple[bytes, Dict[str, Any]]:
+def _copy_tokenizer(ctx: _Ctx) -> Tuple[Any, Dict[str, Any]]:
+    """Rank 0 copies ``--tokenizer``; every rank gets the workers' model (a SentencePiece
+    proto or a Hugging Face payload) and the manifest entry."""
     cfg = ctx.cfg
     proto, info = b"", {}
-    if ctx.rank == 0:
+    if ctx.rank == 0 and hft.is_hf_tokenizer(cfg.tokenizer):
+        proto, info = hft.copy_tokenizer(cfg.tokenizer, cfg.out, cfg.vocab_size)
+    elif ctx.rank == 0:
 
         dest = os.path.join(cfg.out, TOKENIZER)
         sp = copy_given_tokenizer(cfg, dest)
@@ -666,7 +678,7 @@ def _tokenize(
     units: List[Unit],
     plan: Dict[str, Any],
     done: Dict[int, Any],
-    proto: bytes,
+    proto: Any,
     dtype: np.dtype,
 ) -> Tuple[Dict[int, Dict[str, Any]], int]:
 
@@ -677,7 +689,9 @@ def _tokenize(
     if not mine:
         return out, 0
     os.makedirs(ctx.units_dir, exist_ok=True)
-    settings = pk.EncodeSettings(cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name)
+    settings = pk.EncodeSettings(
+        cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name, **ctx.ids
+    )
     encoder = _Encoder(cfg.workers, proto, settings)
     tokens = 0
     ok = False
@@ -816,10 +830,10 @@ def _write_shard(ctx: _Ctx, split: str, k: int, r0: int, r1: int, offsets, dtype
         body = n - 1
         total = int(offsets[-1])
         tok = _read_stream(ctx, split, r0 * body, min(r1 * body, total), offsets, dtype, 1)
-        flat = np.full(nrows * body, PAD_ID, dtype=dtype)
+        flat = np.full(nrows * body, ctx.ids["pad_id"], dtype=dtype)
         flat[: len(tok)] = tok
         rows = np.empty((nrows, n), dtype=dtype)
-        rows[:, 0] = CLS_ID
+        rows[:, 0] = ctx.ids["cls_id"]
         rows[:, 1:] = flat.reshape(nrows, body)
     else:
         rows = _read_stream(ctx, split, r0, r1, offsets, dtype, n).reshape(nrows, n)

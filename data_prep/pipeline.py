@@ -3,7 +3,8 @@
 Output directory::
 
     OUT/manifest.json            written last (atomically): the run is complete
-    OUT/tokenizer.model          trained here or copied from --tokenizer
+    OUT/tokenizer.model          trained here or copied from --tokenizer (a SentencePiece model)
+    OUT/tokenizer/               or: a Hugging Face --tokenizer directory, saved again here
     OUT/train/shard_00000.npy    [rows, N] uint16 (vocab <= 65535) else uint32
     OUT/valid/shard_00000.npy
     OUT/progress.json            only while a run is unfinished (resume state)
@@ -53,6 +54,7 @@ from data_prep.steps import (  # noqa: F401  (PrepConfig ... re-exported: the pu
     _skip,
     _tasks,
     dtype_for_vocab,
+    worker_model,
 )
 from linformer_ds import outdir
 from linformer_ds.fsio import atomic_write_json
@@ -110,7 +112,8 @@ def _run(
     if state is not None and "tokenizer" not in state:
         state = None  # interrupted before the tokenizer was done: start from the beginning
     sp, tok_info = _get_tokenizer(cfg, state)
-    vocab_size = sp.get_piece_size()
+    vocab_size = int(tok_info["vocab_size"])
+    ids = pk.special_settings(tok_info)
     dtype = dtype_for_vocab(vocab_size)
     shard_rows = cfg.shard_rows or max(1, SHARD_TARGET_BYTES // (cfg.seq_len * dtype.itemsize))
     fingerprint = cfg.fingerprint()
@@ -123,7 +126,9 @@ def _run(
         for s in pk.SPLITS
     }
     packers = {
-        s: pk.FullPacker(cfg.seq_len, dtype, state["carry"][s] if state else None)
+        s: pk.FullPacker(
+            cfg.seq_len, dtype, state["carry"][s] if state else None, ids["cls_id"], ids["pad_id"]
+        )
         for s in pk.SPLITS
     }
 
@@ -144,8 +149,10 @@ def _run(
     checkpoint()  # the tokenizer is done: a rerun can --resume from here
     if docs_done:
         _log(cfg, f"resuming after {docs_done} documents")
-    settings = pk.EncodeSettings(cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name)
-    encoder = _Encoder(cfg.workers, sp.serialized_model_proto(), settings)
+    settings = pk.EncodeSettings(
+        cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name, **ids
+    )
+    encoder = _Encoder(cfg.workers, worker_model(sp), settings)
     docs = _skip(_limited(cfg, source), docs_done)
 
     bar = tqdm(

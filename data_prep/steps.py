@@ -17,6 +17,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter
@@ -158,6 +159,8 @@ class PrepConfig:
         if check_encoding(self.encoding) != "utf-8":  # (runs before --encoding keep their print)
             fp["encoding"] = self.encoding
         tok = self.tokenizer
+        if tok and os.path.isdir(tok) and os.path.isfile(os.path.join(tok, hft.HF_FILE)):
+            tok = os.path.join(tok, hft.HF_FILE)  # a Hugging Face tokenizer directory
         fp["tokenizer_sha256"] = file_sha256(tok) if tok and os.path.isfile(tok) else None
         return fp
 
@@ -288,12 +291,21 @@ def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
 
 # ---------------------------------------------------------------------------- tokenizer
 def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[Any, Dict[str, Any]]:
+    """``(tokenizer, manifest entry)``: a SentencePieceProcessor, or the workers'
+    :class:`~data_prep.hf_tokenizer.HFPayload` of a Hugging Face tokenizer directory."""
     dest = os.path.join(cfg.out, TOKENIZER)
     if state is not None:
-        if file_sha256(dest) != state["tokenizer"]["sha256"]:
+        saved = state["tokenizer"]
+        if saved.get("kind") == hft.KIND:
+            dest = os.path.join(cfg.out, saved["file"])
+        if not os.path.isfile(dest) or file_sha256(dest) != saved["sha256"]:
             raise DataPrepError(f"cannot resume: {dest!r} changed since the interrupted run")
+        if saved.get("kind") == hft.KIND:
+            return hft.saved(cfg.out, saved)[0], saved
         return load_tokenizer(dest), state["tokenizer"]
     trained = None
+    if cfg.tokenizer is not None and hft.is_hf_tokenizer(cfg.tokenizer):
+        return hft.copy_tokenizer(cfg.tokenizer, cfg.out, cfg.vocab_size)
     if cfg.tokenizer is not None:
         sp = copy_given_tokenizer(cfg, dest)
     else:
@@ -322,7 +334,10 @@ def copy_given_tokenizer(cfg: PrepConfig, dest: str):
     """Check ``--tokenizer`` (exists, agrees with ``--vocab-size``), copy it to ``dest``
     atomically and return it loaded."""
     if not os.path.isfile(cfg.tokenizer):
-        raise DataPrepError(f"--tokenizer file does not exist: {cfg.tokenizer!r}")
+        raise DataPrepError(
+            f"--tokenizer file does not exist: {cfg.tokenizer!r} (a SentencePiece .model or a "
+            "Hugging Face tokenizer directory)"
+        )
     sp = load_tokenizer(cfg.tokenizer)
     if cfg.vocab_size is not None and cfg.vocab_size != sp.get_piece_size():
         raise DataPrepError(
@@ -376,6 +391,14 @@ def train_on_sample(
     return sp, tokenizer_info(dest, sp, trained)
 
 
+def worker_model(tokenizer: Any) -> Any:
+    """What :func:`data_prep.packing.init_worker` loads: the SentencePiece model proto, or
+    the Hugging Face payload as it is."""
+    if isinstance(tokenizer, hft.HFPayload):
+        return tokenizer
+    return tokenizer.serialized_model_proto()
+
+
 # ------------------------------------------------------------------------------- encoding
 class _Encoder:
     """Runs ``encode_task`` in worker processes (or inline when workers == 0), in order.
@@ -384,7 +407,7 @@ class _Encoder:
     of memory) fails the run with ``BrokenProcessPool`` instead of hanging it.
     """
 
-    def __init__(self, workers: int, model_proto: bytes, settings: pk.EncodeSettings) -> None:
+    def __init__(self, workers: int, model_proto: Any, settings: pk.EncodeSettings) -> None:
         self.workers = workers
         self.pool: Optional[Any] = None
         if workers > 0:
@@ -510,8 +533,10 @@ def _manifest(
             "padding_fraction": c["pad"] / total if total else 0.0,
         }
     # the train split's token counts for the trainer's context meter (unigram_counts.npy)
+    special_ids = dict(tok_info.get("special_ids") or SPECIAL_IDS)  # (SentencePiece: fixed)
+    special_pieces = dict(tok_info.get("special_pieces") or SPECIAL_PIECES)
     unigram = counts_record(cfg.out, splits["train"]["shards"], vocab_size,
-                            sorted(SPECIAL_IDS.values()))  # fmt: skip
+                            sorted(special_ids.values()))  # fmt: skip
     layout = {
         "full": "each row is [cls] + N-1 tokens of the split's stream, where every document is "
         "followed by sep; documents continue across rows; only the split's last row is padded",
@@ -526,8 +551,8 @@ def _manifest(
         "dtype": dtype.name,
         "packing": cfg.packing,
         "row_layout": layout,
-        "special_ids": dict(SPECIAL_IDS),
-        "special_pieces": dict(SPECIAL_PIECES),
+        "special_ids": special_ids,
+        "special_pieces": special_pieces,
         "tokenizer": tok_info,
         "source": {
             **source.describe(),

@@ -62,6 +62,9 @@ from linformer_ds.model_dir import (  # noqa: F401  (re-exported: the export's w
     build_fast_tokenizer,
     check_remote_code,
     check_tokenizer,
+    hf_token_ids,
+    is_hf_tokenizer,
+    load_hf_tokenizer,
     remote_code,
     write_model_dir,
     write_remote_code,
@@ -95,7 +98,8 @@ def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
     except (ModelConfigError, TypeError) as e:
         raise ExportError(f"{path}: invalid model config: {e}") from e
     ids = meta.get("special_ids")
-    if ids and any(int(ids.get(k, v)) != v for k, v in SPECIAL_IDS.items()):
+    sentencepiece = str(meta.get("tokenizer", "tokenizer.model")).endswith(".model")
+    if sentencepiece and ids and any(int(ids.get(k, v)) != v for k, v in SPECIAL_IDS.items()):
         raise ExportError(
             f"{path}: the data was made with special ids {ids}; this exporter writes tokenizers "
             f"with data_prep's fixed ids {SPECIAL_IDS}"
@@ -232,13 +236,19 @@ def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]
     model's ids to other tokens."""
 
     def pieces(path: str) -> List[str]:
+        if is_hf_tokenizer(path):  # a Hugging Face tokenizer directory: its id -> token table
+            vocab = load_hf_tokenizer(path).get_vocab()
+            table = [""] * (max(vocab.values()) + 1)
+            for token, i in vocab.items():
+                table[i] = token
+            return table
         sp = spm.SentencePieceProcessor(model_file=path)
         return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
     given = pieces(sp_model_path)
     own = os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
     hint = "; omit --tokenizer to export the checkpoint's own"
-    if os.path.isfile(own):
+    if os.path.exists(own):
         want = pieces(own)
         if given != want:
             first = next((i for i, (a, b) in enumerate(zip(given, want)) if a != b), None)
@@ -255,6 +265,19 @@ def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]
             f"--tokenizer {sp_model_path}: {len(given)} pieces, the checkpoint was trained on "
             f"data with a vocabulary of {sorted(sizes)[0]}{hint}"
         )
+
+
+def check_special_ids(tokenizer: str, meta: Dict[str, Any], tag_dir: str) -> None:
+    """A Hugging Face tokenizer written with the export must have the special ids the model
+    was trained with (the checkpoint's metadata records the data's)."""
+    want = meta.get("special_ids")
+    if not is_hf_tokenizer(tokenizer) or not isinstance(want, dict) or not want:
+        return
+    got = hf_token_ids(tokenizer)[0]
+    wrong = [f"{k} {got.get(k)} (trained with {v})" for k, v in want.items() if got.get(k) != v]
+    if wrong:
+        raise ExportError(f"tokenizer {tokenizer}: special ids {', '.join(wrong)}; the "
+                          f"checkpoint {tag_dir} was trained with {want}")  # fmt: skip
 
 
 PROVENANCE = ("portable", "full")
@@ -330,12 +353,13 @@ def _export(
     tag = os.path.basename(tag_dir)
     meta, model_config = read_meta(tag_dir)
     sp_path = tokenizer or os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
-    if not os.path.isfile(sp_path):
+    if not os.path.exists(sp_path):
         raise ExportError(
-            f"tokenizer {sp_path} not found: the checkpoint has no SentencePiece model; "
-            "pass --tokenizer PATH/tokenizer.model"
+            f"tokenizer {sp_path} not found: the checkpoint has no tokenizer; pass --tokenizer "
+            "PATH/tokenizer.model (or a Hugging Face tokenizer directory)"
         )
     check_tokenizer(sp_path, model_config)
+    check_special_ids(sp_path, meta, tag_dir)
     if tokenizer:
         check_same_vocabulary(sp_path, tag_dir, meta)
     out = os.path.abspath(out)

@@ -479,6 +479,13 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
     return results
 
 
+def tokenizer_of(model_dir: str) -> str:
+    """The tokenizer an export carries: its ``tokenizer.model`` (SentencePiece), else the
+    directory itself (a Hugging Face tokenizer saved with the export)."""
+    sp = os.path.join(model_dir, "tokenizer.model")
+    return sp if os.path.isfile(sp) else model_dir
+
+
 def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None:
     """Write the fine-tuned classifier in the export format: into a directory next to
     ``--out``, swapped in when complete (a failed write leaves the previous output whole)."""
@@ -491,7 +498,7 @@ def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None
             tmp,
             model_config,
             state,
-            os.path.join(args.model, "tokenizer.model"),
+            tokenizer_of(args.model),
             architecture="LinformerForSequenceClassification",
             config_extra={
                 "id2label": dict(model.config.id2label),

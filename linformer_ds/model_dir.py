@@ -17,7 +17,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from linformer_ds.model import ModelConfig
-from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
+from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES, hf_special_tokens
 
 EXPORT_FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,9 +62,58 @@ class ExportError(RuntimeError):
     """The export cannot proceed; the message names the problem and the path."""
 
 
-def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
-    """Check the SentencePiece model's special ids and size against the model; returns its size."""
+def is_hf_tokenizer(path: str) -> bool:
+    """A directory: a Hugging Face tokenizer (data_prep's ``tokenizer/``, an export); a file:
+    a SentencePiece model."""
+    return os.path.isdir(path)
 
+
+def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer`` of directory ``path`` (local files only); ExportError in one line."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except Exception as e:  # noqa: BLE001  (any loading failure: one line)
+        lines = str(e).strip().splitlines()
+        raise ExportError(f"{path}: not a Hugging Face tokenizer directory ({type(e).__name__}: "
+                          f"{lines[0] if lines else 'no detail'})") from None  # fmt: skip
+
+
+def hf_token_ids(path: str) -> Tuple[Dict[str, int], int]:
+    """``({pad, unk, cls, sep, mask: id}, vocabulary size)`` of the tokenizer directory."""
+    tok = load_hf_tokenizer(path)
+    ids, _, missing = hf_special_tokens(tok)
+    if missing:
+        raise ExportError(f"{path}: the tokenizer has no {missing[0]}")
+    return ids, max(tok.get_vocab().values()) + 1
+
+
+def token_id_options(tokenizer_path: str) -> Dict[str, int]:
+    """``config.json``'s ``bos/eos/cls/sep/unk/mask_token_id`` for the tokenizer written
+    (SentencePiece: the fixed ids; a Hugging Face tokenizer: its own)."""
+    if is_hf_tokenizer(tokenizer_path):
+        ids = hf_token_ids(tokenizer_path)[0]
+    else:
+        ids = dict(SPECIAL_IDS)
+    return {"bos_token_id": ids["cls"], "eos_token_id": ids["sep"], "unk_token_id": ids["unk"],
+            "mask_token_id": ids["mask"], "cls_token_id": ids["cls"],
+            "sep_token_id": ids["sep"]}  # fmt: skip
+
+
+def check_tokenizer(sp_model_path: str, model_config: ModelConfig) -> int:
+    """Check the tokenizer's special ids and size against the model; returns its size. A
+    SentencePiece model must have data_prep's fixed ids; a Hugging Face tokenizer directory
+    (``tokenizer.json``) must have every special token and the model's pad id."""
+    if is_hf_tokenizer(sp_model_path):
+        ids, size = hf_token_ids(sp_model_path)
+        if size > model_config.vocab_size:
+            raise ExportError(f"{sp_model_path}: {size} ids, more than the model's vocab_size "
+                              f"{model_config.vocab_size}")  # fmt: skip
+        if model_config.pad_token_id != ids["pad"]:
+            raise ExportError(f"model.pad_token_id={model_config.pad_token_id} but the tokenizer "
+                              f"{sp_model_path} pads with id {ids['pad']}")  # fmt: skip
+        return size
     try:
         sp = spm.SentencePieceProcessor(model_file=sp_model_path)
     except (OSError, RuntimeError) as e:
@@ -96,7 +145,14 @@ def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None
     and a post-processor that adds ``<s> ... </s>`` (pairs: ``<s> A </s> B </s>``); transformers
     writes it back on every ``save_pretrained`` / ``Trainer.save_model``, so the pattern survives
     round trips. The ids are checked against SentencePiece's own before anything is written.
+    A Hugging Face tokenizer directory is saved as it is (``save_pretrained``), with
+    ``model_max_length`` N_max and no ``token_type_ids`` (the model has none).
     """
+    if is_hf_tokenizer(sp_model_path):
+        tok = load_hf_tokenizer(sp_model_path, model_max_length=int(model_max_length),
+                                model_input_names=["input_ids", "attention_mask"])  # fmt: skip
+        tok.save_pretrained(out)
+        return
     shutil.copyfile(sp_model_path, os.path.join(out, "tokenizer.model"))
     build_fast_tokenizer(sp_model_path, model_max_length).save_pretrained(out)
 
@@ -249,11 +305,8 @@ def write_model_dir(
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 
     extra = dict(config_extra or {})
-    for name, (_, token_id) in SPECIAL_TOKENS.items():  # bos_token_id, ... (pad: the model's)
-        if name != "pad_token":
-            extra.setdefault(name.replace("_token", "_token_id"), token_id)
-    extra.setdefault("cls_token_id", SPECIAL_TOKENS["bos_token"][1])
-    extra.setdefault("sep_token_id", SPECIAL_TOKENS["eos_token"][1])
+    for name, token_id in token_id_options(sp_model_path).items():  # (pad: the model's)
+        extra.setdefault(name, token_id)
     # lazy: transformers (optional, seconds to import) only when a directory is written
     from linformer_ds.hf.configuration_linformer import LinformerConfig
 

@@ -5,3 +5,30 @@ Standard library only."""
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "cls": CLS_ID, "sep": SEP_ID, "mask": MASK_ID}
 SPECIAL_PIECES = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+
+# A Hugging Face tokenizer's special tokens by our names: its attributes, first present wins
+# (BERT names cls/sep, RoBERTa also bos/eos). data_prep records them in the manifest; the export
+# checks the tokenizer it writes against them.
+HF_ATTRS = {
+    "pad": ("pad_token",),
+    "unk": ("unk_token",),
+    "cls": ("cls_token", "bos_token"),
+    "sep": ("sep_token", "eos_token"),
+    "mask": ("mask_token",),
+}
+
+
+def hf_special_tokens(tok: object) -> tuple:
+    """``(ids, pieces, missing)`` of a transformers tokenizer ``tok``: ``{name: id}``,
+    ``{name: token}`` for the names of :data:`HF_ATTRS` it has, and the attribute alternatives
+    (``"cls_token or bos_token"``) of those it lacks."""
+    ids, pieces, missing = {}, {}, []
+    for key, attrs in HF_ATTRS.items():
+        for attr in attrs:
+            piece, token_id = getattr(tok, attr, None), getattr(tok, attr + "_id", None)
+            if piece is not None and token_id is not None:
+                ids[key], pieces[key] = int(token_id), str(piece)
+                break
+        else:
+            missing.append(" or ".join(attrs))
+    return ids, pieces, missing

@@ -147,13 +147,58 @@ def check_model(model: ModelConfig, hf: Dict[str, Any], where: str) -> None:
         )
 
 
-def check_vocabulary(hf: Dict[str, Any], data_vocab: Optional[int], where: str, data: str) -> None:
-    """The data's tokenizer must be the source's: refuse another vocabulary size."""
+def check_vocabulary(hf: Dict[str, Any], data_vocab: Optional[int], where: str, data: str,
+                     data_ids: Optional[Dict[str, int]] = None) -> None:  # fmt: skip
+    """The data's tokenizer must be the source's: refuse another vocabulary size, or special ids
+    (the data manifest's ``special_ids``) that differ from the source config's token ids or from
+    the special tokens of the tokenizer saved beside the source (if any)."""
     if data_vocab is not None and int(data_vocab) != int(hf["vocab_size"]):
         raise WarmStartError(
             f"{where}: the source's vocabulary has {hf['vocab_size']} ids, the data's tokenizer "
             f"({data}) {data_vocab}: the data must be tokenized with the source's tokenizer"
         )
+    if not data_ids:
+        return
+    source = {key: hf.get(f"{name}_token_id") for name, key in CONFIG_IDS}
+    source.update(source_tokenizer_ids(source_path(where) if where.startswith(HF_PREFIX) else ""))
+    wrong = [f"{k} {v} (data: {data_ids.get(k)})" for k, v in source.items()
+             if v is not None and k in data_ids and int(v) != int(data_ids[k])]  # fmt: skip
+    if wrong:
+        raise WarmStartError(
+            f"{where}: the source's special ids differ from the data's tokenizer ({data}): "
+            f"{', '.join(wrong)}: the data must be tokenized with the source's tokenizer"
+        )
+
+
+# config.json token ids -> the data manifest's special_ids keys
+CONFIG_IDS = (("pad", "pad"), ("bos", "cls"), ("eos", "sep"), ("cls", "cls"), ("sep", "sep"),
+              ("mask", "mask"), ("unk", "unk"))  # fmt: skip
+
+
+def source_tokenizer_ids(path: str) -> Dict[str, int]:
+    """The special ids of the tokenizer saved beside the source (``tokenizer.json`` with its
+    ``tokenizer_config.json``: what ``save_pretrained`` writes), by the data manifest's keys;
+    empty when there is none. Read with ``tokenizers`` (no transformers import)."""
+    tok_json = os.path.join(path, "tokenizer.json")
+    tok_cfg = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(tok_json) and os.path.isfile(tok_cfg)):
+        return {}
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(tok_json)
+        with open(tok_cfg, encoding="utf-8") as f:
+            config = json.load(f)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
+        raise WarmStartError(f"{HF_PREFIX}{path}: its tokenizer cannot be read ({e})") from None
+    out: Dict[str, int] = {}
+    for name, key in CONFIG_IDS:
+        token = config.get(f"{name}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        token_id = tok.token_to_id(token) if isinstance(token, str) else None
+        if token_id is not None:
+            out.setdefault(key, int(token_id))
+    return out
 
 
 # ====================================================================================== weights
@@ -280,12 +325,13 @@ def _projection_param(name: str) -> bool:
 
 
 def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = "") -> Dict[str, Any]:  # fmt: skip
+                 data: str = "",
+                 data_ids: Optional[Dict[str, int]] = None) -> Dict[str, Any]:  # fmt: skip
     """Everything but the weights: the source maps, the model section and the data's
-    vocabulary match it (WarmStartError otherwise); returns the source's config.json."""
+    vocabulary and special ids match it (WarmStartError otherwise); returns its config.json."""
     hf = read_source_config(source_path(spec))
     check_model(model, hf, spec)
-    check_vocabulary(hf, data_vocab, spec, data)
+    check_vocabulary(hf, data_vocab, spec, data, data_ids)
     return hf
 
 
@@ -321,11 +367,11 @@ class WarmStart:
     ``spec`` is None (no init_from, or a resume: the checkpoint has the weights)."""
 
     def __init__(self, spec: Optional[str], model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = ""):  # fmt: skip
+                 data: str = "", data_ids: Optional[Dict[str, int]] = None):  # fmt: skip
         self.spec, self.data_vocab, self.data = spec, data_vocab, data
         if spec is not None:
             try:
-                check_source(spec, model, data_vocab, data)
+                check_source(spec, model, data_vocab, data, data_ids)
             except WarmStartError as e:  # name the key
                 key = "checkpoint.init_from"
                 raise WarmStartError(str(e) if str(e).startswith(key) else f"{key}: {e}") from None
@@ -334,7 +380,8 @@ class WarmStart:
     def for_run(cls, cfg: Any, resume_tag: Optional[str], dataset: Any) -> "WarmStart":
         """``cfg`` a job config, ``dataset`` its first train split (ShardDataset)."""
         spec = cfg.checkpoint.init_from if resume_tag is None else None
-        return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path))
+        ids = dict(getattr(dataset, "manifest", {}).get("special_ids") or {})
+        return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path), ids)
 
     def load(self, model: torch.nn.Module, log: Any = print) -> None:
         """The source's weights into ``model`` (whole, before any sharding); ``log`` the line."""
@@ -414,10 +461,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             manifest = os.path.join(args.data, "manifest.json")
             try:
                 with open(manifest) as f:
-                    vocab = int(json.load(f)["vocab_size"])
-            except (OSError, ValueError, KeyError) as e:
+                    m = json.load(f)
+                vocab, ids = int(m["vocab_size"]), dict(m.get("special_ids") or {})
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WarmStartError(f"{manifest}: unreadable ({e})") from None
-            check_vocabulary(hf, vocab, spec, args.data)
+            check_vocabulary(hf, vocab, spec, args.data, ids)
         text = job_config_text(spec, section, args.config)
         if args.out:
             with open(args.out, "w") as f:

@@ -37,6 +37,7 @@ from linformer_ds.checkpoint.tags import (
     tag_for,
 )
 from linformer_ds.config import JobConfig, to_dict
+from linformer_ds.data.shards import tokenizer_name
 from linformer_ds.dirlock import try_exclusive
 from linformer_ds.fsio import atomic_write_text
 
@@ -139,6 +140,8 @@ def save(
     tag = tag_for(step)
     tag_dir = os.path.join(ckpt_dir, tag)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # tokenizer.model, or tokenizer/ (a Hugging Face tokenizer): copied into the tag
+    tok_name = tokenizer_name(getattr(train_ds, "manifest", {}))
     try:
         if rank == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
@@ -153,7 +156,7 @@ def save(
             "world_size": world,
             # Randomness is re-seeded from (seed, step, rank) every step: no RNG state to restore.
             "rng": {"scheme": "reseed(seed, step, rank)", "seed": cfg.train.seed},
-            "tokenizer": os.path.join(str(train_ds.path), "tokenizer.model"),
+            "tokenizer": os.path.join(str(train_ds.path), tok_name),
             **state,
         }
         engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client, save_latest=False)
@@ -169,14 +172,16 @@ def save(
                 "precision": cfg.deepspeed.precision,
                 "model": cfg.model.to_dict(),
                 "config": to_dict(cfg),
-                "tokenizer": "tokenizer.model",
+                "tokenizer": tok_name,
                 "special_ids": dict(getattr(train_ds, "manifest", {}).get("special_ids", {})),
                 "data": data_identity(cfg),  # resuming on other data is refused
                 **(extra_meta or {}),
             }
-            tok = os.path.join(str(train_ds.path), "tokenizer.model")
+            tok = os.path.join(str(train_ds.path), tok_name)
             if os.path.isfile(tok):
-                shutil.copyfile(tok, os.path.join(tag_dir, "tokenizer.model"))
+                shutil.copyfile(tok, os.path.join(tag_dir, tok_name))
+            elif os.path.isdir(tok):
+                shutil.copytree(tok, os.path.join(tag_dir, tok_name), dirs_exist_ok=True)
             atomic_write_text(os.path.join(tag_dir, META_FILE), json.dumps(meta, indent=2))
             inventory = _fsync_tree(tag_dir)
             atomic_write_text(

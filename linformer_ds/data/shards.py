@@ -19,6 +19,7 @@ from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
 SPECIAL_KEYS = ("pad", "unk", "cls", "sep", "mask")  # manifest special_ids, all required
+HF_KIND = "huggingface"  # manifest tokenizer.kind of a Hugging Face tokenizer directory
 
 
 class DataError(ValueError):
@@ -268,14 +269,16 @@ def file_sha256(path: Union[str, os.PathLike]) -> str:
 
 
 def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
-    """The data's tokenizer.model is the file data_prep recorded (size, sha256) and fits the
-    model's vocabulary: a tokenizer swapped in later would be copied into every checkpoint and
-    export, and would decode the ids as other tokens. Cheap (one small file), always run."""
+    """The data's tokenizer (tokenizer.model, or a Hugging Face tokenizer/tokenizer.json) is the
+    file data_prep recorded (size, sha256) and fits the model's vocabulary: a tokenizer swapped
+    in later would be copied into every checkpoint and export, and would decode the ids as other
+    tokens. Cheap (one small file), always run."""
     tok = dataset.manifest.get("tokenizer")
     if not isinstance(tok, dict):
         return  # a manifest without a tokenizer record: nothing recorded to compare with
     path = dataset.path / str(tok.get("file", "tokenizer.model"))
-    redo = "restore the data_prep output's tokenizer.model or re-run data_prep"
+    name = tok.get("file", "tokenizer.model")
+    redo = f"restore the data_prep output's {name} or re-run data_prep"
     if not path.is_file():
         raise DataError(f"{path}: not found; the manifest records the tokenizer the data was "
                         f"made with ({redo})")  # fmt: skip
@@ -293,7 +296,33 @@ def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
     if pieces is not None and int(pieces) > model_vocab:
         raise DataError(f"{path}: {pieces} pieces, more than model vocab_size {model_vocab}; set "
                         f"model.vocab_size >= {pieces}")  # fmt: skip
+    if tok.get("kind") == HF_KIND:
+        check_hf_tokenizer(path, data, dataset, redo)
+        return
     check_tokenizer_model(path, data, dataset.vocab_size, redo)
+
+
+def check_hf_tokenizer(path: Path, data: bytes, dataset: ShardDataset, redo: str) -> None:
+    """The bytes of ``path`` are a ``tokenizers`` JSON of the manifest's vocabulary whose
+    special tokens (``special_pieces``) have the manifest's ``special_ids``."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
+        why = " ".join(str(e).split())[:120]
+        raise DataError(f"{path}: not a Hugging Face tokenizer.json ({why}); {redo}") from None
+    n = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    if n != dataset.vocab_size:
+        raise DataError(f"{path}: {n} ids, the manifest's vocab_size is {dataset.vocab_size}: not "
+                        f"the tokenizer this data was made with; {redo}")  # fmt: skip
+    pieces = dataset.manifest.get("special_pieces") or {}
+    ids = dataset.manifest["special_ids"]
+    wrong = [f"{pieces.get(k)!r} = {tok.token_to_id(str(pieces.get(k)))} (not {ids[k]})"
+             for k in SPECIAL_KEYS if tok.token_to_id(str(pieces.get(k))) != ids[k]]  # fmt: skip
+    if wrong:
+        raise DataError(f"{path}: special tokens {', '.join(wrong)}: the manifest's special_ids "
+                        f"are not this tokenizer's; {redo}")  # fmt: skip
 
 
 def check_tokenizer_model(path: Path, data: bytes, vocab_size: int, redo: str) -> None:
@@ -321,6 +350,16 @@ def check_tokenizer_model(path: Path, data: bytes, vocab_size: int, redo: str) -
                         f"{SPECIAL_IDS} (linformer_ds/special_tokens.py); {redo}")  # fmt: skip
 
 
+def tokenizer_name(manifest: Dict[str, Any]) -> str:
+    """What a data_prep output's tokenizer is called in it, and in checkpoints and exports made
+    from it: ``tokenizer.model`` (SentencePiece) or ``tokenizer`` (a Hugging Face tokenizer
+    directory, ``tokenizer/tokenizer.json``)."""
+    tok = manifest.get("tokenizer") if isinstance(manifest, dict) else None
+    if isinstance(tok, dict) and tok.get("kind") == HF_KIND:
+        return str(tok.get("dir", "tokenizer"))
+    return "tokenizer.model"
+
+
 # ================================================================================ opening data
 def tokenizer_sha256(dataset: ShardDataset) -> Optional[str]:
     tok = dataset.manifest.get("tokenizer")
@@ -340,7 +379,8 @@ def check_same_tokenizer(
                 f"sources {ref_name!r} ({ref.path}) and {name!r} ({d.path}) have different "
                 f"tokenizers (sha256 {str(a)[:12]} vs {str(b)[:12]}, vocab {ref.vocab_size} vs "
                 f"{d.vocab_size}); prepare every source with the same tokenizer "
-                "(data_prep --tokenizer FIRST/tokenizer.model)"
+                "(data_prep --tokenizer FIRST/tokenizer.model, or FIRST/tokenizer for a Hugging "
+                "Face tokenizer)"
             )
         if same_seq_len and d.seq_len != ref.seq_len:
             raise DataError(
