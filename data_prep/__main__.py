@@ -16,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="Turn raw corpora into a SentencePiece tokenizer and packed shards of "
-        "fixed-length rows (OUT/manifest.json, OUT/tokenizer.model, OUT/{train,valid}/*.npy).",
+        "fixed-length rows (OUT/manifest.json, OUT/tokenizer.model, OUT/{train,valid}/*.npy); "
+        "or tokenize with a given tokenizer (--tokenizer: a SentencePiece .model, or a Hugging "
+        "Face tokenizer directory, copied to OUT/tokenizer/).",
     )
     p.add_argument(
         "--source",
@@ -34,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size", type=int, help="tokenizer vocabulary (required unless --tokenizer)"
     )
     p.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
-    p.add_argument("--tokenizer", help="reuse this SentencePiece .model instead of training one")
+    p.add_argument(
+        "--tokenizer",
+        help="use this tokenizer instead of training one: a SentencePiece .model (data_prep's "
+        "special ids), or a Hugging Face tokenizer directory as save_pretrained writes it "
+        "(tokenizer.json: WordPiece as BERT, byte-level BPE as RoBERTa; its own special ids)",
+    )
     p.add_argument(
         "--character-coverage",
         type=float,

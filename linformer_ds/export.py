@@ -13,7 +13,8 @@ writes (JSON, never a pickle). ``OUT`` holds::
     modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification,
                                 ...ForTokenClassification, ...ForQuestionAnswering, ...ForMultipleChoice
     linformer_model.py          a verbatim copy of linformer_ds/model.py (torch + stdlib only)
-    tokenizer.model             the SentencePiece model
+    tokenizer.model             the SentencePiece model (data made with a Hugging Face tokenizer:
+                                that tokenizer's files instead, as save_pretrained writes them)
     tokenizer.json              the same model as a fast tokenizer, post-processor <s> X </s>
     tokenizer_config.json       AutoTokenizer -> TokenizersBackend, special tokens, N_max
     linformer_export.json       provenance: checkpoint (a relative path), tag, step, dtype, config
@@ -450,7 +451,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="tag to export (default: the one in 'latest')")
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the tag's)")
+    p.add_argument("--tokenizer", default=None, help="SentencePiece model or Hugging Face "
+                   "tokenizer directory (default: the tag's)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--provenance", default="portable", choices=PROVENANCE,
                    help="paths in linformer_export.json: relative to the working directory "

@@ -348,7 +348,7 @@ def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_pat
             "model.norm=post", "model.layer_norm_eps=1e-12", f"model.max_seq_len={SEQ}",
             "model.k=16", "train.max_steps=12", "scheduler.warmup_steps=2", "optimizer.lr=3e-3",
             "checkpoint.save_interval=12", "deepspeed.precision=fp32"]  # fmt: skip
-    r = run_pretrain(env["outs"]["wordpiece"], run, over, nproc=1, check=False)
+    r = run_pretrain(env["outs"]["wordpiece"], run, over, nproc=1, launcher="python", check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"[init] weights from hf:{src} (bert" in r.stdout
     losses = [m["loss"] for _, m in sorted(read_metrics(run).items())]
