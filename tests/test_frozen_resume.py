@@ -8,7 +8,8 @@ cut for its sequence-parallel rank). Tests: saved sharded at P = 2, resumed on o
 DP = 2 under ZeRO-2 and ZeRO-3; an engine change (ZeRO-2 bf16 -> ZeRO-1 fp32); and a frozen
 chain per ZeRO stage (0, 2 and 3) through 1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded ->
 DP 2, every resumed hop starting from other frozen values, equal to an uninterrupted one-rank
-run, with the frozen E/F bit-equal to their initial values."""
+run, with the frozen E/F bit-equal to their initial values. Every multi-rank run of the module
+is one of four process-group launches (``frozen_launches``: start-up paid once per launch)."""
 
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from linformer_ds.checkpoint.reshard import convert_to_universal
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError
 from tests.layout_worker import perturbed_frozen
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics, run_pretrain
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics
 from tests.test_resume_layout import COMMON, HOP, RTOL, _launch, _overrides, _rel, read_chain
 
 FROZEN_SHARDED = [
@@ -38,11 +39,10 @@ def _tree(root: Path) -> Dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def frozen_run(tiny_corpus, tmp_path_factory) -> Path:
-    """Two steps on 2 ranks, P = 2, E/F frozen and sharded, ZeRO-2: checkpoint step_00000002."""
-    run = tmp_path_factory.mktemp("frozen")
-    run_pretrain(tiny_corpus, run, FROZEN_SHARDED, nproc=2)
-    return run
+def frozen_run(frozen_launches) -> Path:
+    """Two steps on 2 ranks, P = 2, E/F frozen and sharded, ZeRO-2: checkpoint step_00000002
+    (a run of :func:`frozen_launches`' 2-rank launch)."""
+    return frozen_launches[0] / "frozen2"
 
 
 FROZEN_NAMES = ("proj_k.weight", "proj_v.weight", "shared_linear.weight")
@@ -80,7 +80,7 @@ def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> Dict[str, torch.Tensor]
     return {n: torch.cat([m[n] for m in mods], 2) for n in names}
 
 
-@pytest.mark.slow  # one 2-rank launch (~1 min on 2 busy cores)
+@pytest.mark.slow  # uses frozen_launches (a one-rank resume in this process)
 def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
     frozen_run, tiny_corpus, tmp_path, capsys, monkeypatch, _clean_env
 ):
@@ -109,22 +109,18 @@ def test_frozen_sharded_resumes_on_one_rank_with_its_frozen_weights(
     assert all(torch.equal(final[n], want[n]) for n in want)
 
 
-@pytest.mark.slow  # a second 2-rank launch
-def test_frozen_sharded_resumes_on_two_data_parallel_ranks(frozen_run, tiny_corpus, tmp_path):
-    """ZeRO-2, saved P = 2 sharded -> DP = 2, P = 1 (was DeepSpeed's AssertionError): exit 0,
-    the final checkpoint's frozen E/F equal the saved ones."""
-    ckpts = tmp_path / "checkpoints"
-    shutil.copytree(frozen_run / "checkpoints", ckpts)
+@pytest.mark.slow  # a run of the last 2-rank launch
+def test_frozen_sharded_resumes_on_two_data_parallel_ranks(frozen_launches):
+    """ZeRO-2, saved P = 2 sharded -> DP = 2, P = 1 (was DeepSpeed's AssertionError): exit 0
+    (the launch checks it), the final checkpoint's frozen E/F equal the saved ones."""
+    ckpts = frozen_launches[0] / "frozen2_dp2_ckpt"  # a copy of frozen_run's, resumed to step 3
     want = _saved_frozen_whole(ckpts, "step_00000002", 2)
-    run_pretrain(tiny_corpus, tmp_path / "run", [
-        "model.freeze_projection=true", "deepspeed.zero.stage=2", "train.max_steps=3",
-        "checkpoint.save_interval=0", f"checkpoint.dir={ckpts}"], nproc=2)  # fmt: skip
     final = _saved_frozen_whole(ckpts, "step_00000003", 1)
     assert all(torch.equal(final[n], want[n]) for n in want)
     assert not (ckpts / UNIVERSAL_DIR).exists()
 
 
-@pytest.mark.slow  # uses the 2-rank run
+@pytest.mark.slow  # uses frozen_launches
 def test_failed_conversion_leaves_no_universal_dir(frozen_run):
     """DeepSpeed's converter on the frozen sharded checkpoint (what a resume did before the
     refusal): one CheckpointError, and neither universal/<tag> nor an empty universal/ stays."""
@@ -168,26 +164,18 @@ def test_frozen_resumes_under_another_zero_stage_and_precision(tiny_corpus, tmp_
 
 
 @pytest.fixture(scope="module")
-def frozen_run3(tiny_corpus, tmp_path_factory) -> Path:
+def frozen_run3(frozen_launches) -> Path:
     """As frozen_run under ZeRO-3."""
-    run = tmp_path_factory.mktemp("frozen3")
-    zero3 = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
-    run_pretrain(tiny_corpus, run, [*zero3, "deepspeed.zero.stage=3"], nproc=2)
-    return run
+    return frozen_launches[0] / "frozen3"
 
 
-@pytest.mark.slow  # a 2-rank ZeRO-3 launch
-def test_frozen_sharded_zero3_resumes_on_two_data_parallel_ranks(frozen_run3, tiny_corpus,
-                                                                 tmp_path):  # fmt: skip
-    """ZeRO-3, saved P = 2 sharded -> DP = 2, P = 1: exit 0, the final checkpoint's frozen E/F
-    (export's consolidation) equal the saved ones."""
+@pytest.mark.slow  # a run of the last 2-rank launch
+def test_frozen_sharded_zero3_resumes_on_two_data_parallel_ranks(frozen_launches):
+    """ZeRO-3, saved P = 2 sharded -> DP = 2, P = 1: exit 0 (the launch checks it), the final
+    checkpoint's frozen E/F (export's consolidation) equal the saved ones."""
     from linformer_ds.export import consolidate
 
-    ckpts = tmp_path / "checkpoints"
-    shutil.copytree(frozen_run3 / "checkpoints", ckpts)
-    run_pretrain(tiny_corpus, tmp_path / "run", [
-        "model.freeze_projection=true", "deepspeed.zero.stage=3", "train.max_steps=3",
-        "checkpoint.save_interval=0", f"checkpoint.dir={ckpts}"], nproc=2)  # fmt: skip
+    ckpts = frozen_launches[0] / "frozen3_dp2_ckpt"  # a copy of frozen_run3's, to step 3
     saved = consolidate(str(ckpts), "step_00000002")
     final = consolidate(str(ckpts), "step_00000003")
     names = [n for n in saved if n.endswith(FROZEN_NAMES)]
@@ -195,7 +183,7 @@ def test_frozen_sharded_zero3_resumes_on_two_data_parallel_ranks(frozen_run3, ti
     assert not (ckpts / UNIVERSAL_DIR).exists()
 
 
-@pytest.mark.slow  # a 2-rank ZeRO-3 launch
+@pytest.mark.slow  # uses frozen_launches (a one-rank resume in this process)
 def test_frozen_sharded_zero3_resumes_on_one_rank(frozen_run3, tiny_corpus, tmp_path, capsys,
                                                   monkeypatch, _clean_env):  # fmt: skip
     """ZeRO-3, saved P = 2 sharded -> one rank: the frozen E/F (other values at init, as if the
@@ -240,11 +228,21 @@ FROZEN_STAGES = (0, 2, 3)
 FROZEN_MORE = [f"train.max_steps={FROZEN_STEPS}", "model.freeze_projection=true"]
 
 
+def _zero3_last(runs: List[dict]) -> List[dict]:
+    """``runs`` with the ZeRO-3 ones after the others (the chains' own order, stage by stage)."""
+    return sorted(runs, key=lambda run: "deepspeed.zero.stage=3" in run["overrides"])
+
+
 @pytest.fixture(scope="module")
-def frozen_chains(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[str]]]:
-    """The reference (one rank, ZeRO-0, uninterrupted, E/F frozen) and one frozen chain per
-    ZeRO stage, each resumed hop's model built with other frozen values. Returns the output
-    directory and, per stage, rank 0's lines that name the stage's checkpoint directory."""
+def frozen_launches(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[str]]]:
+    """Every multi-rank run of this module, in 4 process-group launches of 1, 2, 4 and 2 ranks
+    (tests/layout_worker.py: each launch's start-up paid once): the reference (one rank,
+    ZeRO-0, uninterrupted, E/F frozen) and one frozen chain per ZeRO stage, each resumed hop's
+    model built with other frozen values; in the P = 2 sharded launch also ``frozen2`` and
+    ``frozen3`` (FROZEN_SHARDED under ZeRO-2 and ZeRO-3: 2 steps, checkpoint step_00000002),
+    and in the last (DP = 2) launch their resumes on DP = 2, P = 1 to step 3 from copies of
+    their checkpoints (``frozen{2,3}_dp2_ckpt``). Returns the output directory and, per stage,
+    rank 0's lines that name the stage's chain checkpoint directory."""
     out = tmp_path_factory.mktemp("frozen_chain")
     ref_over = _overrides(tiny_corpus, out / "ref_ckpt", 0, 1, 1, False) + FROZEN_MORE
     launches: List[Tuple[int, List[dict]]] = [
@@ -258,7 +256,23 @@ def frozen_chains(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[s
             over += [*FROZEN_MORE, f"train.stop_at_step={HOP * (i + 1)}"]
             launches[-1][1].append({"name": f"z{stage}_hop{i}", "overrides": over,
                                     "perturb_frozen": i > 0})  # fmt: skip
-    logs = [_launch(ranks, runs, out, f"launch{j}") for j, (ranks, runs) in enumerate(launches)]
+    assert [ranks for ranks, _ in launches] == [1, 2, 4, 2]
+    data = f"data.path={tiny_corpus}"
+    zero = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
+    for stage in (2, 3):  # saved sharded at P = 2 (the chains' 2-rank launch is all P = 2 sharded)
+        launches[1][1].append({"name": f"frozen{stage}", "overrides": [
+            data, *zero, f"deepspeed.zero.stage={stage}"]})  # fmt: skip
+        launches[3][1].append({"name": f"frozen{stage}_dp2", "overrides": [  # all DP 2, P = 1
+            data, "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
+            "train.max_steps=3", "checkpoint.save_interval=0",
+            f"checkpoint.dir={out / f'frozen{stage}_dp2_ckpt'}"]})  # fmt: skip
+    logs = []
+    for j, (ranks, runs) in enumerate(launches):
+        if j == 3:  # the DP = 2 resumes start from copies: frozen{2,3} stay at step 2
+            for stage in (2, 3):
+                shutil.copytree(out / f"frozen{stage}" / "checkpoints",
+                                out / f"frozen{stage}_dp2_ckpt")  # fmt: skip
+        logs.append(_launch(ranks, _zero3_last(runs), out, f"launch{j}"))
     said = {s: [ln for log in logs for ln in log.splitlines() if f"z{s}_ckpt" in ln]
             for s in FROZEN_STAGES}  # fmt: skip
     return out, said
@@ -266,7 +280,7 @@ def frozen_chains(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[s
 
 @pytest.mark.slow  # 4 launches of 1, 2, 4 and 2 ranks
 @pytest.mark.parametrize("stage", FROZEN_STAGES)
-def test_frozen_chain_equals_uninterrupted_run(frozen_chains, stage):
+def test_frozen_chain_equals_uninterrupted_run(frozen_launches, stage):
     """ZeRO-0, 2 and 3, E/F frozen: 1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded -> DP 2,
     every resumed hop built with frozen values 1.0 off (a restore that missed one shows in the
     loss): every step's loss and gradient norm within 1e-6 relative of the uninterrupted run,
@@ -275,7 +289,7 @@ def test_frozen_chain_equals_uninterrupted_run(frozen_chains, stage):
     from linformer_ds import engine as eng
     from linformer_ds.config import load_config
 
-    out, said = frozen_chains
+    out, said = frozen_launches
     init_model = eng.build_model(load_config(TINY_CONFIG, TEST_OVERRIDES + COMMON + FROZEN_MORE))
     init = {n: p.detach().clone().float() for n, p in init_model.named_parameters()
             if not p.requires_grad}  # fmt: skip
