@@ -9,15 +9,35 @@
 * ``ours-trainer``: :class:`LinformerForMaskedLMPretraining`, the head on the labelled positions
   only (what ``linformer_ds.train`` runs).
 
-Equal work: same layers, width, heads, k, FFN size (lucidrains' is ``4 x hidden``), vocabulary;
-pre-LN blocks; the same sharing: one E and one F per layer for all heads (our ``headwise``,
-lucidrains' default ``share_kv=False``; their ``share_kv=True`` also drops the value projection
-``to_v``, less work than our ``kv``, so it is not offered); keys and values per head (their
-``one_kv_head=False``); no dropout in either (lucidrains drops attention
+for every sharing mode in ``--sharings`` (each a group of its own). Equal work: same layers,
+width, heads, k, FFN size (lucidrains' is ``4 x hidden``), vocabulary; pre-LN blocks; keys and
+values per head (their ``one_kv_head=False``); no dropout in either (lucidrains drops attention
 probabilities and FFN activations, we drop residual branches: ``p = 0`` makes them the same
 work); the same loss (mean cross-entropy of the labelled 15 %, from full logits) and the same
-optimizer step. The only parameters that differ are our q/k/v biases (``3 x hidden`` per
-layer; lucidrains' ``to_q/to_k/to_v`` have none); the matrix-multiply FLOPs are the same.
+optimizer step. Each of our sharing modes against its closest lucidrains configuration
+(:data:`PEER_CONFIGS`):
+
+* ``headwise`` (one E and one F per layer for all heads): their default ``share_kv=False``.
+  Equal work.
+* ``kv`` (one projection per layer for keys and values, E = F): ``share_kv=False`` with each
+  layer's ``proj_v`` tied to its ``proj_k``. Equal work. (Their ``share_kv=True`` also drops
+  the value projection ``to_v``, one ``d x d`` GEMM less per layer: less work, not used.)
+* ``layerwise`` (one projection for keys and values of every layer): ``share_kv=False`` with
+  every layer's ``proj_k`` and ``proj_v`` tied to one ``[N, k]`` parameter. Equal work.
+* ``none`` (an E and an F per head, ``[h, k, N]`` each): lucidrains has no per-head
+  projection; the closest is ``share_kv=False``. The same matrix-multiply FLOPs
+  (``h x k x n x d = k x n x D``), but ours has ``h`` times the E/F parameters, so its E/F
+  gradients and its optimizer step are ``h`` times larger: **not equal work** (ours does more).
+
+The only parameters that differ under equal work are our q/k/v biases (``3 x hidden`` per layer;
+lucidrains' ``to_q/to_k/to_v`` have none); the matrix-multiply FLOPs are the same.
+
+Memory state (``--isolation``): ``process`` (default) builds every model of a group in a process
+of its own (spawned; parameters, optimizer state and allocator untouched by the others) and the
+parent drives their steps over pipes, so the turns still interleave; between turns a process
+waits on its pipe (no CPU). Each row records its process's peak RSS. ``shared``: all models of a
+group in this process (the first version's way; at 16k the others' memory distorted a model's
+time), for tests and quick looks. Either way a group's models are freed before the next group.
 
 Precision ``bf16`` (default): bf16 parameters with fp32 master weights updated by AdamW
 (DeepSpeed's bf16 mode, :class:`bench.model_bench.MasterWeightAdamW`); ``autocast``: fp32
@@ -26,7 +46,8 @@ parameters under bf16 autocast; ``fp32``. The models' timed steps alternate with
 the median of its timed steps, and ``speedup`` is the median of the per-round ratios
 lucidrains / ours. Model FLOPs come from ``flops_per_token`` in ``linformer_ds/model.py``; MFU is
 against the best GEMM rate measured in the run's own precision (bf16 for bf16 and autocast,
-fp32 for fp32), before and after the timed steps.
+fp32 for fp32), before and after the timed steps. The machine, the load average before and
+after every group and ``--beside`` (what else ran) go into the results.
 
 Writes ``results.json`` and ``results.md`` to ``--out``.
 """
@@ -34,9 +55,12 @@ Writes ``results.json`` and ``results.md`` to ``--out``.
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +84,15 @@ from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
 MODELS = ("ours", "lucidrains", "ours-trainer")
 PRECISIONS = ("bf16", "autocast", "fp32")
+SHARINGS = ("none", "headwise", "kv", "layerwise")
+ISOLATIONS = ("process", "shared")
+# our sharing mode -> (lucidrains' configuration, equal work?)
+PEER_CONFIGS: Dict[str, tuple] = {
+    "none": ("share_kv=False (no per-head E/F in lucidrains)", False),
+    "headwise": ("share_kv=False", True),
+    "kv": ("share_kv=False, proj_v tied to proj_k", True),
+    "layerwise": ("share_kv=False, one proj for K, V of all layers", True),
+}
 
 
 @dataclass
@@ -68,6 +101,9 @@ class PeerConfig(ModelSizes):
 
     seq_lens: List[int] = field(default_factory=lambda: [4096, 16384])
     models: List[str] = field(default_factory=lambda: list(MODELS))
+    sharings: List[str] = field(default_factory=lambda: list(SHARINGS))
+    isolation: str = "process"
+    beside: str = ""
     dropout: float = 0.0
     batch: int = 1
     warmup: int = 1
@@ -92,6 +128,10 @@ class PeerConfig(ModelSizes):
             raise BenchError("dropout: the two models drop different tensors; equal work is p=0")
         if not self.models or any(m not in MODELS for m in self.models):
             raise BenchError(f"--models: choose one or more of {MODELS}, got {self.models}")
+        if not self.sharings or any(m not in SHARINGS for m in self.sharings):
+            raise BenchError(f"--sharings: choose one or more of {SHARINGS}, got {self.sharings}")
+        if self.isolation not in ISOLATIONS:
+            raise BenchError(f"--isolation: must be one of {ISOLATIONS}, got {self.isolation!r}")
         if not self.seq_lens or any(n < self.k for n in self.seq_lens):
             raise BenchError(f"--seq-lens: give lengths >= k={self.k}, got {self.seq_lens}")
         for name in ("batch", "iters"):
@@ -109,7 +149,7 @@ class PeerConfig(ModelSizes):
             raise BenchError("--device cuda: torch.cuda.is_available() is False")
 
 
-def our_config(pc: PeerConfig, n: int) -> ModelConfig:
+def our_config(pc: PeerConfig, n: int, sharing: str = "headwise") -> ModelConfig:
     """Our model at ``pc``'s sizes: linear projection in every layer, pre-LN, no dropout."""
     return ModelConfig(
         vocab_size=pc.vocab,
@@ -122,7 +162,7 @@ def our_config(pc: PeerConfig, n: int) -> ModelConfig:
         attention_dropout=0.0,
         projection="linear",
         k=pc.k,
-        sharing="headwise",
+        sharing=sharing,
     )
 
 
@@ -132,15 +172,16 @@ class LucidrainsMLM(nn.Module):
 
     ``forward(input_ids [B, n]) -> logits [B, n, V]``. Their ``LinformerLM`` has no embedding or
     final LayerNorm and a bare untied decoder; those are ours here so that both models do the
-    same work outside the attention blocks too.
+    same work outside the attention blocks too. ``config.sharing`` picks the E/F tying of
+    :data:`PEER_CONFIGS` (their ``share_kv=False`` body, parameters tied after construction).
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         from linformer import Linformer
 
-        if config.sharing != "headwise":
-            raise ValueError(f"equal work needs sharing='headwise', got {config.sharing!r}")
+        if config.sharing not in PEER_CONFIGS:
+            raise ValueError(f"no lucidrains configuration for sharing={config.sharing!r}")
         d = config.hidden_size
         self.token_embeddings = nn.Embedding(config.vocab_size, d)
         self.position_embeddings = nn.Embedding(config.max_seq_len, d)
@@ -156,6 +197,12 @@ class LucidrainsMLM(nn.Module):
             share_kv=False,
             dropout=0.0,
         )
+        attns = [layer[0].fn for layer in self.body.net.layers]  # PreNorm(attention).fn
+        for attn in attns:
+            if config.sharing == "kv":  # E = F within a layer; to_k and to_v stay apart
+                attn.proj_v = attn.proj_k
+            elif config.sharing == "layerwise":  # one E = F for every layer
+                attn.proj_k = attn.proj_v = attns[0].proj_k
         self.final_ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.lm_head = MLMHead(config)
         init_weights(self.lm_head.dense, config.initializer_range)
@@ -198,11 +245,18 @@ def unique_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (GiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 class Runner:
     """One model + optimizer + a fixed batch; ``step()`` is one training step."""
 
-    def __init__(self, name: str, pc: PeerConfig, n: int, device: torch.device):
-        self.name, self.config = name, our_config(pc, n)
+    def __init__(
+        self, name: str, pc: PeerConfig, n: int, device: torch.device, sharing: str = "headwise"
+    ):
+        self.name, self.config, self.device = name, our_config(pc, n, sharing), device
         torch.manual_seed(pc.seed)
         self.model = build(name, self.config).to(device)
         params = list(self.model.parameters())
@@ -218,6 +272,7 @@ class Runner:
         self.ids, self.labels = rows["input_ids"].to(device), rows["labels"].to(device)
         labelled = int((rows["labels"] != -100).sum()) / rows["labels"].numel()
         self.tokens = pc.batch * n
+        self.params = unique_parameters(self.model)
         # both full-logit models run the head on every position; the trainer on the labelled
         self.flops_per_token = flops_per_token(
             self.config, n, labelled if name == "ours-trainer" else 1.0
@@ -231,6 +286,89 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    def timed_step(self) -> float:
+        """Seconds of one ``step()``."""
+        return time_call(self.step, self.device)
+
+    def info(self) -> Dict[str, Any]:
+        return {
+            "params": self.params,
+            "tokens": self.tokens,
+            "flops_per_token": self.flops_per_token,
+        }
+
+    def close(self) -> Dict[str, Any]:
+        """Free the model; what the row records about this runner's memory (none in-process)."""
+        del self.model, self.opt
+        return {}
+
+
+def _worker(conn: Any, name: str, pc: Dict[str, Any], n: int, sharing: str, threads: int) -> None:
+    """A process that owns one :class:`Runner`: answers ``step`` with its seconds and ``stop``
+    with its peak RSS; an exception goes back as ``("error", traceback)``."""
+    try:
+        torch.set_num_threads(threads)
+        cfg = PeerConfig(**pc)
+        runner = Runner(name, cfg, n, resolve_device(cfg.device), sharing)
+        conn.send(("ok", runner.info()))
+        while True:
+            cmd = conn.recv()
+            if cmd == "step":
+                conn.send(("ok", runner.timed_step()))
+            else:
+                conn.send(("ok", {"peak_rss_gib": peak_rss_gib()}))
+                return
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+
+
+class ProcessRunner:
+    """A :class:`Runner` in a spawned process of its own; the same interface, over a pipe."""
+
+    def __init__(self, name: str, pc: PeerConfig, n: int, sharing: str):
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_worker,
+            args=(child, name, asdict(pc), n, sharing, torch.get_num_threads()),
+            daemon=True,
+        )
+        self.proc.start()
+        child.close()
+        self._info = self._recv()
+
+    def _recv(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.name}: worker died (exit {self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: worker failed:\n{value}")
+        return value
+
+    @property
+    def params(self) -> int:
+        return self._info["params"]
+
+    @property
+    def tokens(self) -> int:
+        return self._info["tokens"]
+
+    @property
+    def flops_per_token(self) -> float:
+        return self._info["flops_per_token"]
+
+    def timed_step(self) -> float:
+        self.conn.send("step")
+        return self._recv()
+
+    def close(self) -> Dict[str, Any]:
+        self.conn.send("stop")
+        out = self._recv()
+        self.proc.join(timeout=60)
+        return out
+
 
 # ========================================================================================== run
 def gemm_peak(pc: PeerConfig, device: torch.device) -> float:
@@ -239,66 +377,86 @@ def gemm_peak(pc: PeerConfig, device: torch.device) -> float:
     return measure_matmul_peak_tflops(dtype, device, pc.gemm_n, budget_s=pc.gemm_budget_s) * 1e12
 
 
-def interleaved_times(
-    runners: Sequence[Runner], warmup: int, iters: int, device: torch.device
-) -> Dict[str, List[float]]:
+def interleaved_times(runners: Sequence[Any], warmup: int, iters: int) -> Dict[str, List[float]]:
     """Seconds per step of each runner: ``warmup + iters`` rounds, one step of each runner per
     round, the order rotated every round (ABC, BCA, CAB, ...); warm-up rounds are dropped."""
     times: Dict[str, List[float]] = {r.name: [] for r in runners}
     for rnd in range(warmup + iters):
         order = [runners[(rnd + j) % len(runners)] for j in range(len(runners))]
         for r in order:
-            t = time_call(r.step, device)
+            t = r.timed_step()
             if rnd >= warmup:
                 times[r.name].append(t)
     return times
 
 
+def run_group(
+    pc: PeerConfig, n: int, sharing: str, device: torch.device, log: Callable[[str], None]
+) -> List[Dict[str, Any]]:
+    """The rows of one (N, sharing) group: its models built, timed interleaved, freed."""
+    load_before = os.getloadavg()
+    if pc.isolation == "process":
+        runners: List[Any] = [ProcessRunner(m, pc, n, sharing) for m in pc.models]
+    else:
+        runners = [Runner(m, pc, n, device, sharing) for m in pc.models]
+    try:
+        times = interleaved_times(runners, pc.warmup, pc.iters)
+    finally:
+        closed = [r.close() for r in runners]
+    load_after = os.getloadavg()
+    peer, equal = PEER_CONFIGS[sharing]
+    rows = []
+    for r, memory in zip(runners, closed):
+        ts = times[r.name]
+        step = statistics.median(ts)
+        row = {
+            "n": n,
+            "sharing": sharing,
+            "model": r.name,
+            "lucidrains_config": peer,
+            "equal_work": equal,
+            "params": r.params,
+            "step_s_median": step,
+            "step_s_min": min(ts),
+            "step_s_all": ts,
+            "tokens_per_s": r.tokens / step,
+            "flops_per_token": r.flops_per_token,
+            "model_tflops": r.flops_per_token * r.tokens / step / 1e12,
+            "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            **memory,
+        }
+        if "lucidrains" in times and r.name != "lucidrains":
+            ratios = [a / b for a, b in zip(times["lucidrains"], ts)]
+            row["speedup_vs_lucidrains"] = statistics.median(ratios)
+            row["speedup_per_round"] = ratios
+        rows.append(row)
+        log(
+            f"N={n:>6} {sharing:<9} {r.name:<13} {step:8.3f} s (min {min(ts):.3f}) "
+            f"{row['model_tflops']:.3f} TFLOP/s"
+            + (f" x{row['speedup_vs_lucidrains']:.3f}" if "speedup_vs_lucidrains" in row else "")
+            + f"  load {load_before[0]:.1f}->{load_after[0]:.1f}"
+        )
+    return rows
+
+
 def run_benchmark(pc: PeerConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Every N: build the models, time them interleaved; returns the results dict."""
+    """Every N and sharing mode: build the models, time them interleaved; the results dict."""
     pc.validate()
     device = resolve_device(pc.device)
+    env = environment("bench.peer_bench", device)
+    env["beside"] = pc.beside
     log(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     peaks = [gemm_peak(pc, device)]
     log(f"GEMM peak ({pc.precision}): {peaks[0] / 1e12:.3f} TFLOP/s")
     rows: List[Dict[str, Any]] = []
     for n in pc.seq_lens:
-        runners = [Runner(m, pc, n, device) for m in pc.models]
-        times = interleaved_times(runners, pc.warmup, pc.iters, device)
-        for r in runners:
-            ts = times[r.name]
-            step = statistics.median(ts)
-            row = {
-                "n": n,
-                "model": r.name,
-                "params": unique_parameters(r.model),
-                "step_s_median": step,
-                "step_s_min": min(ts),
-                "step_s_all": ts,
-                "tokens_per_s": r.tokens / step,
-                "flops_per_token": r.flops_per_token,
-                "model_tflops": r.flops_per_token * r.tokens / step / 1e12,
-            }
-            if "lucidrains" in times and r.name != "lucidrains":
-                ratios = [a / b for a, b in zip(times["lucidrains"], ts)]
-                row["speedup_vs_lucidrains"] = statistics.median(ratios)
-                row["speedup_per_round"] = ratios
-            rows.append(row)
-            log(
-                f"N={n:>6} {r.name:<13} {step:8.3f} s (min {min(ts):.3f}) "
-                f"{row['model_tflops']:.3f} TFLOP/s"
-                + (
-                    f" x{row['speedup_vs_lucidrains']:.3f}"
-                    if "speedup_vs_lucidrains" in row
-                    else ""
-                )
-            )
-        del runners
+        for sharing in pc.sharings:
+            rows += run_group(pc, n, sharing, device, log)
     peaks.append(gemm_peak(pc, device))
     peak = max(peaks)
     for row in rows:
         row["mfu"] = row["model_tflops"] * 1e12 / peak
-    env = environment("bench.peer_bench", device)
     env["load_avg_end"] = os.getloadavg()
     import linformer
 
@@ -322,24 +480,38 @@ def _dist_version(name: str) -> Optional[str]:
         return None
 
 
+def _load(x: Sequence[float]) -> str:
+    return "/".join(f"{v:.1f}" for v in x)
+
+
 def markdown_table(results: Dict[str, Any]) -> str:
     c, env = results["config"], results["environment"]
     lines = [
         f"{c['layers']} layers, d={c['hidden']}, {c['heads']} heads, k={c['k']}, "
-        f"FFN {c['intermediate']}, V={c['vocab']}, headwise E/F, {c['precision']}, "
-        f"batch {c['batch']}; {env.get('gpu') or env['cpu']}, torch {env['torch']}, "
-        f"linformer {env.get('linformer')}; median of {c['iters']} interleaved steps "
-        f"(fwd + bwd + AdamW); GEMM peak {results['gemm_peak_flops'] / 1e12:.2f} TFLOP/s "
-        f"({results['gemm_dtype']})",
+        f"FFN {c['intermediate']}, V={c['vocab']}, {c['precision']}, "
+        f"batch {c['batch']}; {env.get('gpu') or env['cpu']} ({env['cpu_count']} CPUs, "
+        f"{env['torch_threads']} threads), torch {env['torch']}, linformer {env.get('linformer')}; "
+        f"median of {c['iters']} interleaved steps (fwd + bwd + AdamW) after {c['warmup']} "
+        f"warm-up; isolation {c.get('isolation', 'shared')}; GEMM peak "
+        f"{results['gemm_peak_flops'] / 1e12:.2f} TFLOP/s ({results['gemm_dtype']}); "
+        f"load average (1/5/15 min) {_load(env['load_avg_start'])} at start, "
+        f"{_load(env['load_avg_end'])} at end; beside: {env.get('beside') or 'not recorded'}",
         "",
-        "| N | model | step (s) | min (s) | tokens/s | TFLOP/s | MFU | vs lucidrains |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| N | sharing | model | lucidrains config | step (s) | min (s) | tokens/s | TFLOP/s "
+        "| MFU | peak RSS (GiB) | vs lucidrains |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
         sp = r.get("speedup_vs_lucidrains")
+        peer = r.get("lucidrains_config", "") + (
+            "" if r.get("equal_work", True) else " (NOT equal work)"
+        )
+        rss = r.get("peak_rss_gib")
         lines.append(
-            f"| {r['n']} | {r['model']} | {r['step_s_median']:.3f} | {r['step_s_min']:.3f} | "
-            f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3f} | {r['mfu'] * 100:.1f} % | "
+            f"| {r['n']} | {r.get('sharing', 'headwise')} | {r['model']} | {peer} | "
+            f"{r['step_s_median']:.3f} | {r['step_s_min']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['model_tflops']:.3f} | {r['mfu'] * 100:.1f} % | "
+            + (f"{rss:.2f} | " if rss is not None else "- | ")
             + (f"{sp:.3f}x |" if sp is not None else "- |")
         )
     return "\n".join(lines) + "\n"
@@ -361,6 +533,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PeerConfig:
     )
     p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
     p.add_argument("--models", nargs="+", default=d.models, help=f"some of {MODELS}")
+    p.add_argument("--sharings", nargs="+", default=d.sharings, help=f"some of {SHARINGS}")
+    p.add_argument(
+        "--isolation", default=d.isolation,
+        help="process: one process per model (default); shared: all in this one",
+    )  # fmt: skip
+    p.add_argument("--beside", default=d.beside, help="what else ran on the machine (recorded)")
     for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch"):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name))
     p.add_argument("--warmup", type=int, default=d.warmup)

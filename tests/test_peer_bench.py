@@ -1,5 +1,6 @@
-"""bench/peer_bench.py: ours and lucidrains' linformer really do equal work (parameters, counted
-matrix-multiply FLOPs, output shapes), and a tiny run writes its table."""
+"""bench/peer_bench.py: ours and lucidrains' linformer really do equal work in every sharing mode
+(parameters, counted matrix-multiply FLOPs, output shapes; ``none`` differs only by its per-head
+E/F parameters), and tiny runs (in this process and one process per model) write their table."""
 
 import json
 
@@ -11,6 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.peer_bench import (
+    PEER_CONFIGS,
+    SHARINGS,
     PeerConfig,
     build,
     loss_of,
@@ -33,8 +36,9 @@ def counted_flops(name: str, model: torch.nn.Module, ids: torch.Tensor) -> int:
     return counter.get_total_flops(), logits
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
+    sharing=st.sampled_from(SHARINGS),
     layers=st.integers(1, 3),
     heads=st.sampled_from([1, 2, 4]),
     head_dim=st.sampled_from([4, 8]),
@@ -43,16 +47,18 @@ def counted_flops(name: str, model: torch.nn.Module, ids: torch.Tensor) -> int:
     short=st.integers(0, 8),
     batch=st.integers(1, 2),
 )
-def test_equal_work(layers, heads, head_dim, k, n_max, short, batch):
-    """Same parameters but our q/k/v biases, the same counted FLOPs (= our flops_per_token) and
-    the same logits shape, also for inputs shorter than max_seq_len."""
+def test_equal_work(sharing, layers, heads, head_dim, k, n_max, short, batch):
+    """Same parameters but our q/k/v biases (and, under ``none``, our per-head E/F), the same
+    counted FLOPs (= our flops_per_token) and the same logits shape, also for inputs shorter
+    than max_seq_len."""
     d = heads * head_dim
     pc = PeerConfig(layers=layers, hidden=d, heads=heads, k=k, intermediate=4 * d, vocab=37)
-    cfg = our_config(pc, n_max)
+    cfg = our_config(pc, n_max, sharing)
     n = n_max - short
     ids = torch.randint(5, 37, (batch, n), generator=torch.Generator().manual_seed(n))
     ours, theirs = build("ours", cfg), build("lucidrains", cfg)
-    assert unique_parameters(ours) - unique_parameters(theirs) == 3 * d * layers
+    extra = 0 if PEER_CONFIGS[sharing][1] else 2 * (heads - 1) * k * n_max * layers
+    assert unique_parameters(ours) - unique_parameters(theirs) == 3 * d * layers + extra
     f_ours, logits_ours = counted_flops("ours", ours, ids)
     f_theirs, logits_theirs = counted_flops("lucidrains", theirs, ids)
     assert f_ours == f_theirs == flops_per_token(cfg, n) * batch * n
@@ -80,6 +86,7 @@ def test_same_loss_on_same_logits():
 def test_tiny_run_writes_table(tmp_path):
     pc = PeerConfig(layers=1, hidden=32, heads=2, k=8, intermediate=128, vocab=60)
     pc.seq_lens, pc.iters, pc.warmup, pc.gemm_n, pc.gemm_budget_s = [64], 2, 0, 256, 0.5
+    pc.isolation, pc.sharings, pc.beside = "shared", ["headwise"], "nothing"
     results = run_benchmark(pc, log=lambda _: None)
     rows = {r["model"]: r for r in results["rows"]}
     assert set(rows) == {"ours", "lucidrains", "ours-trainer"}
@@ -91,7 +98,23 @@ def test_tiny_run_writes_table(tmp_path):
     assert results["gemm_dtype"] == "bfloat16"
     json_path, md_path = write_outputs(results, tmp_path)
     assert json.loads(json_path.read_text())["rows"][0]["n"] == 64
-    assert "| 64 | lucidrains |" in md_path.read_text()
+    md = md_path.read_text()
+    assert "| 64 | headwise | lucidrains | share_kv=False |" in md and "beside: nothing" in md
+    assert len(results["environment"]["load_avg_end"]) == 3
+
+
+def test_one_process_per_model():
+    """isolation=process: each model steps in a process of its own (its peak RSS recorded),
+    the turns still interleaved; the kv group pairs ours with lucidrains' tied proj_v."""
+    pc = PeerConfig(layers=1, hidden=16, heads=2, k=4, intermediate=64, vocab=40)
+    pc.seq_lens, pc.iters, pc.warmup, pc.gemm_n, pc.gemm_budget_s = [32], 2, 0, 128, 0.2
+    pc.models, pc.sharings = ["ours", "lucidrains"], ["kv"]
+    rows = {r["model"]: r for r in run_benchmark(pc, log=lambda _: None)["rows"]}
+    assert set(rows) == {"ours", "lucidrains"}
+    for r in rows.values():
+        assert r["sharing"] == "kv" and r["equal_work"] and r["peak_rss_gib"] > 0
+        assert len(r["step_s_all"]) == 2
+    assert rows["ours"]["params"] - rows["lucidrains"]["params"] == 3 * 16
 
 
 @pytest.mark.parametrize(
@@ -100,6 +123,8 @@ def test_tiny_run_writes_table(tmp_path):
         (["--intermediate", "100"], "4 x hidden"),
         (["--precision", "fp16"], "--precision"),
         (["--models", "bert"], "--models"),
+        (["--sharings", "conv"], "--sharings"),
+        (["--isolation", "thread"], "--isolation"),
         (["--seq-lens", "8"], "--seq-lens"),
     ],
 )
