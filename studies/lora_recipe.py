@@ -70,6 +70,47 @@ GRID: Dict[str, Setting] = {
     "full_ep2": Setting("full", lr=1.5e-4, epochs=2.0),
 }
 
+# ``--task keyword``: the generated task of tests/test_lora_recipe.py (320 training rows, 3
+# epochs: 60 steps), for a small export (hidden 32) whose full fine-tuning default lr is 5e-4.
+KEYWORD = {"epochs": 3.0}
+KEYWORD_GRID: Dict[str, Setting] = {
+    "full": Setting("full", lr=1.5e-3, **KEYWORD),
+    "full_lr5e-4": Setting("full", lr=5e-4, **KEYWORD),
+    "head": Setting("head", lr=5e-3, **KEYWORD),
+    "lora_qkvout_r8_lr1e-3": Setting("lora", lr=1e-3, targets=("qkv", "out"), **KEYWORD),
+    "lora_qkvout_r8_lr5e-3": Setting("lora", lr=5e-3, targets=("qkv", "out"), **KEYWORD),
+    "lora_qkvout_r16a32_lr5e-3": Setting("lora", lr=5e-3, targets=("qkv", "out"), r=16,
+                                         alpha=32, **KEYWORD),  # fmt: skip
+    "lora_all_r8_lr1e-3": Setting("lora", lr=1e-3, targets=ALL_LINEAR, **KEYWORD),
+    "lora_all_r8_lr5e-3": Setting("lora", lr=5e-3, targets=ALL_LINEAR, **KEYWORD),
+    "lora_all_r16a16_lr5e-3": Setting("lora", lr=5e-3, targets=ALL_LINEAR, r=16, alpha=16,
+                                      **KEYWORD),  # fmt: skip
+    "lora_all_r16a32_lr1e-3": Setting("lora", lr=1e-3, targets=ALL_LINEAR, r=16, alpha=32,
+                                      **KEYWORD),  # fmt: skip
+    "lora_all_r16a32_lr2e-3": Setting("lora", lr=2e-3, targets=ALL_LINEAR, r=16, alpha=32,
+                                      **KEYWORD),  # fmt: skip
+    "lora_all_r16a32_lr5e-3": dataclasses.replace(RECIPE, **KEYWORD),
+    "lora_all_r16a32_lr1e-2": Setting("lora", lr=1e-2, targets=ALL_LINEAR, r=16, alpha=32,
+                                      **KEYWORD),  # fmt: skip
+}
+COLOURS = ("red", "green", "blue", "pink")
+GREEK = ("alpha", "beta", "gamma", "delta")
+FILLER = ("the", "a", "of", "and", "to", "in", "is", "was", "for", "on", "with", "as", "by")
+
+
+def keyword_task(n: int, seed: int) -> Tuple[List[str], List[int]]:
+    """``(texts, labels)``: 6-12 filler words with one keyword inserted after the first; label 1
+    when it is a colour, 0 when a Greek letter name; balanced, shuffled. The first token's
+    state in a frozen encoder does not tell the label: attention has to bring it there."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = [rng.choice(FILLER) for _ in range(rng.randint(6, 12))]
+        words.insert(rng.randrange(1, len(words) + 1), rng.choice(COLOURS if i % 2 else GREEK))
+        rows.append((" ".join(words), i % 2))
+    rng.shuffle(rows)
+    return [t for t, _ in rows], [y for _, y in rows]
+
 
 def subset(texts: List[str], labels: List[Any], per_class: Optional[int]) -> Tuple[list, list]:
     """The first ``per_class`` rows of every label (file order), or all rows."""
@@ -197,14 +238,18 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    train, test, info = read_task(Path(args.task), args.train_per_class, args.test_per_class)
-    names = args.only or list(GRID)
+    if args.task == "keyword":
+        grid, train, test = KEYWORD_GRID, keyword_task(320, 1), keyword_task(200, 2)
+    else:
+        grid = GRID
+        train, test, _ = read_task(Path(args.task), args.train_per_class, args.test_per_class)
+    names = args.only or list(grid)
     for name in names:
         for seed in args.seeds:
             path = work / f"{name}_s{seed}.json"
             if path.is_file():
                 continue
-            s = GRID[name]
+            s = grid[name]
             print(f"[lora_recipe] {name} seed {seed}: {s}", flush=True)
             res = train_eval(args.model, train, test, s, seed, args.max_length, args.batch_size, 10)
             doc = {"name": name, "seed": seed, "setting": dataclasses.asdict(s), **res,
@@ -229,7 +274,8 @@ def summarise(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         by.setdefault(r["name"], {})[r["seed"]] = r
     full = by.get("full", {})
     out = []
-    for name in [n for n in GRID if n in by] + sorted(set(by) - set(GRID)):
+    order = list(dict.fromkeys([*GRID, *KEYWORD_GRID]))
+    for name in [n for n in order if n in by] + sorted(set(by) - set(order)):
         runs = by[name]
         accs = [runs[s]["test_accuracy"] for s in sorted(runs)]
         common = sorted(set(runs) & set(full))
@@ -259,9 +305,10 @@ def report(args: argparse.Namespace) -> int:
     doc = {"recipe": dataclasses.asdict(RECIPE), "summary": table, "runs": rows}
     (out / "lora_recipe.json").write_text(json.dumps(doc, indent=1))
     md = [
+        *([args.title, ""] if args.title else []),
         f"Model {r0['model']}, task {r0['task']} (train {r0['n_train']}, test {r0['n_test']} "
-        f"paragraphs), length {r0['max_length']}, batch {r0['batch_size']}, launch/finetune.py's "
-        f"loop; {r0['machine']}, {r0['threads']} threads, nice 10; beside: {r0['beside']}.",
+        f"rows), length {r0['max_length']}, batch {r0['batch_size']}, launch/finetune.py's "
+        f"loop; {r0['machine']}, threads: {r0['threads']}, nice 10; beside: {r0['beside']}.",
         "",
         "| point | method | targets | r | alpha | lr | epochs | trainable | seeds | test accuracy "
         "| mean | fraction of full |",
@@ -288,9 +335,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train the grid's points (skips finished ones)")
     r.add_argument("--model", required=True, help="an export (launch/export.py)")
-    r.add_argument("--task", required=True, help="studies/english_downstream.py build's directory")
+    r.add_argument("--task", required=True,
+                   help="studies/english_downstream.py build's directory, or 'keyword' (the "
+                   "generated task of tests/test_lora_recipe.py, KEYWORD_GRID)")  # fmt: skip
     r.add_argument("--work", required=True, help="one JSON per point and seed")
-    r.add_argument("--only", nargs="*", choices=list(GRID), help="these points only")
+    r.add_argument("--only", nargs="*", choices=sorted(set(GRID) | set(KEYWORD_GRID)))
     r.add_argument("--seeds", nargs="*", type=int, default=[0])
     r.add_argument("--train-per-class", type=int, default=None, help="first N of each class")
     r.add_argument("--test-per-class", type=int, default=None)
@@ -301,6 +350,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     q = sub.add_parser("report", help="gather the JSONs into a table")
     q.add_argument("--work", required=True)
     q.add_argument("--out", required=True)
+    q.add_argument("--title", default="", help="a first paragraph for the md table")
     args = p.parse_args(argv)
     return run(args) if args.cmd == "run" else report(args)
 
