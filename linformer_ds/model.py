@@ -472,10 +472,13 @@ class LinearProjection(nn.Module):
             nn.init.normal_(self.weight, std=self.init_std)
             return
         width = self.weight.shape[-1]
-        slot = torch.arange(self.max_seq_len) * self.k // self.max_seq_len  # [N_max]
+        # on the CPU even under torch.device("meta") (export's shape check, transformers'
+        # meta init): bincount has no meta kernel; copy_ into a meta weight is a no-op
+        cpu = torch.device("cpu")
+        slot = torch.arange(self.max_seq_len, device=cpu) * self.k // self.max_seq_len  # [N_max]
         count = torch.bincount(slot, minlength=self.k).clamp(min=1)  # [k] positions per row
         cols = slot[self.shard_start : self.shard_start + width]
-        w = (cols[None, :] == torch.arange(self.k)[:, None]) / count[:, None]  # [k, width]
+        w = (cols[None, :] == torch.arange(self.k, device=cpu)[:, None]) / count[:, None]
         with torch.no_grad():
             self.weight.copy_(w.to(self.weight.dtype).expand_as(self.weight))
 
