@@ -16,11 +16,12 @@ and only when a directory is given (it takes seconds).
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from data_prep.errors import DataPrepError
-from linformer_ds.special_tokens import hf_special_tokens
+from linformer_ds.special_tokens import copy_tokenizer_files, hf_special_tokens
 
 HF_DIR = "tokenizer"  # OUT/tokenizer/: the saved copy
 HF_FILE = "tokenizer.json"
@@ -64,7 +65,8 @@ def is_hf_tokenizer(path: str) -> bool:
 
 
 def load(path: str, flag: str = "--tokenizer") -> Any:
-    """``AutoTokenizer`` of directory ``path`` (fast only); one-line :class:`DataPrepError`."""
+    """``AutoTokenizer`` of directory ``path`` (its tokenizer files; fast only); one-line
+    :class:`DataPrepError`."""
     if not os.path.isfile(os.path.join(path, HF_FILE)):
         raise DataPrepError(
             f"{flag} {path}: not a Hugging Face tokenizer directory (no {HF_FILE}; write one "
@@ -76,7 +78,9 @@ def load(path: str, flag: str = "--tokenizer") -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with tempfile.TemporaryDirectory() as tmp:  # the tokenizer's files only: a model
+            copy_tokenizer_files(path, tmp)  # directory's config.json is never read
+            tok = AutoTokenizer.from_pretrained(tmp)
     except Exception as e:  # noqa: BLE001  (any loading failure: one line)
         lines = str(e).strip().splitlines()
         raise DataPrepError(

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,7 +18,12 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from linformer_ds.model import ModelConfig
-from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES, hf_special_tokens
+from linformer_ds.special_tokens import (
+    SPECIAL_IDS,
+    SPECIAL_PIECES,
+    copy_tokenizer_files,
+    hf_special_tokens,
+)
 
 EXPORT_FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,11 +75,13 @@ def is_hf_tokenizer(path: str) -> bool:
 
 
 def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
-    """``AutoTokenizer`` of directory ``path`` (local files only); ExportError in one line."""
+    """``AutoTokenizer`` of directory ``path`` (its tokenizer files); ExportError in one line."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:  # the tokenizer's files only: no config.json
+            copy_tokenizer_files(path, tmp)
+            return AutoTokenizer.from_pretrained(tmp, **kwargs)
     except Exception as e:  # noqa: BLE001  (any loading failure: one line)
         lines = str(e).strip().splitlines()
         raise ExportError(f"{path}: not a Hugging Face tokenizer directory ({type(e).__name__}: "

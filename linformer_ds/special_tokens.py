@@ -32,3 +32,21 @@ def hf_special_tokens(tok: object) -> tuple:
         else:
             missing.append(" or ".join(attrs))
     return ids, pieces, missing
+
+
+# What save_pretrained writes for a tokenizer (any of them): a tokenizer is loaded from a copy
+# of these alone, so that a model directory's config.json (an export's auto_map: remote code)
+# is never read and AutoTokenizer never asks whether to run it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json")  # fmt: skip
+
+
+def copy_tokenizer_files(src: str, dest: str) -> None:
+    """Copy the :data:`TOKENIZER_FILES` that directory ``src`` holds into directory ``dest``."""
+    import os
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dest, name))

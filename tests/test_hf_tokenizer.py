@@ -332,7 +332,7 @@ def test_warm_start_must_agree_with_the_data(env, tmp_path):
         WarmStart.for_run(cfg, None, ds)
 
 
-def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_path):
+def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_path, capfd):
     """A BERT whose vocabulary is the WordPiece tokenizer's, warm-started by the trainer on the
     WordPiece data: the loss goes down; the export carries the tokenizer (AutoTokenizer loads
     it; config ids are its ids) and fine-tunes."""
@@ -356,7 +356,7 @@ def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_pat
 
     out = Path(export_checkpoint(str(run / "checkpoints"), str(tmp_path / "export")))
     assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").exists()
-    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
     text = "the quick brown fox\nnaïve café"
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
     assert loaded.model_max_length == SEQ and "token_type_ids" not in loaded(text)
@@ -373,7 +373,9 @@ def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_pat
              "label": str(y)} for y in (0, 1) * 12]  # fmt: skip
     (tmp_path / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ft = tmp_path / "ft"
+    capfd.readouterr()
     assert finetune_main(["--model", str(out), "--train", str(tmp_path / "task.jsonl"),
                           "--epochs", "1", "--batch-size", "8", "--out", str(ft)]) == 0  # fmt: skip
-    again = transformers.AutoTokenizer.from_pretrained(str(ft))
+    assert "custom code" not in "".join(capfd.readouterr())  # no remote-code prompt
+    again = transformers.AutoTokenizer.from_pretrained(str(ft), trust_remote_code=True)
     assert again(text)["input_ids"] == tok(text)["input_ids"]
