@@ -74,6 +74,10 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
                 "eps": cfg.optimizer.eps,
                 "weight_decay": cfg.optimizer.weight_decay,
                 "torch_adam": True,
+                # torch's fused AdamW kernel: the same update in one pass over the flat fp32
+                # partition; the default on CPU is the single-tensor loop (about a dozen passes,
+                # 10x slower on a 31M-parameter partition, BENCHMARKS.md "Per-op profile")
+                "fused": True,
             },
         },
         "zero_force_ds_cpu_optimizer": False,
@@ -104,7 +108,14 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
             "synchronize_checkpoint_boundary": False,
             "profile": False,
         }
-    return _deep_update(out, ds.extra_dict()) if with_extra else out
+    if not with_extra:
+        return out
+    extra = ds.extra_dict()
+    out = _deep_update(out, extra)
+    params = out["optimizer"]["params"]
+    if not params.get("torch_adam") and "fused" not in extra.get("optimizer", {}).get("params", {}):
+        params.pop("fused", None)  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam take no `fused`
+    return out
 
 
 # ======================================================================== deepspeed.extra checks

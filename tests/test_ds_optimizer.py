@@ -1,0 +1,51 @@
+"""The trainer's optimizer implementation: torch's fused AdamW (one pass over DeepSpeed's flat
+fp32 partition) is the default, the same update as the single-tensor loop within fp32 rounding;
+DeepSpeed's own optimizers (``torch_adam=false``) get no ``fused`` key."""
+
+import torch
+
+from linformer_ds.config import load_config
+from linformer_ds.ds_config import check_deepspeed_extra, deepspeed_config
+from tests.pretrain_utils import TINY_CONFIG
+
+
+def test_fused_adamw_is_the_default():
+    params = deepspeed_config(load_config(TINY_CONFIG), world_size=1)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+
+
+def test_deepspeed_optimizers_get_no_fused_key():
+    """torch_adam=false (FusedAdam, or DeepSpeedCPUAdam under offload) takes no ``fused``: it is
+    dropped, and the check of deepspeed.extra accepts the override."""
+    for extra in (
+        ["deepspeed.extra.optimizer.params.torch_adam=false"],
+        [
+            "deepspeed.extra.optimizer.params.torch_adam=false",
+            "deepspeed.zero.offload_optimizer=true",
+        ],
+    ):
+        cfg = load_config(TINY_CONFIG, extra)
+        assert "fused" not in deepspeed_config(cfg, world_size=1)["optimizer"]["params"]
+        check_deepspeed_extra(cfg, world_size=1)
+    cfg = load_config(TINY_CONFIG, ["deepspeed.extra.optimizer.params.fused=false"])
+    assert deepspeed_config(cfg, world_size=1)["optimizer"]["params"]["fused"] is False
+    check_deepspeed_extra(cfg, world_size=1)
+
+
+def test_fused_and_loop_adamw_agree():
+    """Five steps on one flat fp32 tensor (ZeRO's partition): the same parameters and moments
+    within fp32 rounding (not bit for bit: the fused kernel orders the arithmetic its own way)."""
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(10_000, generator=g)
+    grads = [torch.randn(10_000, generator=g) * 1e-2 for _ in range(5)]
+    out = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(p0.clone())
+        kw = {"fused": True} if fused else {"foreach": False}
+        opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw)
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        out.append((p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
