@@ -3,6 +3,7 @@ sequence split over P ranks trains like one rank holding it whole, under ZeRO 2 
 DP 2 x SP 2 run on 4 ranks resumes exactly."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,8 @@ def _metrics(run_dir):
 def single_rank_reference(tiny_corpus, tmp_path_factory):
     """P = 1 on one rank with the same global batch (4 rows) as the P = 2 runs."""
     run = tmp_path_factory.mktemp("sp1")
-    run_pretrain(tiny_corpus, run, SP_MODEL + ["deepspeed.zero.stage=2"], nproc=1)
+    run_pretrain(tiny_corpus, run, SP_MODEL + ["deepspeed.zero.stage=2"], nproc=1,
+                 launcher="python")  # fmt: skip
     return _metrics(run)
 
 
@@ -87,17 +89,31 @@ def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
     assert [a[s]["grad_norm"] for s in range(4, 7)] == [b[s]["grad_norm"] for s in range(4, 7)]
 
 
+RESUME_ACROSS = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=6", "train.eval_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def six_step_reference(tiny_corpus, tmp_path_factory):
+    """The uninterrupted one-rank run the resume chains below equal: P = 1, so
+    ``parallel.shard_sequence_parameters`` is inert (no SP group, nothing sharded, recorded
+    false): one run serves the sharded and the unsharded chain."""
+    ref = tmp_path_factory.mktemp("ref6")
+    over = RESUME_ACROSS + ["parallel.shard_sequence_parameters=false"]
+    run_pretrain(tiny_corpus, ref, over, nproc=1, launcher="python")
+    return read_metrics(ref)
+
+
 @pytest.mark.parametrize("shard", [True, False])
-def test_resume_across_sequence_parallel_sizes_and_ranks(tiny_corpus, tmp_path, shard):
+def test_resume_across_sequence_parallel_sizes_and_ranks(
+    tiny_corpus, tmp_path, six_step_reference, shard
+):
     """P=2 on 2 ranks -> P=1 on 2 ranks (unsharded: native load, ZeRO partitions over all ranks
     either way; sharded: the halves of E/F and the positions are joined through the universal
     checkpoint) -> one rank (universal checkpoint): every step's loss equals a one-rank run to
     1e-4 (the layouts sum gradients in different orders; Adam carries those last-bit
     differences on: measured 2e-5 at step 5)."""
-    over = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=6", "train.eval_interval=0"]
-    over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    run_pretrain(tiny_corpus, ref, over, nproc=1)
+    over = RESUME_ACROSS + [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
+    run = tmp_path / "run"
     sp2 = ["parallel.sequence_parallel_size=2", "train.stop_at_step=2"]
     run_pretrain(tiny_corpus, run, over + sp2, nproc=2)
     meta = (run / "checkpoints" / "step_00000002" / "linformer_meta.json").read_text()
@@ -106,9 +122,9 @@ def test_resume_across_sequence_parallel_sizes_and_ranks(tiny_corpus, tmp_path, 
     dp2 = ["train.micro_batch_size=2", "train.stop_at_step=4"]
     proc = run_pretrain(tiny_corpus, run, over + dp2, nproc=2)
     assert "[resume]" in proc.stdout and ("universal" in proc.stdout) == shard
-    proc = run_pretrain(tiny_corpus, run, over, nproc=1)
+    proc = run_pretrain(tiny_corpus, run, over, nproc=1, launcher="python")
     assert "universal checkpoint" in proc.stdout
-    a, b = read_metrics(ref), read_metrics(run)
+    a, b = six_step_reference, read_metrics(run)
     assert sorted(b) == list(range(1, 7))
     for s in range(1, 7):
         assert math.isclose(a[s]["loss"], b[s]["loss"], rel_tol=1e-4), (s, a[s], b[s])
@@ -119,15 +135,17 @@ def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(tiny_corpus, tmp_path)
     onto DP 2 x SP 2 (4 ranks, 2 rows per replica: the same global batch of 4 rows); every
     step's loss equals the uninterrupted one-rank run to fp32 rounding carried by Adam."""
     over = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=4", "train.eval_interval=0"]
-    ref = tmp_path / "ref"
-    run_pretrain(tiny_corpus, ref, over, nproc=1)
+    ref, half = tmp_path / "ref", tmp_path / "half"
+    run_pretrain(tiny_corpus, ref, over, nproc=1, launcher="python")
     want = read_metrics(ref)
+    # the first two steps on one rank, once: each resume starts from its own copy
+    run_pretrain(tiny_corpus, half, over + ["train.stop_at_step=2"], nproc=1, launcher="python")
     for name, extra, nproc in (
         ("sp2", ["parallel.sequence_parallel_size=2"], 2),
         ("dp2sp2", ["parallel.sequence_parallel_size=2", "train.micro_batch_size=2"], 4),
     ):
         run = tmp_path / name
-        run_pretrain(tiny_corpus, run, over + ["train.stop_at_step=2"], nproc=1)
+        shutil.copytree(half, run)
         proc = run_pretrain(tiny_corpus, run, over + extra, nproc=nproc)
         assert "universal checkpoint" in proc.stdout and "step 2" in proc.stdout, proc.stdout
         got = read_metrics(run)
@@ -149,7 +167,8 @@ def test_export_of_sharded_checkpoint_holds_whole_matrices(tiny_corpus, tmp_path
     over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "train.max_steps=2", "train.eval_interval=0"]
     exported = {}
     for name, extra, nproc in (("one", [], 1), ("sp2", ["parallel.sequence_parallel_size=2"], 2)):
-        run_pretrain(tiny_corpus, tmp_path / name, over + extra, nproc=nproc)
+        launcher = "deepspeed" if nproc > 1 else "python"
+        run_pretrain(tiny_corpus, tmp_path / name, over + extra, nproc=nproc, launcher=launcher)
         out = tmp_path / f"{name}_export"
         cmd = [sys.executable, "launch/export.py", "--checkpoint", str(tmp_path / name / "checkpoints"),
                "--out", str(out)]  # fmt: skip
