@@ -1,8 +1,10 @@
 """LoRA vs full fine-tuning of an export on a labelled task (issue 32 item 4).
 
 python studies/lora_recipe.py run --model /work/english/export5 --task /work/study/task_r5 \\
-    --work /work/study/lora --seeds 0 1 [--only full lora_all_lr2e-3] [--train-per-class 200]
-python studies/lora_recipe.py report --work /work/study/lora --out docs/quality_study/lora
+    --work W --seeds 0 1 2 --only full lora_all_r16a32_lr5e-3 --train-per-class 100 \\
+    --test-per-class 50 --threads 1
+python studies/lora_recipe.py run --model EXPORT --task keyword --work W2 --max-length 64 --threads 1
+python studies/lora_recipe.py report --work W --out docs/quality_study/lora/english
 
 The task is the one studies/english_downstream.py builds (``build``: train.jsonl, test.jsonl,
 task.json); the protocol is launch/finetune.py's (linformer_ds/finetune.py: its data loading,
@@ -57,6 +59,7 @@ RECIPE = Setting("lora", lr=5e-3, epochs=1.0, targets=ALL_LINEAR, r=16, alpha=32
 
 GRID: Dict[str, Setting] = {
     "full": Setting("full", lr=1.5e-4),  # english_downstream's reference (0.544 at seed 0)
+    "full_lr5e-4": Setting("full", lr=5e-4),  # launch/finetune.py's largest default lr
     "head": Setting("head", lr=1e-3),  # frozen encoder, trained head: how much the features hold
     # the recipe the outside check used: qkv/out, PEFT defaults (r 8, alpha 8), lr 1e-3
     "lora_qkvout_r8_lr1e-3": Setting("lora", lr=1e-3, targets=("qkv", "out")),
