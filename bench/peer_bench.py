@@ -440,8 +440,11 @@ def run_group(
     return rows
 
 
-def run_benchmark(pc: PeerConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Every N and sharing mode: build the models, time them interleaved; the results dict."""
+def run_benchmark(
+    pc: PeerConfig, log: Callable[[str], None] = print, partial: Optional[Path] = None
+) -> Dict[str, Any]:
+    """Every N and sharing mode: build the models, time them interleaved; the results dict.
+    ``partial``: a directory that gets the rows so far (``partial.json``) after every group."""
     pc.validate()
     device = resolve_device(pc.device)
     env = environment("bench.peer_bench", device)
@@ -453,6 +456,10 @@ def run_benchmark(pc: PeerConfig, log: Callable[[str], None] = print) -> Dict[st
     for n in pc.seq_lens:
         for sharing in pc.sharings:
             rows += run_group(pc, n, sharing, device, log)
+            if partial is not None:
+                partial.mkdir(parents=True, exist_ok=True)
+                done = {"config": asdict(pc), "environment": env, "rows": rows}
+                (partial / "partial.json").write_text(json.dumps(done, indent=1) + "\n")
     peaks.append(gemm_peak(pc, device))
     peak = max(peaks)
     for row in rows:
@@ -570,9 +577,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    results = run_benchmark(pc)
+    results = run_benchmark(pc, partial=Path(pc.out))
     for path in write_outputs(results, Path(pc.out)):
         print(f"wrote {path}")
+    (Path(pc.out) / "partial.json").unlink(missing_ok=True)  # results.json has every row
     print(markdown_table(results))
     return 0
 
