@@ -1,19 +1,24 @@
-"""What both benchmarks (``bench.model_bench``, ``bench.sp_bench``) share: the benchmarked
-encoder (sizes -> ``ModelConfig``), its MLM batch, the trainer's job config and DeepSpeed JSON
-for a run of it, option helpers and the record of the machine."""
+"""What the benchmarks (``bench.model_bench``, ``bench.sp_bench``, ``bench.peer_bench``,
+``bench.profile_step``) share: the benchmarked encoder (sizes -> ``ModelConfig``), its MLM batch,
+the trainer's job config and DeepSpeed JSON for a run of it, option helpers, the record of the
+machine and the results files."""
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from linformer_ds.config import JobConfig, from_dict
 from linformer_ds.model import ModelConfig
+
+SIZES = ("layers", "hidden", "heads", "k", "intermediate", "vocab")  # ModelSizes' int options
 
 
 class BenchError(ValueError):
@@ -36,7 +41,7 @@ class ModelSizes:
 
     def validate_sizes(self) -> None:
         """Raise BenchError naming the first bad size."""
-        for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab"):
+        for name in SIZES:
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name}: must be >= 1, got {getattr(self, name)}")
         if self.hidden % self.heads:
@@ -105,6 +110,13 @@ def mlm_batch(
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+def add_size_options(p: argparse.ArgumentParser, defaults: Any, *more: str) -> None:
+    """``--layers`` ... ``--vocab`` (:data:`SIZES`), then the int options ``more``, each with
+    its default from ``defaults`` (the benchmark's config)."""
+    for name in SIZES + more:
+        p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+
+
 def parse_max_n(items: Sequence[str]) -> Dict[str, int]:
     """``--max-n dense=8192 ...`` -> ``{"dense": 8192}``."""
     out = {}
@@ -153,3 +165,15 @@ def environment(module: str, device: Optional[torch.device] = None) -> Dict[str,
             env["gpu"] = torch.cuda.get_device_name(device)
             env["cuda"] = torch.version.cuda
     return env
+
+
+def write_results(
+    results: Dict[str, Any], out: Path, markdown: Callable[[Dict[str, Any]], str]
+) -> List[Path]:
+    """Write ``out/results.json`` (the results, indented) and ``out/results.md``
+    (``markdown(results)``); their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=1) + "\n")
+    paths[1].write_text(markdown(results))
+    return paths

@@ -36,10 +36,12 @@ import torch
 from bench.common import (
     BenchError,
     ModelSizes,
+    add_size_options,
     environment,
     mlm_batch,
     model_config,
     parse_max_n,
+    write_results,
 )
 from linformer_ds.model import LinformerForMaskedLMPretraining, flops_per_token, labelled_positions
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
@@ -452,10 +454,7 @@ def markdown_table(results: Dict[str, Any]) -> str:
 
 def write_outputs(results: Dict[str, Any], out: Path, plots: bool = True) -> List[Path]:
     """Write results.json, results.md and (with matplotlib) the two PNG plots."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "results.json", out / "results.md"]
-    written[0].write_text(json.dumps(results, indent=1) + "\n")
-    written[1].write_text(markdown_table(results))
+    written = write_results(results, out, markdown_table)
     if plots:
         written += _plots(results, out)
     return written
@@ -510,8 +509,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
     )
     p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
     p.add_argument("--variants", nargs="+", default=d.variants)
-    for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch"):
-        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    add_size_options(p, d, "batch")
     p.add_argument("--tokens", type=int, default=None, help="tokens per step (overrides --batch)")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--iters", type=int, default=d.iters, help="timed steps per variant and N")

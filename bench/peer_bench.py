@@ -70,7 +70,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import BenchError, ModelSizes, environment, mlm_batch
+from bench.common import (
+    BenchError,
+    ModelSizes,
+    add_size_options,
+    environment,
+    mlm_batch,
+    write_results,
+)
 from bench.model_bench import ADAMW, MasterWeightAdamW, _adamw, resolve_device
 from linformer_ds.model import (
     LinformerForMaskedLM,
@@ -524,14 +531,6 @@ def markdown_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: Dict[str, Any], out: Path) -> List[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
-    paths[1].write_text(markdown_table(results))
-    return paths
-
-
 # ========================================================================================== CLI
 def parse_args(argv: Optional[Sequence[str]] = None) -> PeerConfig:
     d = PeerConfig()
@@ -546,8 +545,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PeerConfig:
         help="process: one process per model (default); shared: all in this one",
     )  # fmt: skip
     p.add_argument("--beside", default=d.beside, help="what else ran on the machine (recorded)")
-    for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch"):
-        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    add_size_options(p, d, "batch")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--iters", type=int, default=d.iters, help="timed rounds")
     p.add_argument("--precision", default=d.precision, help=f"one of {PRECISIONS}")
@@ -578,7 +576,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         return 2
     results = run_benchmark(pc, partial=Path(pc.out))
-    for path in write_outputs(results, Path(pc.out)):
+    for path in write_results(results, Path(pc.out), markdown_table):
         print(f"wrote {path}")
     (Path(pc.out) / "partial.json").unlink(missing_ok=True)  # results.json has every row
     print(markdown_table(results))

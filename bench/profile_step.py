@@ -39,7 +39,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.common import BenchError, ModelSizes, environment, job_config, mlm_batch
+from bench.common import (
+    BenchError,
+    ModelSizes,
+    add_size_options,
+    environment,
+    job_config,
+    mlm_batch,
+    write_results,
+)
 from bench.model_bench import ADAMW, MasterWeightAdamW
 from bench.peer_bench import full_logits_loss
 from linformer_ds.model import (
@@ -413,14 +421,6 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: Dict[str, Any], out: Path) -> List[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n")
-    paths[1].write_text(markdown(results))
-    return paths
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> ProfileConfig:
     d = ProfileConfig()
     p = argparse.ArgumentParser(
@@ -429,8 +429,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ProfileConfig:
     p.add_argument("--seq-lens", type=int, nargs="+", default=d.seq_lens)
     p.add_argument("--paths", nargs="+", default=d.paths, help=f"some of {PATHS}")
     p.add_argument("--sharing", default=d.sharing)
-    for name in ("layers", "hidden", "heads", "k", "intermediate", "vocab", "batch", "zero"):
-        p.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    add_size_options(p, d, "batch", "zero")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--iters", type=int, default=d.iters, help="profiled steps")
     p.add_argument("--mlm-fraction", type=float, default=d.mlm_fraction)
@@ -456,7 +455,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = run_profile(pc)
-    for path in write_outputs(results, Path(pc.out)):
+    for path in write_results(results, Path(pc.out), markdown):
         print(f"wrote {path}")
     print(markdown(results))
     return 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench.common import write_results
 from bench.peer_bench import (
     PEER_CONFIGS,
     SHARINGS,
@@ -18,10 +19,10 @@ from bench.peer_bench import (
     build,
     loss_of,
     main,
+    markdown_table,
     our_config,
     run_benchmark,
     unique_parameters,
-    write_outputs,
 )
 from linformer_ds.model import flops_per_token
 
@@ -96,7 +97,7 @@ def test_tiny_run_writes_table(tmp_path):
         assert len(r["step_s_all"]) == 2 and r["mfu"] > 0
     assert len(rows["ours"]["speedup_per_round"]) == 2
     assert results["gemm_dtype"] == "bfloat16"
-    json_path, md_path = write_outputs(results, tmp_path)
+    json_path, md_path = write_results(results, tmp_path, markdown_table)
     assert json.loads(json_path.read_text())["rows"][0]["n"] == 64
     md = md_path.read_text()
     assert "| 64 | headwise | lucidrains | share_kv=False |" in md and "beside: nothing" in md
