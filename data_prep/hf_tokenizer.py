@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from data_prep.errors import DataPrepError
+from linformer_ds.outdir import error_line
 from linformer_ds.special_tokens import copy_tokenizer_files, hf_special_tokens
 
 HF_DIR = "tokenizer"  # OUT/tokenizer/: the saved copy
@@ -82,11 +83,7 @@ def load(path: str, flag: str = "--tokenizer") -> Any:
             copy_tokenizer_files(path, tmp)  # directory's config.json is never read
             tok = AutoTokenizer.from_pretrained(tmp)
     except Exception as e:  # noqa: BLE001  (any loading failure: one line)
-        lines = str(e).strip().splitlines()
-        raise DataPrepError(
-            f"{flag} {path}: cannot load the tokenizer: {type(e).__name__}: "
-            f"{lines[0] if lines else 'no detail'}"
-        ) from None
+        raise DataPrepError(f"{flag} {path}: cannot load the tokenizer: {error_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if not getattr(tok, "is_fast", False):

@@ -135,10 +135,8 @@ def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
         except CheckpointError as e:  # a file holding a pickled payload (it did not run)
             raise ExportError(str(e)) from None
         except (RuntimeError, ValueError, KeyError, OSError, EOFError, AssertionError) as e:
-            lines = str(e).strip().splitlines()
             raise ExportError(
-                f"{tag_dir}: DeepSpeed's zero_to_fp32 could not read it ({type(e).__name__}: "
-                f"{lines[0] if lines else 'no detail'})"
+                f"{tag_dir}: DeepSpeed's zero_to_fp32 could not read it ({outdir.error_line(e)})"
             ) from None
     return _consolidate_stage0(tag_dir)
 

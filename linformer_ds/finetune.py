@@ -80,10 +80,9 @@ def _load(
                 LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs
             )
         except Exception as e:  # noqa: BLE001  (an empty, truncated or malformed file)
-            lines = str(e).strip().splitlines()
             raise FinetuneError(
-                f"{source}: cannot be read as {ext} data ({type(e).__name__}: "
-                f"{lines[0] if lines else 'no detail'}); expected {FORMATS_HELP}"
+                f"{source}: cannot be read as {ext} data ({outdir.error_line(e)}); "
+                f"expected {FORMATS_HELP}"
             ) from None
     if os.path.isfile(source):
         raise FinetuneError(
@@ -407,10 +406,8 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
     except (FinetuneError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001  (a bad option in config.json, a missing file, ...)
-        lines = str(e).strip().splitlines()
         raise FinetuneError(
-            f"--model {args.model} cannot be loaded: {type(e).__name__}: "
-            f"{lines[0] if lines else 'no detail'}"
+            f"--model {args.model} cannot be loaded: {outdir.error_line(e)}"
         ) from None
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -18,6 +18,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from linformer_ds.model import ModelConfig
+from linformer_ds.outdir import error_line
 from linformer_ds.special_tokens import (
     SPECIAL_IDS,
     SPECIAL_PIECES,
@@ -83,9 +84,9 @@ def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
             copy_tokenizer_files(path, tmp)
             return AutoTokenizer.from_pretrained(tmp, **kwargs)
     except Exception as e:  # noqa: BLE001  (any loading failure: one line)
-        lines = str(e).strip().splitlines()
-        raise ExportError(f"{path}: not a Hugging Face tokenizer directory ({type(e).__name__}: "
-                          f"{lines[0] if lines else 'no detail'})") from None  # fmt: skip
+        raise ExportError(
+            f"{path}: not a Hugging Face tokenizer directory ({error_line(e)})"
+        ) from None
 
 
 def hf_token_ids(path: str) -> Tuple[Dict[str, int], int]:

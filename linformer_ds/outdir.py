@@ -13,7 +13,9 @@ work. ``--out`` is refused (:class:`OutDirError`, one line) when it
   same command's record, and never one that contains any of the above.
 
 Replacing goes through a sibling temporary directory and renames (:func:`swap_in`), so a failed
-write leaves the previous output whole. Standard library only (data_prep imports it).
+write leaves the previous output whole. The commands' one-line failures come from here too
+(:func:`error_line`, :func:`write_error`, :func:`fail`). Standard library only (data_prep
+imports it).
 """
 
 import contextlib
@@ -185,6 +187,13 @@ def swap_in(tmp: str, out: str) -> None:
             os.close(fd)
 
 
+def error_line(e: BaseException, empty: str = "no detail") -> str:
+    """``e`` in one line: ``TypeName: first line of its message`` (``empty`` when it has none),
+    for a library's failure (a load, a parse) that the command reports in one line."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else empty}"
+
+
 def write_error(e: BaseException, what: str) -> str:
     """One line for a failed write of ``what``: the OS's reason (ENOSPC, EFBIG from a file-size
     limit such as ``ulimit -f``, EROFS, ...) and the file, never a library's internal message."""
@@ -196,8 +205,7 @@ def write_error(e: BaseException, what: str) -> str:
     elif isinstance(e, OSError) and e.strerror:
         reason = e.strerror
     else:
-        text = str(e).strip().splitlines()
-        reason = f"{type(e).__name__}: {text[0] if text else ''}".strip()
+        reason = error_line(e, empty="").strip()
         if "space" not in reason.lower() and _disk_full(what):
             reason = f"No space left on device ({reason})"
     where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
