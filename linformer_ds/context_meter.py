@@ -170,6 +170,22 @@ class UnigramMeter:
         return [float(-self.log_prob[lab].sum()), float((lab == self.top).sum())]
 
 
+def unigram_bias(meters: Sequence[UnigramMeter], weights: Sequence[float],
+                 floor_nats: float = 10.0) -> np.ndarray:  # fmt: skip
+    """``float32 [V]``: the log of the ``weights``-mixture of the meters' unigram distributions,
+    centred to mean 0 over the ids any of them can mask; the never-masked ids (pad, cls, ...)
+    ``floor_nats`` below the least likely maskable id. The MLM decoder's bias at a fresh start
+    with ``model.output_bias_init: unigram``: the untrained model then predicts the context-free
+    distribution (its loss on hidden labels is the meter's ``unigram_loss``)."""
+    w = np.asarray(weights, dtype=np.float64)
+    p = sum(wi / w.sum() * np.exp(m.log_prob) for wi, m in zip(w, meters))  # exp(-inf) = 0
+    maskable = p > 0
+    with np.errstate(divide="ignore"):
+        logp = np.log(p)
+    logp = np.where(maskable, logp, logp[maskable].min() - floor_nats)
+    return (logp - logp[maskable].mean()).astype(np.float32)
+
+
 def figures(loss_sum: float, correct: float, count: float, loss: float, acc: float
             ) -> Dict[str, float]:  # fmt: skip
     """The meter's fields of an eval record from its summed statistics over ``count`` labels

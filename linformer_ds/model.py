@@ -34,6 +34,8 @@ PROJECTIONS = ("linear", "conv", "dense")  # the built-in kinds (more: register_
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 PROJECTION_INITS = ("normal", "pooling")
+POSITION_INITS = ("normal", "sinusoidal")
+OUTPUT_BIAS_INITS = ("zero", "unigram")
 NORM_STYLES = ("pre", "post")
 
 # The range of every numeric option. Integers: (low, high), inclusive. The upper bounds of sizes
@@ -116,6 +118,14 @@ class ModelConfig:
     # E/F and conv kernels at init: "normal" (random, std projection_init_std) or "pooling"
     # (summary j = the mean of the j-th window of N/k positions; conv = mean over each block)
     projection_init: str = "normal"
+    # The learned position table at init: "normal" (N(0, initializer_range), BERT) or
+    # "sinusoidal" (Vaswani et al.'s sin/cos table scaled to RMS initializer_range: every offset
+    # is one linear map away, so attention to neighbours is learned early; still trained)
+    position_init: str = "normal"
+    # The MLM decoder's bias at init: "zero", or "unigram": the log of the train split's token
+    # frequencies (add-one smoothed; set by the trainer from the data at a fresh start), so
+    # training starts at the context-free level instead of spending its first steps reaching it
+    output_bias_init: str = "zero"
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2
@@ -165,7 +175,9 @@ class ModelConfig:
             )
         for name, choices in (("norm", NORM_STYLES), ("sharing", SHARING_MODES),
                               ("projection", projection_names() + ("hybrid",)),
-                              ("projection_init", PROJECTION_INITS)):  # fmt: skip
+                              ("projection_init", PROJECTION_INITS),
+                              ("position_init", POSITION_INITS),
+                              ("output_bias_init", OUTPUT_BIAS_INITS)):  # fmt: skip
             if getattr(self, name) not in choices:
                 _bad(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
@@ -1086,6 +1098,8 @@ class LinformerEncoder(nn.Module):
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+        # init_weights reads the flag (module-local: any order of initialisation gives the table)
+        self.position_embeddings.sinusoidal_init = config.position_init == "sinusoidal"
         self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
         schedule = config.projection_schedule()
@@ -1281,6 +1295,8 @@ def init_weights(module: nn.Module, std: float) -> None:
             nn.init.normal_(module.weight, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) and getattr(module, "sinusoidal_init", False):
+            module.weight.copy_(sinusoidal_positions(*module.weight.shape) * (std * math.sqrt(2.0)))
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, nn.LayerNorm):
@@ -1288,6 +1304,17 @@ def init_weights(module: nn.Module, std: float) -> None:
             nn.init.zeros_(module.bias)
         elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
             module.reset_parameters()
+
+
+def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
+    """``[n, d]`` fp32 sin/cos table of Vaswani et al. (2017): column ``2i`` is
+    ``sin(p / 10000^(2i/d))``, column ``2i+1`` its cosine; RMS over a row 1/sqrt(2)."""
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [ceil(d/2)]
+    table = torch.zeros(n, d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq[: d // 2])
+    return table.float()
 
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

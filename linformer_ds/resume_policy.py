@@ -65,7 +65,8 @@ POLICY: Dict[str, Policy] = {
         "vocab_size", "max_seq_len", "hidden_size", "num_layers", "num_heads",
         "intermediate_size", "dropout", "attention_dropout", "layer_norm_eps", "norm",
         "projection", "hybrid_linear_layers", "layer_projections", "k", "layer_k", "sharing",
-        "freeze_projection", "projection_init_std", "projection_init", "initializer_range",
+        "freeze_projection", "projection_init_std", "projection_init", "position_init",
+        "output_bias_init", "initializer_range",
         "pad_token_id", "num_labels", "classifier_dropout", "tie_word_embeddings")},  # fmt: skip
     "model.format_version": _F,  # the schema version: older formats load (check_model_config)
     "model.extra": _F,  # free-form metadata, ignored by the model

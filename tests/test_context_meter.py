@@ -19,6 +19,7 @@ from linformer_ds.context_meter import (
     UnigramMeter,
     counts_record,
     load_counts,
+    unigram_bias,
     with_mixture_meter,
 )
 from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
@@ -255,3 +256,49 @@ def test_trainer_eval_records_and_lines_carry_the_meter(tiny_corpus, tmp_path):
     again = run_pretrain(data, run, common + ["train.max_steps=6"], nproc=1, launcher="python")
     assert "tokens (cache)" in again.stdout
     assert read_metrics(run, "eval")[6]["unigram_loss"] == pytest.approx(r["unigram_loss"])
+
+
+def test_unigram_bias_is_the_log_of_the_weighted_mixture(shards, tmp_path):
+    """Two meters mixed 3:1: softmax(bias) over the maskable ids is the mixture of their
+    add-one distributions (plain Python reference); never-masked ids lie 10 nats below the
+    least likely maskable one; the maskable ids' mean is 0."""
+    _, logp, _ = reference(shards)
+    skewed = np.zeros(V, dtype=np.int64)
+    skewed[5] = 1000  # a second source that is nearly all id 5
+    meters = [UnigramMeter.for_dataset(ShardDataset(shards, "train"), tmp_path),
+              UnigramMeter(skewed, list(SPECIAL.values()))]  # fmt: skip
+    bias = unigram_bias(meters, [3.0, 1.0])
+    assert bias.dtype == np.float32 and bias.shape == (V,)
+    maskable = [t for t in range(V) if t not in SPECIAL.values()]
+    z = sum(math.exp(float(bias[t])) for t in maskable)
+    second = {t: (skewed[t] + 1) / (1000 + len(maskable)) for t in maskable}
+    for t in maskable:
+        want = 0.75 * math.exp(logp[t]) + 0.25 * second[t]
+        assert math.exp(float(bias[t])) / z == pytest.approx(want, rel=1e-5)
+    assert float(np.mean(bias[maskable])) == pytest.approx(0.0, abs=1e-5)
+    low = min(float(bias[t]) for t in maskable)
+    for t in SPECIAL.values():
+        assert float(bias[t]) == pytest.approx(low - 10.0, abs=1e-4)
+
+
+def test_output_bias_init_starts_the_model_at_the_unigram_level(tiny_corpus, tmp_path):
+    """``model.output_bias_init=unigram`` on a real one-rank run: with near-zero weights
+    (initializer_range 1e-4) and a vanishing learning rate the step-1 evaluation's hidden loss
+    is the meter's unigram loss (the untrained model predicts the context-free distribution; the
+    default zero bias scores log V instead); a resumed run keeps its checkpoint's bias."""
+    run = tmp_path / "run"
+    common = ["train.eval_interval=1", "train.eval_batches=2", "optimizer.lr=1e-9",
+              "model.initializer_range=1e-4", "deepspeed.precision=fp32"]  # fmt: skip
+    out = run_pretrain(tiny_corpus, run, common + ["model.output_bias_init=unigram",
+                       "train.max_steps=1"], nproc=1, launcher="python")  # fmt: skip
+    assert "[setup] MLM decoder bias: log unigram of" in out.stdout
+    r = read_metrics(run, "eval")[1]
+    assert r["hidden_loss"] == pytest.approx(r["unigram_loss"], abs=2e-3)
+    again = run_pretrain(tiny_corpus, run, common + ["model.output_bias_init=unigram",
+                         "train.max_steps=2"], nproc=1, launcher="python")  # fmt: skip
+    assert "MLM decoder bias" not in again.stdout
+    zero = tmp_path / "zero"
+    run_pretrain(tiny_corpus, zero, common + ["train.max_steps=1"], nproc=1, launcher="python")
+    z = read_metrics(zero, "eval")[1]
+    assert z["hidden_loss"] == pytest.approx(math.log(2000), abs=2e-3)
+    assert z["unigram_loss"] == pytest.approx(r["unigram_loss"], rel=1e-12)  # the same masks

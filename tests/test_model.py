@@ -477,3 +477,41 @@ def test_projection_init_option():
         assert int((m.weight > 0).sum()) == m.heads * m.max_seq_len
     with pytest.raises(ModelConfigError, match="model.projection_init"):
         tiny(projection_init="identity")
+
+
+@pytest.mark.parametrize("n,d", [(7, 16), (33, 9), (1, 2)])
+def test_sinusoidal_positions_match_the_formula(n, d):
+    """The table against Vaswani et al.'s formula evaluated here with math, odd widths too."""
+    from linformer_ds.model import sinusoidal_positions
+
+    got = sinusoidal_positions(n, d)
+    assert got.shape == (n, d) and got.dtype == torch.float32
+    for p in range(n):
+        for c in range(d):
+            angle = p / 10000 ** ((c - c % 2) / d)
+            want = math.sin(angle) if c % 2 == 0 else math.cos(angle)
+            assert float(got[p, c]) == pytest.approx(want, abs=1e-6)
+
+
+def test_position_init_option():
+    """``sinusoidal``: the learned table starts as the sin/cos table at RMS initializer_range,
+    in the project's and the Hugging Face classes alike, and stays a trained parameter;
+    ``normal`` keeps N(0, std); an unknown value names the key."""
+    from linformer_ds.hf.configuration_linformer import LinformerConfig
+    from linformer_ds.hf.modeling_linformer import LinformerForMaskedLM as HFMaskedLM
+    from linformer_ds.model import sinusoidal_positions
+
+    cfg = tiny(position_init="sinusoidal", initializer_range=0.05)
+    want = sinusoidal_positions(32, 16) * (0.05 * math.sqrt(2.0))
+    model = LinformerForMaskedLM(cfg)
+    table = model.encoder.position_embeddings.weight
+    assert torch.allclose(table, want, atol=1e-7) and table.requires_grad
+    assert float(table.detach().pow(2).mean().sqrt()) == pytest.approx(0.05, rel=0.02)
+    hf = HFMaskedLM(LinformerConfig(**cfg.to_dict()))
+    assert torch.allclose(hf.encoder.position_embeddings.weight, want, atol=1e-7)
+    plain = LinformerForMaskedLM(tiny()).encoder.position_embeddings.weight
+    assert not torch.allclose(plain, sinusoidal_positions(32, 16) * (0.02 * math.sqrt(2.0)))
+    with pytest.raises(ModelConfigError, match="model.position_init"):
+        tiny(position_init="rotary")
+    with pytest.raises(ModelConfigError, match="model.output_bias_init"):
+        tiny(output_bias_init="ones")
