@@ -13,7 +13,7 @@ Steps, in order (GPU budgets in seconds; the sweep gets what is left, minus a re
     bench       bash bench/gpu_bench.sh, trimmed
     sweep       configs/sweeps/gpu_quality.yaml, several points at a time on the one GPU
     optimizers  (alongside the sweep) the main job with DeepSpeed's FusedAdam (nvcc JIT, built in
-                the background from the start) and with torch's fused AdamW
+                the background from the start) and with torch's unfused AdamW (fused=false)
 
 Every step writes its numbers to OUT/results.json as soon as it ends, so a failure or a kill
 later keeps what came before. At the end OUT holds results.json, report.md (scripts/
@@ -498,11 +498,12 @@ class Kit:
 class OptimizerChecks:
     """The main job for OPT_STEPS steps with other optimizers, one after another, alongside the
     sweep: DeepSpeed's FusedAdam (``torch_adam=false``: the CUDA op built by nvcc, whose build
-    started at the env step) and torch's fused AdamW (``fused=true``). Each must run and match
-    the main job's loss at the same step (same seed, data and warm-up LR)."""
+    started at the env step) and torch's AdamW without its fused kernel (``fused=false``; the
+    main job runs the fused one, the trainer's default). Each must run and match the main job's
+    loss at the same step (same seed, data and warm-up LR)."""
 
     VARIANTS = {  # FusedAdam last: its nvcc build gets the most time
-        "torch_fused_adamw": ["deepspeed.extra.optimizer.params.fused=true"],
+        "torch_unfused_adamw": ["deepspeed.extra.optimizer.params.fused=false"],
         "ds_fused_adam": ["deepspeed.extra.optimizer.params.torch_adam=false"],
     }
 
