@@ -1,11 +1,16 @@
-"""Helpers shared by tests that run the real trainer: a small corpus and 2-rank launches."""
+"""Helpers shared by tests that run the real trainer (a small corpus and 2-rank launches) and
+data_prep's ranks (as threads of the test's process)."""
 
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
+from data_prep import PrepConfig
+from data_prep.distributed import World
+from data_prep.parallel import prepare_distributed
 from linformer_ds.dist_env import free_port
 from linformer_ds.fsio import read_jsonl
 
@@ -82,6 +87,28 @@ def run_pretrain(
 def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:
     """step -> metrics record (the last one written for that step)."""
     return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == split}
+
+
+def run_ranks_in_threads(
+    cfg_kw: Dict[str, Any], ranks: int, run_id: str, timeout: float = 120.0
+) -> None:
+    """``ranks`` ranks of data_prep.parallel with ``PrepConfig(**cfg_kw)`` as threads of this
+    process (srun's file transport, run ``run_id``), each joined within ``timeout`` seconds;
+    asserts that no rank raised."""
+    errors: List[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            prepare_distributed(PrepConfig(**cfg_kw), World("slurm", r, ranks, run_id))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors
 
 
 def init_gloo_rank(rank: int, world: int, port: int):

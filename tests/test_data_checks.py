@@ -23,7 +23,7 @@ from linformer_ds.data.sampler import normalized_weights
 from linformer_ds.data.shards import ShardDataset
 from linformer_ds.data.splits import empty_split_fix
 from linformer_ds.data.stages import resolve_stages
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, run_ranks_in_threads
 
 pytestmark = pytest.mark.usefixtures("_clean_env")  # main() fills in the rank variables
 
@@ -379,11 +379,8 @@ def _ranks_equal_one_process(tmp_path: Path, specs: List[str], ranks: int, more:
                              min_units: int) -> None:  # fmt: skip
     """data_prep of ``specs`` on ``ranks`` ranks (srun's transport, threads), 8 KiB units
     (at least ``min_units``, work for every rank), writes the files of one process."""
-    import threading
-
     from data_prep import PrepConfig, prepare
-    from data_prep.distributed import World
-    from data_prep.parallel import assign, make_units, prepare_distributed
+    from data_prep.parallel import assign, make_units
     from data_prep.sources import Source
 
     kw = dict(sources=specs, seq_len=32, vocab_size=200, workers=0, progress=False,
@@ -391,21 +388,8 @@ def _ranks_equal_one_process(tmp_path: Path, specs: List[str], ranks: int, more:
     prepare(PrepConfig(out=str(tmp_path / "one"), **kw))
     units = make_units(Source(specs, max_doc_bytes=kw.get("max_doc_bytes", 8 << 20)), 8192)
     assert len(units) >= min_units and all(assign([(u.index, u.size) for u in units], ranks))
-    errors: List[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            cfg = PrepConfig(out=str(tmp_path / "many"), unit_bytes=8192, rank_timeout=60.0, **kw)
-            prepare_distributed(cfg, World("slurm", r, ranks, "ranges"))
-        except BaseException as e:  # noqa: BLE001 - checked below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    many = dict(out=str(tmp_path / "many"), unit_bytes=8192, rank_timeout=60.0, **kw)
+    run_ranks_in_threads(many, ranks, "ranges", timeout=300)
 
     def files(out: Path) -> Dict[str, str]:
         got = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -27,6 +27,7 @@ from data_prep.__main__ import main as data_prep_main  # noqa: E402
 from data_prep.distributed import detect_world, sync_root  # noqa: E402
 from data_prep.parallel import DIE_ENV, reservoir_indices  # noqa: E402
 from data_prep.tokenizer import sample_sentences  # noqa: E402
+from tests.pretrain_utils import run_ranks_in_threads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = [
@@ -133,30 +134,6 @@ def test_launcher_detection():
 
 
 # ------------------------------------------------- the invariant on generated corpora, in-process
-def run_ranks_in_threads(cfg_kw: Dict, ranks: int, run_id: str) -> None:
-    """``ranks`` ranks of data_prep.parallel as threads of this process (srun's file transport)."""
-    import threading
-
-    from data_prep import PrepConfig
-    from data_prep.distributed import World
-    from data_prep.parallel import prepare_distributed
-
-    errors: List[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            prepare_distributed(PrepConfig(**cfg_kw), World("slurm", r, ranks, run_id))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-
-
 @settings(max_examples=12, deadline=None)
 @given(
     n_docs=st.integers(1, 40),

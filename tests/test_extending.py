@@ -12,7 +12,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -32,7 +31,13 @@ from linformer_ds.model import (
     register_projection,
     unregister_projection,
 )
-from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, make_corpus
+from tests.pretrain_utils import (
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    make_corpus,
+    run_ranks_in_threads,
+)
 from tests.test_data_prep import make_docs, shard_hashes, write_text_corpus
 
 
@@ -118,26 +123,10 @@ def test_source_kind_zip_to_shards(zip_kind, tmp_path):
     assert got["source"]["documents"] == ref["source"]["documents"] == len(docs)
     assert got["source"]["bytes"] == ref["source"]["bytes"]  # UTF-8 bytes, counted by Source
 
-    from data_prep.distributed import World
-    from data_prep.parallel import prepare_distributed
-
-    errors: List[BaseException] = []
     cfg = dict(sources=[spec], out=str(tmp_path / "ranks"), seq_len=32, vocab_size=120,
                workers=0, progress=False, valid_fraction=0.2, shard_rows=7, unit_bytes=2000,
                rank_timeout=60.0)  # fmt: skip
-
-    def rank(r: int) -> None:
-        try:
-            prepare_distributed(PrepConfig(**cfg), World("slurm", r, 2, "ext"))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    run_ranks_in_threads(cfg, 2, "ext", timeout=300)
     assert _tree(tmp_path / "ranks") == _tree(tmp_path / "zip")
 
     with pytest.raises(DataPrepError, match="not a zip archive"):  # resolved before any work

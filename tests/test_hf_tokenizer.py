@@ -8,7 +8,6 @@ fine-tunes; a source of another vocabulary or other special ids is refused in on
 
 import json
 import random
-import threading
 from pathlib import Path
 from typing import Dict, List
 
@@ -25,7 +24,7 @@ from data_prep.packing import EncodeSettings, FullPacker, assign_split, encode_d
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source
 from linformer_ds.data.shards import ShardDataset
 from linformer_ds.data.stream import MixtureBatches
-from tests.pretrain_utils import read_metrics, run_pretrain
+from tests.pretrain_utils import read_metrics, run_pretrain, run_ranks_in_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -206,27 +205,11 @@ def test_random_documents_round_trip(env, docs, kind, packing):
 
 def test_ranks_give_the_bytes_of_one_process(env, tmp_path):
     """Three ranks (srun's file transport, as threads) with the BPE tokenizer: the same files."""
-    from data_prep.distributed import World
-    from data_prep.parallel import prepare_distributed
-
     kw = dict(sources=[str(env["corpus"])], seq_len=SEQ, tokenizer=str(env["dirs"]["bpe"]),
               valid_fraction=VALID, shard_rows=7, workers=0, progress=False)  # fmt: skip
     prepare(PrepConfig(out=str(tmp_path / "one"), **kw))
-    errors: List[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            cfg = PrepConfig(out=str(tmp_path / "many"), unit_bytes=2000, rank_timeout=60.0, **kw)
-            prepare_distributed(cfg, World("slurm", r, 3, "hftok"))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    many = dict(out=str(tmp_path / "many"), unit_bytes=2000, rank_timeout=60.0, **kw)
+    run_ranks_in_threads(many, 3, "hftok")
 
     one, many = files(tmp_path / "one"), files(tmp_path / "many")
     assert one.keys() == many.keys() and one == many
