@@ -445,3 +445,21 @@ def test_lr_change_on_resume_is_used_and_a_refusal_writes_nothing(tiny_corpus, t
     history = [json.loads(x) for x in (tmp_path / "config_history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [0, 4]
     assert history[1]["changed"]["optimizer.lr"] == [1e-4, 1e-3]
+
+
+def test_a_checkpoint_older_than_a_model_option_resumes_with_its_default():
+    """A checkpoint written before ``model.position_init`` / ``model.output_bias_init`` existed
+    (its metadata lacks them) was trained as their defaults train: it resumes under the default
+    and is refused, naming the key, under another value."""
+    from linformer_ds.checkpoint.io import check_model_config
+    from linformer_ds.checkpoint.tags import CheckpointError
+    from linformer_ds.config import load_config
+
+    cfg = load_config(TINY_CONFIG, TEST_OVERRIDES)
+    old = cfg.model.to_dict()
+    del old["position_init"], old["output_bias_init"]
+    check_model_config({"model": old}, cfg, "step_00000002")  # no error
+    new = load_config(TINY_CONFIG, TEST_OVERRIDES + ["model.position_init=sinusoidal"])
+    with pytest.raises(CheckpointError, match=r"model.position_init: checkpoint 'normal' vs "
+                       r"config 'sinusoidal'"):  # fmt: skip
+        check_model_config({"model": old}, new, "step_00000002")

@@ -217,6 +217,9 @@ def prune(ckpt_dir: str, keep_last: int) -> None:
 def check_model_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
     """A :class:`CheckpointError` listing every model option that differs from the config."""
     saved, now = dict(meta.get("model", {})), cfg.model.to_dict()
+    # an option newer than the checkpoint: it was trained with what the option's default does
+    # (every new option defaults to the behaviour before it, e.g. model.position_init: normal)
+    saved = {**{k: v for k, v in type(cfg.model)().to_dict().items() if k not in saved}, **saved}
     for key in ("extra", "format_version"):
         saved.pop(key, None)
         now.pop(key, None)
