@@ -6,7 +6,9 @@
 # 2. extracts one plain-text document per HTML page (scripts/english_corpus.py: the pages' main
 #    text through html.parser, code blocks dropped) -> OUT/text/english.jsonl + english_stats.json;
 # 3. runs data_prep on it -> OUT/data (SentencePiece unigram, vocab 8000, N = 512,
-#    --packing full), the data of configs/english_cpu.yaml (data.path: data/english/data).
+#    --packing full), the data of configs/english_cpu.yaml's last stage (data/english/data);
+# 4. the same text at N = 128 with that tokenizer -> OUT/data128 (its first stage): the same
+#    documents in the same splits (one split seed), cut into rows of 128.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/make_english_corpus.sh OUT [data_prep options]}
@@ -33,3 +35,5 @@ fi
 python scripts/english_corpus.py "$OUT/text"
 python -m data_prep --source "$OUT/text/english.jsonl" --text-column text --out "$OUT/data" \
   --seq-len 512 --vocab-size 8000 --packing full "$@"
+python -m data_prep --source "$OUT/text/english.jsonl" --text-column text --out "$OUT/data128" \
+  --seq-len 128 --tokenizer "$OUT/data/tokenizer.model" --packing full
