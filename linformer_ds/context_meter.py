@@ -171,14 +171,19 @@ class UnigramMeter:
 
 
 def unigram_bias(meters: Sequence[UnigramMeter], weights: Sequence[float],
-                 floor_nats: float = 10.0) -> np.ndarray:  # fmt: skip
-    """``float32 [V]``: the log of the ``weights``-mixture of the meters' unigram distributions,
-    centred to mean 0 over the ids any of them can mask; the never-masked ids (pad, cls, ...)
+                 vocab_size: Optional[int] = None, floor_nats: float = 10.0) -> np.ndarray:  # fmt: skip
+    """``float32 [vocab_size]``: the log of the ``weights``-mixture of the meters' unigram
+    distributions, centred to mean 0 over the ids any of them can mask; the never-masked ids
+    (pad, cls, ...) and those past the data's vocabulary (a model's ``vocab_size`` may be larger)
     ``floor_nats`` below the least likely maskable id. The MLM decoder's bias at a fresh start
     with ``model.output_bias_init: unigram``: the untrained model then predicts the context-free
     distribution (its loss on hidden labels is the meter's ``unigram_loss``)."""
     w = np.asarray(weights, dtype=np.float64)
-    p = sum(wi / w.sum() * np.exp(m.log_prob) for wi, m in zip(w, meters))  # exp(-inf) = 0
+    v = max(m.log_prob.shape[0] for m in meters) if vocab_size is None else int(vocab_size)
+    p = np.zeros(v, dtype=np.float64)
+    for wi, m in zip(w, meters):
+        n = min(v, m.log_prob.shape[0])
+        p[:n] += wi / w.sum() * np.exp(m.log_prob[:n])  # exp(-inf) = 0
     maskable = p > 0
     with np.errstate(divide="ignore"):
         logp = np.log(p)

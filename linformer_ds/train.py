@@ -305,7 +305,8 @@ class Trainer:
         of the first stage's train mixture (:func:`unigram_bias`; the context meter's counts)."""
         meters = self.unigram or self._context_meters()
         stage = self.stages[0]
-        bias = unigram_bias([meters[n] for n in stage.names], stage.weights)
+        bias = unigram_bias([meters[n] for n in stage.names], stage.weights,
+                            self.cfg.model.vocab_size)
         with torch.no_grad():
             self.model.lm_head.decoder.bias.copy_(torch.from_numpy(bias))
         rank0_print(f"[setup] MLM decoder bias: log unigram of {'+'.join(stage.names)} "

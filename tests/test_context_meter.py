@@ -279,23 +279,28 @@ def test_unigram_bias_is_the_log_of_the_weighted_mixture(shards, tmp_path):
     low = min(float(bias[t]) for t in maskable)
     for t in SPECIAL.values():
         assert float(bias[t]) == pytest.approx(low - 10.0, abs=1e-4)
+    wide = unigram_bias(meters, [3.0, 1.0], vocab_size=V + 3)  # a model vocabulary past the data's
+    assert wide.shape == (V + 3,) and np.allclose(wide[:V], bias, atol=1e-6)
+    assert np.allclose(wide[V:], low - 10.0, atol=1e-4)
 
 
 def test_output_bias_init_starts_the_model_at_the_unigram_level(tiny_corpus, tmp_path):
     """``model.output_bias_init=unigram`` on a real one-rank run: with near-zero weights
     (initializer_range 1e-4) and a vanishing learning rate the step-1 evaluation's hidden loss
     is the meter's unigram loss (the untrained model predicts the context-free distribution; the
-    default zero bias scores log V instead); a resumed run keeps its checkpoint's bias."""
+    default zero bias scores log V instead; a model vocabulary 3 ids past the data's gets them
+    at the floor); a resumed run keeps its checkpoint's bias."""
     run = tmp_path / "run"
     common = ["train.eval_interval=1", "train.eval_batches=2", "optimizer.lr=1e-9",
               "model.initializer_range=1e-4", "deepspeed.precision=fp32"]  # fmt: skip
-    out = run_pretrain(tiny_corpus, run, common + ["model.output_bias_init=unigram",
-                       "train.max_steps=1"], nproc=1, launcher="python")  # fmt: skip
+    unigram = ["model.output_bias_init=unigram", "model.vocab_size=2003"]  # 3 ids past the data's
+    out = run_pretrain(tiny_corpus, run, common + unigram + ["train.max_steps=1"], nproc=1,
+                       launcher="python")  # fmt: skip
     assert "[setup] MLM decoder bias: log unigram of" in out.stdout
     r = read_metrics(run, "eval")[1]
     assert r["hidden_loss"] == pytest.approx(r["unigram_loss"], abs=2e-3)
-    again = run_pretrain(tiny_corpus, run, common + ["model.output_bias_init=unigram",
-                         "train.max_steps=2"], nproc=1, launcher="python")  # fmt: skip
+    again = run_pretrain(tiny_corpus, run, common + unigram + ["train.max_steps=2"], nproc=1,
+                         launcher="python")  # fmt: skip
     assert "MLM decoder bias" not in again.stdout
     zero = tmp_path / "zero"
     run_pretrain(tiny_corpus, zero, common + ["train.max_steps=1"], nproc=1, launcher="python")
