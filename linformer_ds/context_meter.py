@@ -191,6 +191,28 @@ def unigram_bias(meters: Sequence[UnigramMeter], weights: Sequence[float],
     return (logp - logp[maskable].mean()).astype(np.float32)
 
 
+def set_output_bias(model: Any, meters: Dict[str, UnigramMeter], stage: Any,
+                    vocab_size: int) -> str:  # fmt: skip
+    """``model.output_bias_init: unigram`` at a fresh start: ``model.lm_head.decoder.bias`` =
+    :func:`unigram_bias` of ``stage``'s train mixture (``names``, ``weights``); the log line."""
+    import torch
+
+    bias = unigram_bias([meters[n] for n in stage.names], stage.weights, vocab_size)
+    with torch.no_grad():
+        model.lm_head.decoder.bias.copy_(torch.from_numpy(bias))
+    return (f"[setup] MLM decoder bias: log unigram of {'+'.join(stage.names)} "
+            f"(range {bias.min():.2f} .. {bias.max():.2f})")
+
+
+def train_meters(datasets: Dict[str, Any], cache_dir: Optional[Union[str, os.PathLike]],
+                 write_cache: bool) -> "tuple[Dict[str, UnigramMeter], str]":  # fmt: skip
+    """The meter of each named train split (:meth:`UnigramMeter.for_dataset`) and a summary of
+    where their counts came from (``name: N tokens (manifest|cache|counted)``)."""
+    meters = {name: UnigramMeter.for_dataset(ds, cache_dir, write_cache=write_cache)
+              for name, ds in datasets.items()}  # fmt: skip
+    return meters, ", ".join(f"{n}: {m.tokens} tokens ({m.source})" for n, m in meters.items())
+
+
 def figures(loss_sum: float, correct: float, count: float, loss: float, acc: float
             ) -> Dict[str, float]:  # fmt: skip
     """The meter's fields of an eval record from its summed statistics over ``count`` labels

@@ -29,7 +29,7 @@ from linformer_ds.checkpoint.manager import CheckpointManager
 from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
 from linformer_ds.compile import compile_engine
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
-from linformer_ds.context_meter import UnigramMeter, unigram_bias, with_mixture_meter
+from linformer_ds.context_meter import set_output_bias, train_meters, with_mixture_meter
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
@@ -289,28 +289,11 @@ class Trainer:
         """The context meter of each source (linformer_ds.context_meter): its train split's
         unigram counts from the manifest, the run directory's cache, or counted (and cached by
         rank 0) here."""
-
         t0 = time.perf_counter()
-        meters = {
-            name: UnigramMeter.for_dataset(ds, self.cfg.logging.dir, write_cache=self.rank == 0)
-            for name, ds in self.train_sets.items()
-        }
-        how = ", ".join(f"{n}: {m.tokens} tokens ({m.source})" for n, m in meters.items())
+        meters, how = train_meters(self.train_sets, self.cfg.logging.dir, self.rank == 0)
         rank0_print(f"[meter] unigram counts of the train split: {how}; "
                     f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
         return meters
-
-    def _init_output_bias(self) -> None:
-        """``model.output_bias_init: unigram``: the decoder's bias = the log unigram distribution
-        of the first stage's train mixture (:func:`unigram_bias`; the context meter's counts)."""
-        meters = self.unigram or self._context_meters()
-        stage = self.stages[0]
-        bias = unigram_bias([meters[n] for n in stage.names], stage.weights,
-                            self.cfg.model.vocab_size)
-        with torch.no_grad():
-            self.model.lm_head.decoder.bias.copy_(torch.from_numpy(bias))
-        rank0_print(f"[setup] MLM decoder bias: log unigram of {'+'.join(stage.names)} "
-                    f"(range {bias.min():.2f} .. {bias.max():.2f})")  # fmt: skip
 
     def _build_engine(self) -> None:
 
@@ -327,8 +310,9 @@ class Trainer:
         self.sp_group = g.sp_group if g is not None else None
         self.replica, self.replicas = (g.dp_rank, g.dp_size) if g else (self.rank, self.world)
         self.model = eng.build_model(cfg)
-        if cfg.model.output_bias_init == "unigram" and self.checkpoints.tag is None:
-            self._init_output_bias()  # a fresh start (a resumed run loads its bias)
+        if cfg.model.output_bias_init == "unigram" and self.checkpoints.tag is None:  # fresh
+            meters = self.unigram or self._context_meters()  # (a resumed run loads its bias)
+            rank0_print(set_output_bias(self.model, meters, self.stages[0], cfg.model.vocab_size))
         self.warm.load(self.model, rank0_print)  # checkpoint.init_from at a fresh start
         # ids are checked on the host: every row against the data's vocabulary when read
         # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
