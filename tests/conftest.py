@@ -20,12 +20,12 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # Calls that start ranks in other processes: tests/pretrain_utils.run_pretrain (two ranks
-# unless nproc=1 is passed in the call), a test's rank workers (_run_ranks, torch's
-# start_processes/spawn) and launcher command lines (deepspeed, torchrun, mpirun). Searched in
-# the test, its fixtures and the test module's own helpers they call.
+# unless nproc=1 is passed in the call) and start/run_worker_ranks, a test's rank workers
+# (_run_ranks, torch's start_processes/spawn) and launcher command lines (deepspeed, torchrun,
+# mpirun). Searched in the test, its fixtures and the test module's own helpers they call.
 LAUNCHES = re.compile(
     r"\brun_pretrain\((?![^()]*\bnproc=1\b)"
-    r"|\b_run_ranks\(|\bstart_processes\(|\bmp\.spawn\("
+    r"|\b_run_ranks\(|\b(?:start|run)_worker_ranks\(|\bstart_processes\(|\bmp\.spawn\("
     r"|\"--num_gpus\"|\"--nproc_per_node\"|torch\.distributed\.run|\"mpirun\""
 )
 # Fixtures that run a whole tool once per module (several trainer processes or rank workers):

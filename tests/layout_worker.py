@@ -5,10 +5,13 @@ the other, in one process group (the launch and imports are paid once per world 
 
 SPEC: ``{"out": DIR, "runs": [{"name": ..., "overrides": [...]}, ...]}``. Each run trains
 through the real :class:`linformer_ds.train.Trainer` with ``logging.dir = DIR/name`` (its
-metrics.jsonl holds the per-step loss and grad norm); rank 0 then writes the whole final
+metrics.jsonl holds the per-step loss and grad norm; its output follows a line
+``[layout_worker] run NAME``); rank 0 then writes the whole final
 parameters to ``DIR/name/params.pt`` (gathered from ZeRO-3 partitions and sequence shards).
 A run with ``"perturb_frozen": true`` builds its model with every frozen parameter 1.0 off its
 initial value (as if the initialisation had changed): a resume must restore the saved ones.
+A run with ``"zero3_holdings": true`` prints, once its trainer is built, what each rank holds of
+the shared projections (``[zero3] rank R holds n/N of NAME``).
 """
 
 import json
@@ -22,7 +25,7 @@ import torch  # noqa: E402
 from linformer_ds import engine as eng  # noqa: E402
 from linformer_ds.config import load_config  # noqa: E402
 from linformer_ds.train import Trainer  # noqa: E402
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
+from tests.pretrain_utils import RUN_MARK, TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
 
 BUILD_MODEL = eng.build_model
 
@@ -55,14 +58,26 @@ def perturbed_frozen(cfg):
     return model
 
 
+def print_zero3_holdings(trainer: Trainer) -> None:
+    """One line per rank, ``[zero3] rank R holds n/N of NAME``, for each shared projection:
+    what tests/test_train.py checks of ZeRO-3's partitioning."""
+    for name, p in trainer.model.named_parameters():
+        if name.startswith("encoder.shared_"):
+            held = f"{p.ds_tensor.numel()}/{p.ds_numel}"
+            print(f"[zero3] rank {trainer.rank} holds {held} of {name}", flush=True)
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     for run in spec["runs"]:
         run_dir = os.path.join(spec["out"], run["name"])
+        print(f"{RUN_MARK}{run['name']}", flush=True)  # where this run's output starts
         overrides = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + run["overrides"]
         eng.build_model = perturbed_frozen if run.get("perturb_frozen") else BUILD_MODEL
         trainer = Trainer(load_config(TINY_CONFIG, overrides))
+        if run.get("zero3_holdings"):
+            print_zero3_holdings(trainer)
         try:
             code = trainer.train()
             params = full_parameters(trainer)

@@ -1,12 +1,13 @@
 """Helpers shared by tests that run the real trainer (a small corpus and 2-rank launches) and
 data_prep's ranks (as threads of the test's process)."""
 
+import json
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from data_prep import PrepConfig
 from data_prep.distributed import World
@@ -16,7 +17,9 @@ from linformer_ds.fsio import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
+WORKER = str(REPO / "tests" / "layout_worker.py")
 TINY_CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
+RUN_MARK = "[layout_worker] run "  # tests/layout_worker.py's line before each run
 
 # A small, fast variant of configs/tiny_cpu.yaml for tests.
 TEST_OVERRIDES = [
@@ -82,6 +85,59 @@ def run_pretrain(
             f"pretrain failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def start_worker_ranks(
+    ranks: int, runs: Sequence[dict], out: Path, name: str
+) -> List[subprocess.Popen]:
+    """Start tests/layout_worker.py on ``ranks`` gloo ranks: one process group that trains
+    ``runs`` (``{"name", "overrides"}``, each logging to ``out/<name>``) one after the other,
+    so the start-up is paid once. Spec ``out/<name>.json``; rank r's stdout in
+    ``out/<name>.rank<r>``, its stderr in ``.err`` beside it. :func:`wait_worker_ranks` waits."""
+    spec = out / f"{name}.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": list(runs)}))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = []
+    for r in range(ranks):
+        log_path = out / f"{name}.rank{r}"
+        with open(log_path, "w") as log, open(f"{log_path}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, WORKER, str(spec)], cwd=REPO,
+                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                          stdout=log, stderr=err))  # fmt: skip
+    return procs
+
+
+def wait_worker_ranks(
+    procs: List[subprocess.Popen], out: Path, name: str, timeout: int = 1800
+) -> Dict[str, str]:
+    """Wait for :func:`start_worker_ranks`' ranks (asserts every rank exited 0); returns each
+    run's stdout, every rank's part of it (rank 0's first), as a launcher prints them."""
+    codes = [p.wait(timeout=timeout) for p in procs]
+    logs = [(out / f"{name}.rank{r}").read_text() for r in range(len(procs))]
+    err = (out / f"{name}.rank0.err").read_text()
+    assert not any(codes), f"{name}: exit codes {codes}\n{logs[0][-3000:]}\n{err[-3000:]}"
+    runs: Dict[str, str] = {}
+    for log in logs:
+        run = None
+        for line in log.splitlines(keepends=True):
+            if line.startswith(RUN_MARK):
+                run = line[len(RUN_MARK) :].strip()
+                runs.setdefault(run, "")
+            elif run is not None:
+                runs[run] += line
+    return runs
+
+
+def run_worker_ranks(ranks: int, runs: Sequence[dict], out: Path, name: str) -> Dict[str, str]:
+    """:func:`start_worker_ranks`, then :func:`wait_worker_ranks`: each run's stdout."""
+    return wait_worker_ranks(start_worker_ranks(ranks, runs, out, name), out, name)
+
+
+def worker_run(name: str, data: Path, overrides: Sequence[str]) -> dict:
+    """A run for :func:`start_worker_ranks`: the overrides :func:`run_pretrain` would give it
+    (TEST_OVERRIDES and ``logging.dir`` come from the worker)."""
+    return {"name": name, "overrides": [f"data.path={data}", *overrides]}
 
 
 def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:

@@ -13,10 +13,17 @@ import pytest
 
 from linformer_ds.config import ConfigError, load_config
 from linformer_ds.ds_config import deepspeed_config
-from tests.pretrain_utils import PRETRAIN, REPO, TINY_CONFIG, read_metrics, run_pretrain
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TINY_CONFIG,
+    read_metrics,
+    run_pretrain,
+    run_worker_ranks,
+    worker_run,
+)
 
 FP32 = ["deepspeed.precision=fp32", "model.attention_dropout=0.0"]
-ZERO3_HOLDINGS = str(REPO / "tests" / "zero3_holdings.py")
 
 
 def losses(run_dir, steps):
@@ -24,26 +31,33 @@ def losses(run_dir, steps):
     return [m[s]["loss"] for s in steps]
 
 
+# (ZeRO stage, activation checkpointing: "" off, "torch" torch's non-reentrant, "ds" DeepSpeed's
+# partitioned + CPU checkpointing (its module-global configuration: last))
+FP32_RUNS = [(0, ""), (1, ""), (2, ""), (3, ""), (2, "torch"), (3, "torch"), (2, "ds")]
+
+
 @pytest.fixture(scope="module")
 def fp32_runs(tiny_corpus, tmp_path_factory):
-    """Lazily run (and cache) 6-step fp32 runs keyed by (zero stage, activation checkpointing:
-    "" off, "torch" torch's non-reentrant, "ds" DeepSpeed's partitioned + CPU checkpointing)."""
-    cache = {}
+    """6-step fp32 runs of FP32_RUNS, all in one 2-rank process group (tests/layout_worker.py:
+    one after the other, the start-up paid once), the ZeRO-3 one printing what each rank holds
+    of the shared projection (``[zero3] rank R holds``). Returns ``get(stage, ac="")``: the
+    run's directory and its stdout (both ranks')."""
+    out = tmp_path_factory.mktemp("fp32")
+    runs = []
+    for stage, ac in FP32_RUNS:
+        overrides = [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
+        overrides.append(f"deepspeed.activation_checkpointing.enabled={str(bool(ac)).lower()}")
+        if ac == "ds":
+            overrides += [
+                "deepspeed.activation_checkpointing.partition_activations=true",
+                "deepspeed.activation_checkpointing.cpu_checkpointing=true",
+            ]
+        run = worker_run(f"z{stage}{ac}", tiny_corpus, FP32 + overrides)
+        runs.append({**run, "zero3_holdings": (stage, ac) == (3, "")})
+    stdout = run_worker_ranks(2, runs, out, "launch")
 
     def get(stage: int, ac: str = ""):
-        if (stage, ac) not in cache:
-            run = tmp_path_factory.mktemp(f"z{stage}{ac}")
-            overrides = [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
-            overrides.append(f"deepspeed.activation_checkpointing.enabled={str(bool(ac)).lower()}")
-            if ac == "ds":
-                overrides += [
-                    "deepspeed.activation_checkpointing.partition_activations=true",
-                    "deepspeed.activation_checkpointing.cpu_checkpointing=true",
-                ]
-            script = ZERO3_HOLDINGS if stage == 3 else PRETRAIN  # + "[zero3] rank R holds" lines
-            proc = run_pretrain(tiny_corpus, run, FP32 + overrides, script=script)
-            cache[(stage, ac)] = (run, proc)
-        return cache[(stage, ac)]
+        return out / f"z{stage}{ac}", stdout[f"z{stage}{ac}"]
 
     return get
 
@@ -52,17 +66,16 @@ def fp32_runs(tiny_corpus, tmp_path_factory):
 def test_zero_stages_match_zero0(fp32_runs, stage):
     """Same seed, same data: ZeRO 1/2/3 losses equal ZeRO-0's; under ZeRO-3 the shared
     projection is partitioned across the 2 ranks."""
-    run, proc = fp32_runs(stage)
+    run, stdout = fp32_runs(stage)
     ref = losses(fp32_runs(0)[0], range(1, 7))
     got = losses(run, range(1, 7))
     assert got == pytest.approx(ref, rel=2e-4, abs=2e-4)
     assert got[-1] < got[0]
     if stage == 3:
-        # (searched, not split by line: the two ranks share one stdout)
-        held = sorted(re.findall(r"\[zero3\] rank (\d) holds (\d+)/(\d+) of (\S+)", proc.stdout))
+        held = sorted(re.findall(r"\[zero3\] rank (\d) holds (\d+)/(\d+) of (\S+)", stdout))
         # k x N = 32 x 128 = 4096 elements, half on each rank
         part = ("2048", "4096", "encoder.shared_linear.weight")
-        assert held == [("0", *part), ("1", *part)], proc.stdout[-3000:]
+        assert held == [("0", *part), ("1", *part)], stdout[-3000:]
     assert (run / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
 
 
@@ -82,10 +95,15 @@ def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
     dropout on, ZeRO-2)."""
     common = ["train.max_steps=8", "model.dropout=0.1", "checkpoint.keep_last=0"]
     full, part = tmp_path / "full", tmp_path / "part"
-    run_pretrain(tiny_corpus, full, common + ["checkpoint.save_interval=4"])
-    run_pretrain(tiny_corpus, part, common + ["train.stop_at_step=4", "checkpoint.save_interval=4"])
-    proc = run_pretrain(tiny_corpus, part, common + ["checkpoint.save_interval=4"])
-    assert "[resume]" in proc.stdout and "step 4" in proc.stdout
+    # the uninterrupted run and the first half in one 2-rank process group
+    # (tests/layout_worker.py), the second half resumed in a new one
+    first = [worker_run("full", tiny_corpus, common + ["checkpoint.save_interval=4"]),
+             worker_run("part", tiny_corpus, common + ["train.stop_at_step=4",
+                                                       "checkpoint.save_interval=4"])]  # fmt: skip
+    run_worker_ranks(2, first, tmp_path, "first")
+    resume = [worker_run("part", tiny_corpus, common + ["checkpoint.save_interval=4"])]
+    stdout = run_worker_ranks(2, resume, tmp_path, "resume")["part"]
+    assert "[resume]" in stdout and "step 4" in stdout
     assert losses(part, range(1, 9)) == losses(full, range(1, 9))  # exact, not approximate
     meta = json.loads((part / "checkpoints" / "step_00000008" / "linformer_meta.json").read_text())
     assert meta["step"] == 8 and meta["sampler"]["consumed"] == 8 * 4 * 2
