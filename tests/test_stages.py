@@ -10,7 +10,7 @@ from linformer_ds.data.shards import ShardDataset
 from linformer_ds.data.stages import Stage
 from linformer_ds.data.stream import TrainData
 from tests.legacy_batches import TrainBatches
-from tests.pretrain_utils import read_metrics, run_pretrain
+from tests.pretrain_utils import read_metrics, run_worker_ranks, worker_run
 from tests.test_mixture import docs_corpus, prepare
 
 
@@ -136,21 +136,24 @@ def test_staged_run_resumes_exactly_across_its_boundary(
     tiny_corpus, short_source, docs_source, tmp_path
 ):
     ov = staged_overrides(tiny_corpus, short_source, docs_source)
-    ref = run_pretrain(tiny_corpus, tmp_path / "ref", ov)
-    # the same run in three pieces: stop at the boundary (step 6), then inside stage 1 (step 9)
-    parts = [
-        run_pretrain(tiny_corpus, tmp_path / "parts", ov + [f"train.stop_at_step={stop}"])
-        for stop in (6, 9, STAGE_STEPS)
-    ]
-    assert "step_00000006: step 6," in parts[1].stdout  # resumed at the boundary...
-    assert "step_00000009: step 9," in parts[2].stdout  # ...and inside the second stage
+    # the same run in three pieces: stop at the boundary (step 6), then inside stage 1 (step 9);
+    # 2 ranks, the uninterrupted run and the first piece in one process group
+    # (tests/layout_worker.py), each later piece resumed in a new one
+    pieces = [worker_run("parts", tiny_corpus, ov + [f"train.stop_at_step={stop}"])
+              for stop in (6, 9, STAGE_STEPS)]  # fmt: skip
+    first = run_worker_ranks(2, [worker_run("ref", tiny_corpus, ov), pieces[0]], tmp_path, "a")
+    parts = [first["parts"]]
+    parts += [run_worker_ranks(2, [piece], tmp_path, f"b{i}")["parts"]
+              for i, piece in enumerate(pieces[1:])]  # fmt: skip
+    assert "step_00000006: step 6," in parts[1]  # resumed at the boundary...
+    assert "step_00000009: step 9," in parts[2]  # ...and inside the second stage
     a, b = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "parts")
     steps = range(1, STAGE_STEPS + 1)
     assert [a[s]["loss"] for s in steps] == [b[s]["loss"] for s in steps]
     # the logs: per-stage N, tokens per step and a summary of each stage
     assert [a[s]["seq_len"] for s in steps] == [64] * 6 + [128] * 6
     assert [a[s]["stage"] for s in steps] == [0] * 6 + [1] * 6
-    out = ref.stdout
+    out = first["ref"]
     assert "[stage] 0 start: steps 1-6, N=64, micro_batch_size=6" in out
     assert "[stage] 1 start: steps 7-12, N=128, micro_batch_size=3" in out
     for k in (0, 1):
