@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain_utils import read_metrics, run_pretrain
+from tests.pretrain_utils import (
+    read_metrics,
+    run_pretrain,
+    run_worker_ranks,
+    start_worker_ranks,
+    wait_worker_ranks,
+    worker_run,
+)
 
 # linear, conv and dense layers in one model; fp32, no dropout: the runs must agree to rounding
 SP_MODEL = [
@@ -28,38 +35,54 @@ def _metrics(run_dir):
     return train, evals
 
 
+# (ZeRO stage, parallel.shard_sequence_parameters, activation checkpointing granularity);
+# the sharded ones last: a sharded P > 1 run leaves DeepSpeed's global mpu set for the next
+# run in the same process (tests/test_resume_layout.py)
+SP2_CASES = [(2, False, None), (3, False, None), (2, "auto", None), (3, True, None),
+             (3, True, "sublayer")]  # fmt: skip
+
+
+def _sp2_name(stage, shard, ckpt) -> str:
+    return f"sp2_z{stage}_{str(shard).lower()}_{ckpt or 'none'}"
+
+
 @pytest.fixture(scope="module")
-def single_rank_reference(tiny_corpus, tmp_path_factory):
-    """P = 1 on one rank with the same global batch (4 rows) as the P = 2 runs."""
-    run = tmp_path_factory.mktemp("sp1")
-    run_pretrain(tiny_corpus, run, SP_MODEL + ["deepspeed.zero.stage=2"], nproc=1,
+def sp2_runs(tiny_corpus, tmp_path_factory):
+    """Every case of the test below trained in one 2-rank process group (tests/layout_worker.py,
+    one run after the other: the start-up paid once), and beside it P = 1 on one rank with the
+    same global batch (4 rows). Returns the output directory, each run's stdout and the
+    reference's train and eval metrics."""
+    out = tmp_path_factory.mktemp("sp2")
+    runs = []
+    for stage, shard, ckpt in SP2_CASES:
+        over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
+        over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
+        if ckpt:
+            over += ["deepspeed.activation_checkpointing.enabled=true",
+                     f"deepspeed.activation_checkpointing.granularity={ckpt}"]  # fmt: skip
+        runs.append(worker_run(_sp2_name(stage, shard, ckpt), tiny_corpus, over))
+    procs = start_worker_ranks(2, runs, out, "launch")
+    ref = out / "sp1"
+    run_pretrain(tiny_corpus, ref, SP_MODEL + ["deepspeed.zero.stage=2"], nproc=1,
                  launcher="python")  # fmt: skip
-    return _metrics(run)
+    return out, wait_worker_ranks(procs, out, "launch"), _metrics(ref)
 
 
-@pytest.mark.parametrize(
-    "stage,shard,ckpt",
-    [(2, "auto", None), (3, True, None), (3, True, "sublayer"), (2, False, None), (3, False, None)],
-)
-def test_sequence_parallel_2_matches_one_rank(
-    tiny_corpus, tmp_path, single_rank_reference, stage, shard, ckpt
-):
+@pytest.mark.slow  # sp2_runs: 2 ranks
+@pytest.mark.parametrize("stage,shard,ckpt", SP2_CASES)
+def test_sequence_parallel_2_matches_one_rank(sp2_runs, stage, shard, ckpt):
     """Sharded (each rank holds half of E/F and the positions; auto chooses it here: N =
     max_seq_len, fp32), also under per-sub-layer activation checkpointing (embeddings,
     attention and feed-forward recomputed apart), and unsharded P = 2 log what one rank does:
     loss, accuracy, gradient norm, evaluation loss."""
-    over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
-    over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
-    if ckpt:
-        over += ["deepspeed.activation_checkpointing.enabled=true",
-                 f"deepspeed.activation_checkpointing.granularity={ckpt}"]  # fmt: skip
-    proc = run_pretrain(tiny_corpus, tmp_path, over, nproc=2)
-    assert "ranks=2" in proc.stdout
+    out, stdout, (ref_train, ref_eval) = sp2_runs
+    name = _sp2_name(stage, shard, ckpt)
+    text = stdout[name]
+    assert "ranks=2" in text
     chosen = "[setup] parallel.shard_sequence_parameters=auto: sharded: P = 2, N = "
-    assert (chosen in proc.stdout) == (shard == "auto"), proc.stdout[-2000:]
-    assert proc.stdout.count("shard_sequence_parameters=auto:") == (shard == "auto")
-    train, evals = _metrics(tmp_path)
-    ref_train, ref_eval = single_rank_reference
+    assert (chosen in text) == (shard == "auto"), text[-2000:]
+    assert text.count("shard_sequence_parameters=auto:") == (shard == "auto")
+    train, evals = _metrics(out / name)
     assert sorted(train) == sorted(ref_train) == [1, 2, 3, 4, 5]
     for step in ref_train:
         for key in ("loss", "mlm_accuracy", "grad_norm"):
@@ -69,6 +92,7 @@ def test_sequence_parallel_2_matches_one_rank(
     assert train[5]["loss"] < train[1]["loss"]
 
 
+@pytest.mark.slow  # 4 ranks
 def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
     over = SP_MODEL + [
         "deepspeed.zero.stage=2",
@@ -78,12 +102,14 @@ def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
         "train.eval_interval=0",
         "checkpoint.save_interval=3",
     ]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_pretrain(tiny_corpus, full, over, nproc=4)
-    run_pretrain(tiny_corpus, part, over + ["train.stop_at_step=3"], nproc=4)
-    proc = run_pretrain(tiny_corpus, part, over, nproc=4)
-    assert "[resume]" in proc.stdout and "step 3" in proc.stdout
-    a, b = read_metrics(full), read_metrics(part)
+    # the uninterrupted run and the first half in one process group (tests/layout_worker.py),
+    # the second half resumed in a new one
+    first = [worker_run("full", tiny_corpus, over),
+             worker_run("part", tiny_corpus, over + ["train.stop_at_step=3"])]  # fmt: skip
+    run_worker_ranks(4, first, tmp_path, "first")
+    stdout = run_worker_ranks(4, [worker_run("part", tiny_corpus, over)], tmp_path, "resume")
+    assert "[resume]" in stdout["part"] and "step 3" in stdout["part"]
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert sorted(a) == list(range(1, 7))
     assert [a[s]["loss"] for s in range(1, 7)] == [b[s]["loss"] for s in range(1, 7)]
     assert [a[s]["grad_norm"] for s in range(4, 7)] == [b[s]["grad_norm"] for s in range(4, 7)]
@@ -93,38 +119,49 @@ RESUME_ACROSS = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=6", "trai
 
 
 @pytest.fixture(scope="module")
-def six_step_reference(tiny_corpus, tmp_path_factory):
-    """The uninterrupted one-rank run the resume chains below equal: P = 1, so
-    ``parallel.shard_sequence_parameters`` is inert (no SP group, nothing sharded, recorded
-    false): one run serves the sharded and the unsharded chain."""
-    ref = tmp_path_factory.mktemp("ref6")
-    over = RESUME_ACROSS + ["parallel.shard_sequence_parameters=false"]
-    run_pretrain(tiny_corpus, ref, over, nproc=1, launcher="python")
-    return read_metrics(ref)
+def resume_chains(tiny_corpus, tmp_path_factory):
+    """Both chains of the test below (E/F and positions sharded, and whole), hop by hop: each
+    hop of both in one process group (tests/layout_worker.py; the sharded chain's after the
+    other's), the last hop's with the uninterrupted one-rank run the chains must equal (P = 1,
+    so ``parallel.shard_sequence_parameters`` is inert: no SP group, nothing sharded, recorded
+    false: one run serves both chains). Returns the output directory and the stdout of every
+    hop and the first hop's checkpoint record (linformer_meta.json), by chain."""
+    out = tmp_path_factory.mktemp("resume_across")
+    hops = [(2, ["parallel.sequence_parallel_size=2", "train.stop_at_step=2"]),
+            (2, ["train.micro_batch_size=2", "train.stop_at_step=4"]),
+            (1, [])]  # fmt: skip
+    said: dict = {True: [], False: []}
+    for i, (ranks, extra) in enumerate(hops):
+        runs = [worker_run("ref", tiny_corpus, RESUME_ACROSS + [
+            "parallel.shard_sequence_parameters=false"])] if i == len(hops) - 1 else []  # fmt: skip
+        for shard in (False, True):
+            over = RESUME_ACROSS + [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
+            runs.append(worker_run(f"run_{str(shard).lower()}", tiny_corpus, over + extra))
+        stdout = run_worker_ranks(ranks, runs, out, f"hop{i}")
+        for shard in (False, True):
+            run = out / f"run_{str(shard).lower()}"
+            said[shard].append(stdout[run.name])
+            if i == 0:  # the P = 2 checkpoint's record, before later hops save theirs
+                meta = run / "checkpoints" / "step_00000002" / "linformer_meta.json"
+                said[shard].append(meta.read_text())
+    return out, said
 
 
+@pytest.mark.slow  # resume_chains: 2 ranks
 @pytest.mark.parametrize("shard", [True, False])
-def test_resume_across_sequence_parallel_sizes_and_ranks(
-    tiny_corpus, tmp_path, six_step_reference, shard
-):
+def test_resume_across_sequence_parallel_sizes_and_ranks(resume_chains, shard):
     """P=2 on 2 ranks -> P=1 on 2 ranks (unsharded: native load, ZeRO partitions over all ranks
     either way; sharded: the halves of E/F and the positions are joined through the universal
     checkpoint) -> one rank (universal checkpoint): every step's loss equals a one-rank run to
     1e-4 (the layouts sum gradients in different orders; Adam carries those last-bit
     differences on: measured 2e-5 at step 5)."""
-    over = RESUME_ACROSS + [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
-    run = tmp_path / "run"
-    sp2 = ["parallel.sequence_parallel_size=2", "train.stop_at_step=2"]
-    run_pretrain(tiny_corpus, run, over + sp2, nproc=2)
-    meta = (run / "checkpoints" / "step_00000002" / "linformer_meta.json").read_text()
+    out, said = resume_chains
+    _, meta, dp2, one = said[shard]
     assert '"sequence_parallel_size": 2' in meta
     assert f'"shard_sequence_parameters": {str(shard).lower()}' in meta
-    dp2 = ["train.micro_batch_size=2", "train.stop_at_step=4"]
-    proc = run_pretrain(tiny_corpus, run, over + dp2, nproc=2)
-    assert "[resume]" in proc.stdout and ("universal" in proc.stdout) == shard
-    proc = run_pretrain(tiny_corpus, run, over, nproc=1, launcher="python")
-    assert "universal checkpoint" in proc.stdout
-    a, b = six_step_reference, read_metrics(run)
+    assert "[resume]" in dp2 and ("universal" in dp2) == shard
+    assert "universal checkpoint" in one
+    a, b = read_metrics(out / "ref"), read_metrics(out / f"run_{str(shard).lower()}")
     assert sorted(b) == list(range(1, 7))
     for s in range(1, 7):
         assert math.isclose(a[s]["loss"], b[s]["loss"], rel_tol=1e-4), (s, a[s], b[s])
