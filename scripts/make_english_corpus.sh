@@ -7,8 +7,9 @@
 #    text through html.parser, code blocks dropped) -> OUT/text/english.jsonl + english_stats.json;
 # 3. runs data_prep on it -> OUT/data (SentencePiece unigram, vocab 8000, N = 512,
 #    --packing full), the data of configs/english_cpu.yaml's last stage (data/english/data);
-# 4. the same text at N = 128 with that tokenizer -> OUT/data128 (its first stage): the same
-#    documents in the same splits (one split seed), cut into rows of 128.
+# 4. the same text at N = 64 and N = 128 with that tokenizer -> OUT/data64, OUT/data128 (its
+#    first two stages): the same documents in the same splits (one split seed), cut into rows
+#    of 64 and 128.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/make_english_corpus.sh OUT [data_prep options]}
@@ -37,3 +38,5 @@ python -m data_prep --source "$OUT/text/english.jsonl" --text-column text --out 
   --seq-len 512 --vocab-size 8000 --packing full "$@"
 python -m data_prep --source "$OUT/text/english.jsonl" --text-column text --out "$OUT/data128" \
   --seq-len 128 --tokenizer "$OUT/data/tokenizer.model" --packing full
+python -m data_prep --source "$OUT/text/english.jsonl" --text-column text --out "$OUT/data64" \
+  --seq-len 64 --tokenizer "$OUT/data/tokenizer.model" --packing full
