@@ -35,6 +35,7 @@ SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 PROJECTION_INITS = ("normal", "pooling")
 POSITION_INITS = ("normal", "sinusoidal")
+LOCAL_MIXERS = ("none", "embed", "layers")
 OUTPUT_BIAS_INITS = ("zero", "unigram")
 NORM_STYLES = ("pre", "post")
 
@@ -54,6 +55,7 @@ _INT_RANGES = {
     "pad_token_id": (0, _MAX_SIZE),
     "num_labels": (1, _MAX_SIZE),
     "format_version": (1, MODEL_FORMAT_VERSION),
+    "local_mixer_kernel": (1, 2**10 + 1),
 }
 # Floats: (test, the range as the message states it); nan fails every test.
 _FLOAT_RANGES = {
@@ -126,6 +128,12 @@ class ModelConfig:
     # frequencies (add-one smoothed; set by the trainer from the data at a fresh start), so
     # training starts at the context-free level instead of spending its first steps reaching it
     output_bias_init: str = "zero"
+    # A local token mixer: each token adds a learned per-channel weighting of its neighbours
+    # within +-(local_mixer_kernel // 2) positions of its own document (a depthwise convolution
+    # over the sequence that never crosses a document boundary or reads padding): "none";
+    # "embed": once, on the embeddings; "layers": a pre-LN sub-layer before every attention.
+    local_mixer: str = "none"
+    local_mixer_kernel: int = 3
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2
@@ -177,7 +185,8 @@ class ModelConfig:
                               ("projection", projection_names() + ("hybrid",)),
                               ("projection_init", PROJECTION_INITS),
                               ("position_init", POSITION_INITS),
-                              ("output_bias_init", OUTPUT_BIAS_INITS)):  # fmt: skip
+                              ("output_bias_init", OUTPUT_BIAS_INITS),
+                              ("local_mixer", LOCAL_MIXERS)):  # fmt: skip
             if getattr(self, name) not in choices:
                 _bad(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if not 0 <= self.pad_token_id < self.vocab_size:
@@ -185,6 +194,8 @@ class ModelConfig:
                 "pad_token_id",
                 f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
             )
+        if self.local_mixer_kernel % 2 == 0:
+            _bad("local_mixer_kernel", f"must be odd (centred on the token), got {self.local_mixer_kernel}")
         self._validate_schedule()
         self._validate_k()
 
@@ -999,6 +1010,75 @@ class FeedForward(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class LocalMixer(nn.Module):
+    """Depthwise mixing of neighbouring tokens: ``y[i] = sum_o w[o] * x[i + o]`` over offsets
+    ``o`` in ``[-r, r]`` (``r = kernel // 2``), per channel, where ``x[i + o]`` counts only if it
+    lies in the row, in ``i``'s document and is not padding (:func:`local_mixer_valid`)."""
+
+    def __init__(self, hidden_size: int, kernel: int):
+        super().__init__()
+        self.radius = kernel // 2
+        self.weight = nn.Parameter(torch.empty(2 * self.radius + 1, hidden_size))
+        self.local_mixer = True  # init_weights: normal(std)
+
+    def forward(self, x: torch.Tensor, mixing: "LocalMixing") -> torch.Tensor:
+        """``x [B, n, D]`` -> ``[B, n, D]``, with ``mixing`` from :func:`local_mixing`."""
+        r, n = self.radius, x.shape[1]
+        if mixing.valid.shape[0] != 2 * r + 1:
+            raise ValueError(f"mixing is for kernel {mixing.valid.shape[0]}, not {2 * r + 1}")
+        # the r rows either side: zeros at the row ends, the neighbours' rows under sequence
+        # parallelism (their gradients go back to the ranks that hold them)
+        xp = F.pad(x, (0, 0, r, r)) if mixing.halo is None else mixing.halo(x, r)
+        valid = mixing.valid.to(x.dtype)
+        out = None
+        for j in range(2 * r + 1):
+            term = xp[:, j : j + n] * valid[j, :, :, None] * self.weight[j].to(x.dtype)
+            out = term if out is None else out + term
+        return out
+
+
+class LocalMixing(NamedTuple):
+    """What every :class:`LocalMixer` of one forward pass shares: ``valid [2r + 1, B, n]`` bool
+    (:func:`local_mixer_valid`, this rank's slice) and ``halo(x, r) -> [B, n + 2r, D]`` (None:
+    zero padding; sequence parallel: the neighbouring ranks' rows)."""
+
+    valid: torch.Tensor
+    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
+
+
+def local_mixer_valid(
+    radius: int,
+    n: int,
+    batch: int,
+    attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
+    """``[2r + 1, B, n]`` bool: True where token ``i + o`` (``o = j - r``) may feed token ``i``: inside
+    the row, not padding, and in the same document (a document starts at each row start and
+    at every unmasked position 0 of ``position_ids``)."""
+    seg = None
+    if position_ids is not None:
+        seg = torch.cumsum(document_starts(position_ids, attention_mask).long(), dim=1)
+    ok = (
+        torch.ones(batch, n, dtype=torch.bool, device=device)
+        if attention_mask is None
+        else attention_mask.bool()
+    )
+    out = []
+    for j in range(2 * radius + 1):
+        o = j - radius
+        v = torch.zeros(batch, n, dtype=torch.bool, device=device)
+        lo, hi = max(0, -o), min(n, n - o)  # i in [lo, hi) has i + o in [0, n)
+        if lo < hi:
+            src = ok[:, lo + o : hi + o]
+            if seg is not None:
+                src = src & (seg[:, lo + o : hi + o] == seg[:, lo:hi])
+            v[:, lo:hi] = src
+        out.append(v)
+    return torch.stack(out)
+
+
 class EncoderLayer(nn.Module):
     """One transformer block; pre-LN or post-LN per ``config.norm``."""
 
@@ -1010,6 +1090,9 @@ class EncoderLayer(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
+        if config.local_mixer == "layers":
+            self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
+            self.ln_mix = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(
         self,
@@ -1017,9 +1100,10 @@ class EncoderLayer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
         documents: Optional[Documents] = None,
+        mixing: Optional[LocalMixing] = None,
     ) -> torch.Tensor:
         return self.ffn_block(
-            self.attention_block(x, attention_mask, shared_projection, documents)
+            self.attention_block(x, attention_mask, shared_projection, documents, mixing)
         )
 
     def attention_block(
@@ -1028,9 +1112,18 @@ class EncoderLayer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
         documents: Optional[Documents] = None,
+        mixing: Optional[LocalMixing] = None,
     ) -> torch.Tensor:
-        """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``."""
+        """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``
+        (``local_mixer: layers``: the mixing sub-layer first, with its own)."""
         args = (attention_mask, shared_projection) + (() if documents is None else (documents,))
+        if hasattr(self, "mixer"):
+            if mixing is None:
+                raise ValueError("a layer with a local mixer needs `mixing` (local_mixing)")
+            if self.pre_ln:
+                x = x + self.drop(self.mixer(self.ln_mix(x), mixing))
+            else:
+                x = self.ln_mix(x + self.drop(self.mixer(x, mixing)))
         if self.pre_ln:
             return x + self.drop(self.attention(self.ln1(x), *args))
         return self.ln1(x + self.drop(self.attention(x, *args)))
@@ -1102,6 +1195,8 @@ class LinformerEncoder(nn.Module):
         self.position_embeddings.sinusoidal_init = config.position_init == "sinusoidal"
         self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
+        if config.local_mixer == "embed":
+            self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
         schedule = config.projection_schedule()
         # The single owner of each layerwise-shared projection: one per kind in the schedule,
         # ``shared_<kind>`` (shared_linear, shared_conv), in registry order.
@@ -1190,6 +1285,37 @@ class LinformerEncoder(nn.Module):
             docs = docs._replace(block_mask=document_block_mask(pos, mask))
         return docs
 
+    def _mixing(
+        self,
+        batch: int,
+        n: int,
+        offset: int,
+        attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        device: torch.device,
+    ) -> LocalMixing:
+        """The local mixers' shared inputs for this batch (this rank's slice of the rows
+        gathered over the sequence-parallel group: documents and padding cross slices)."""
+        r = self.config.local_mixer_kernel // 2
+        sp = getattr(self, "sequence_parallel", None)
+        if sp is None:
+            return LocalMixing(
+                local_mixer_valid(r, n, batch, attention_mask, position_ids, device)
+            )
+        if n < r:
+            raise ValueError(
+                f"local_mixer_kernel {self.config.local_mixer_kernel} reaches {r} positions, "
+                f"past the sequence-parallel slice of {n}"
+            )
+        mask = attention_mask
+        if position_ids is not None:
+            position_ids, mask = sp.gather_documents(position_ids, attention_mask)
+        elif attention_mask is not None:
+            mask = sp.gather_mask(attention_mask)
+        whole = local_mixer_valid(r, position_ids.shape[1] if position_ids is not None else (
+            n * sp.world_size), batch, mask, position_ids, device)
+        return LocalMixing(whole[:, :, offset : offset + n].contiguous(), sp.halo)
+
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
         return None if kind == "dense" else getattr(self, f"shared_{kind}", None)
@@ -1247,12 +1373,17 @@ class LinformerEncoder(nn.Module):
             x = self._checkpoint_fn(self.embed, input_ids, pos)
         else:
             x = self.embed(input_ids, pos, inputs_embeds)
+        mixing = None
+        if self.config.local_mixer != "none":
+            mixing = self._mixing(x.shape[0], n, off, attention_mask, position_ids, device)
+            if self.config.local_mixer == "embed":
+                x = x + self.mixer(x, mixing)
         for i, layer in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(x)
             args = (attention_mask, self._shared_for(layer))
-            if documents is not None:
-                args += (documents,)
+            if documents is not None or mixing is not None:
+                args += (documents, mixing)
             if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
                 if self._checkpoint_granularity == "sublayer":
                     x = self._checkpoint_fn(layer.attention_block, x, *args)
@@ -1302,6 +1433,8 @@ def init_weights(module: nn.Module, std: float) -> None:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif getattr(module, "local_mixer", False):
+            nn.init.normal_(module.weight, std=std)
         elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
             module.reset_parameters()
 

@@ -82,6 +82,12 @@ def config_errors(
             f"N={seq_len}): every slice takes its positions and E columns at its global offset"
         )
     n_local = seq_len // p
+    r = model.local_mixer_kernel // 2
+    if model.local_mixer != "none" and seq_len % p == 0 and n_local < r:
+        errors.append(
+            f"{KEY}: the slice length N/P={n_local} is shorter than the local mixer's reach "
+            f"{r} (model.local_mixer_kernel {model.local_mixer_kernel}); lower P or the kernel"
+        )
     schedule = model.projection_schedule()
     for i, kind in enumerate(schedule):  # the registered kind's own support and stride
         if kind != "dense" and not get_projection(kind).sequence_parallel:
@@ -355,6 +361,20 @@ class SequenceParallel:
     def gather_blocks(self, y: torch.Tensor) -> torch.Tensor:
         """``[B, c/P, h, d]`` local conv blocks -> ``[B, c, h, d]`` of the whole sequence."""
         return _AllGatherBlocks.apply(y, self.group)
+
+    def halo(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        """``x [B, n/P, D]`` -> ``[B, n/P + 2r, D]``: the previous rank's last ``r`` rows, ``x``,
+        the next rank's first ``r`` (zeros past the sequence's ends). One all-gather of every
+        rank's ``2r`` edge rows; backward: each rank gets the gradients of its edge rows back
+        (summed over the ranks that read them)."""
+        if r == 0:
+            return x
+        edges = _AllGatherBlocks.apply(torch.cat([x[:, :r], x[:, -r:]], dim=1), self.group)
+        zeros = x.new_zeros((x.shape[0], r) + tuple(x.shape[2:]))
+        i = self.rank
+        left = edges[:, (2 * i - 1) * r : 2 * i * r] if i > 0 else zeros
+        right = edges[:, (2 * i + 2) * r : (2 * i + 3) * r] if i < self.world_size - 1 else zeros
+        return torch.cat([left, x, right], dim=1)
 
     def gather_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """``[B, n/P]`` bool -> ``[B, n]`` bool (no gradient)."""

@@ -23,8 +23,9 @@ WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
 NUMBERS = ["12", "345", "6789", "90", "271", "8"]
 
 
-def tiny_export(root: Path) -> Path:
-    """A randomly initialised MLM export (data_prep tokenizer on stdlib modules, hybrid layers)."""
+def tiny_export(root: Path, **model_options) -> Path:
+    """A randomly initialised MLM export (data_prep tokenizer on stdlib modules, hybrid layers;
+    ``model_options`` override the ModelConfig)."""
     from data_prep.tokenizer import document_lines, train_tokenizer
     from linformer_ds.export import TIED_KEY, write_model_dir
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
@@ -35,7 +36,7 @@ def tiny_export(root: Path) -> Path:
     mc = ModelConfig(
         vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=32, num_layers=LAYERS, num_heads=2,
         intermediate_size=64, k=16, projection="hybrid", hybrid_linear_layers=2, dropout=0.1,
-        attention_dropout=0.0,
+        attention_dropout=0.0, **model_options,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LinformerForMaskedLM(mc)

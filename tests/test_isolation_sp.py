@@ -1,7 +1,7 @@
 """Document isolation under sequence parallelism (issue 29): P = 2 with documents crossing the
 slice boundary equals one rank (loss, every gradient) for linear layers in every sharing mode,
-dense (Ulysses) layers and a mixed schedule under activation checkpointing; through DeepSpeed
-ZeRO 0-3 the losses before and after one SGD step equal one rank's. Conv layers and sharded
+dense (Ulysses) layers and a mixed schedule under activation checkpointing, with and without
+the local mixer (model.local_mixer); through DeepSpeed ZeRO 0-3 (with the mixer) the losses before and after one SGD step equal one rank's. Conv layers and sharded
 E/F/positions are refused with isolation under P > 1 (one line). Ranks run this file as a
 script, one process per rank, on gloo."""
 
@@ -34,6 +34,10 @@ SCHEDULES = {
     "linear": dict(projection="linear"),
     "dense": dict(projection="dense"),
     "mixed": dict(num_layers=3, layer_projections=["linear", "dense", "linear"]),
+    # the local mixer reads 2 (1) rows across the slice boundary from the other rank
+    "linear+mixer": dict(projection="linear", local_mixer="layers", local_mixer_kernel=5),
+    "mixed+mixer": dict(num_layers=3, layer_projections=["linear", "dense", "linear"],
+                        local_mixer="embed", local_mixer_kernel=3),
 }
 
 
@@ -86,6 +90,8 @@ def _equivalence(rank: int, world: int) -> dict:
     cases += [("linear", sh, None, False) for sh in ("none", "layerwise")]  # chunked path
     cases += [("dense", "none", None, True), ("mixed", "kv", "layer", True)]
     cases += [("mixed", "layerwise", "sublayer", True)]
+    cases += [("linear+mixer", "layerwise", None, True), ("linear+mixer", "none", None, False)]
+    cases += [("mixed+mixer", "kv", "sublayer", True), ("linear+mixer", "headwise", "layer", True)]
     for sched, sharing, checkpointing, per_span in cases:
         torch.manual_seed(0)
         ref = LinformerForMaskedLM(ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing}))
@@ -122,7 +128,8 @@ def _zero(rank: int, world: int, deepspeed) -> dict:
     batch = make_batch(seed=1)
     count = (batch["labels"] != -100).sum().float()
     local, _ = shard_batch(batch, groups.sp_rank, groups.sp_size)
-    cfg_model = ModelConfig(**{**BASE, **SCHEDULES["mixed"], "sharing": "headwise"})
+    mixer = dict(local_mixer="layers", local_mixer_kernel=3)  # its weights ZeRO-partitioned too
+    cfg_model = ModelConfig(**{**BASE, **SCHEDULES["mixed"], "sharing": "headwise", **mixer})
     torch.manual_seed(0)
     ref = LinformerForMaskedLM(cfg_model)
     loss = loss_of(ref, batch, count)

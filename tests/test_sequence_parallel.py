@@ -52,6 +52,11 @@ SCHEDULES = {
 }
 SHARING = ("none", "headwise", "kv", "layerwise")
 TOL = 1e-5
+MIXER = dict(local_mixer="layers", local_mixer_kernel=5)  # reaches 2 rows into the next slice
+MIXER_CASES = [
+    ("linear+mixer", "layerwise", False, False), ("conv+mixer", "headwise", False, True),
+    ("mixed+mixer", "kv", "sublayer", False), ("dense+mixer", "none", False, False),
+]  # fmt: skip
 
 
 # ============================================================================ data, shared by all
@@ -133,9 +138,12 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     ]
     # per layer unsharded, per sub-layer (attention, feed-forward apart) sharded
     cases += [("mixed", "headwise", "layer", False), ("mixed", "headwise", "sublayer", True)]
+    cases += MIXER_CASES
     for sched, sharing, checkpointing, shard in cases:
         torch.manual_seed(0)
         extra = {"max_seq_len": N} if shard else {}
+        if sched.endswith("+mixer"):  # the local mixer's halo rows cross the slice boundary
+            sched, extra = sched[: -len("+mixer")], {**extra, **MIXER}
         cfg = ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing, **extra})
         ref = LinformerForMaskedLM(cfg)
         model = copy.deepcopy(ref)
@@ -175,7 +183,7 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         tag = (f"/checkpointed-{checkpointing}" if checkpointing else "") + (
             "/sharded" if shard else ""
         )
-        results["cases"][f"{sched}/{sharing}{tag}"] = errs
+        results["cases"][f"{sched}{'+mixer' if 'local_mixer' in extra else ''}/{sharing}{tag}"] = errs
 
     # Bytes handed to collectives by one layer of each kind, forward and backward.
     for kind in ("linear", "conv", "dense"):
@@ -475,7 +483,7 @@ def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
     results = _run_ranks("equivalence", 2, tmp_path)
     assert [r["offset"] for r in results] == [0, N // 2]
     for res in results:
-        assert len(res["cases"]) == 2 * (len(SCHEDULES) * len(SHARING) + 1)
+        assert len(res["cases"]) == 2 * (len(SCHEDULES) * len(SHARING) + 1) + len(MIXER_CASES)
         for case, errs in res["cases"].items():  # sharded cases: positions, and E/F if linear
             n_sharded = sum(k.endswith("(sharded)") for k in errs)
             assert n_sharded == 0 if "sharded" not in case else n_sharded >= 1, (case, errs)
