@@ -7,7 +7,14 @@
   encoder body: the same embeddings (token + position, LayerNorm), the same final LayerNorm and
   the same MLM head (our :class:`MLMHead`, decoder tied to the token embeddings), full logits;
 * ``ours-trainer``: :class:`LinformerForMaskedLMPretraining`, the head on the labelled positions
-  only (what ``linformer_ds.train`` runs).
+  only (what ``linformer_ds.train`` runs);
+* ``ours-dense`` and ``hf-bert`` (not in the default ``--models``): our model with
+  ``projection: dense`` (softmax attention through ``scaled_dot_product_attention``) and Hugging
+  Face's ``BertForMaskedLM`` with ``attn_implementation="sdpa"`` at the same sizes (no dropout,
+  one token type, decoder tied to the token embeddings, full logits, the same loss and
+  optimizer): the dense baseline every "Linformer vs dense" speed-up divides by, against the
+  reference implementation. Equal matrix-multiply FLOPs (tested); BERT is post-LN (ours pre-LN,
+  one more LayerNorm) and adds a token-type embedding row; the sharing mode does not apply.
 
 for every sharing mode in ``--sharings`` (each a group of its own). Equal work: same layers,
 width, heads, k, FFN size (lucidrains' is ``4 x hidden``), vocabulary; pre-LN blocks; keys and
@@ -62,7 +69,7 @@ import statistics
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -89,7 +96,9 @@ from linformer_ds.model import (
 )
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
-MODELS = ("ours", "lucidrains", "ours-trainer")
+MODELS = ("ours", "lucidrains", "ours-trainer", "ours-dense", "hf-bert")
+DEFAULT_MODELS = ("ours", "lucidrains", "ours-trainer")
+DENSE_MODELS = ("ours-dense", "hf-bert")
 PRECISIONS = ("bf16", "autocast", "fp32")
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 ISOLATIONS = ("process", "shared")
@@ -107,7 +116,7 @@ class PeerConfig(ModelSizes):
     """Everything one run depends on (stored in results.json)."""
 
     seq_lens: List[int] = field(default_factory=lambda: [4096, 16384])
-    models: List[str] = field(default_factory=lambda: list(MODELS))
+    models: List[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
     sharings: List[str] = field(default_factory=lambda: list(SHARINGS))
     isolation: str = "process"
     beside: str = ""
@@ -126,7 +135,7 @@ class PeerConfig(ModelSizes):
     def validate(self) -> None:
         """Raise BenchError naming the first bad option."""
         self.validate_sizes()
-        if self.intermediate != 4 * self.hidden:
+        if "lucidrains" in self.models and self.intermediate != 4 * self.hidden:
             raise BenchError(
                 f"--intermediate {self.intermediate}: lucidrains' FFN is 4 x hidden = "
                 f"{4 * self.hidden}; give that for equal work"
@@ -221,6 +230,29 @@ class LucidrainsMLM(nn.Module):
         return self.lm_head(self.final_ln(self.body(x)))
 
 
+class HFBertMLM(nn.Module):
+    """Hugging Face ``BertForMaskedLM`` (SDPA attention) at ``config``'s sizes, no dropout;
+    ``forward(input_ids) -> logits [B, n, V]``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        bert = BertConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            intermediate_size=config.intermediate_size,
+            max_position_embeddings=config.max_seq_len, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, type_vocab_size=1,
+            layer_norm_eps=config.layer_norm_eps, initializer_range=config.initializer_range,
+            tie_word_embeddings=True, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.bert = BertForMaskedLM(bert)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids).logits
+
+
 def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the labelled positions from full ``[B, n, V]`` logits (our
     ``mlm_loss``, written out so that both models share it)."""
@@ -235,6 +267,10 @@ def build(name: str, config: ModelConfig) -> nn.Module:
         return LinformerForMaskedLM(config).train()
     if name == "ours-trainer":
         return LinformerForMaskedLMPretraining(config).train()
+    if name == "ours-dense":
+        return LinformerForMaskedLM(replace(config, projection="dense")).train()
+    if name == "hf-bert":
+        return HFBertMLM(config).train()
     return LucidrainsMLM(config).train()
 
 
@@ -243,7 +279,7 @@ def loss_of(name: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
     labelled-only head for ours-trainer."""
     if name == "ours-trainer":
         return model(ids, labels=labels).loss
-    logits = model(ids).logits if name == "ours" else model(ids)
+    logits = model(ids).logits if name in ("ours", "ours-dense") else model(ids)
     return full_logits_loss(logits, labels)
 
 
@@ -264,6 +300,8 @@ class Runner:
         self, name: str, pc: PeerConfig, n: int, device: torch.device, sharing: str = "headwise"
     ):
         self.name, self.config, self.device = name, our_config(pc, n, sharing), device
+        if name in DENSE_MODELS:  # softmax attention: no E/F; FLOPs of the dense model
+            self.config = replace(self.config, projection="dense")
         torch.manual_seed(pc.seed)
         self.model = build(name, self.config).to(device)
         params = list(self.model.parameters())
@@ -420,8 +458,8 @@ def run_group(
             "n": n,
             "sharing": sharing,
             "model": r.name,
-            "lucidrains_config": peer,
-            "equal_work": equal,
+            "lucidrains_config": None if r.name in DENSE_MODELS else peer,
+            "equal_work": True if r.name in DENSE_MODELS else equal,  # dense: with each other
             "params": r.params,
             "step_s_median": step,
             "step_s_min": min(ts),
@@ -433,15 +471,20 @@ def run_group(
             "load_avg_after": load_after,
             **memory,
         }
-        if "lucidrains" in times and r.name != "lucidrains":
+        if "lucidrains" in times and r.name not in ("lucidrains",) + DENSE_MODELS:
             ratios = [a / b for a, b in zip(times["lucidrains"], ts)]
             row["speedup_vs_lucidrains"] = statistics.median(ratios)
             row["speedup_per_round"] = ratios
+        if "hf-bert" in times and r.name == "ours-dense":
+            ratios = [a / b for a, b in zip(times["hf-bert"], ts)]
+            row["speedup_vs_hf_bert"] = statistics.median(ratios)
+            row["speedup_vs_hf_bert_per_round"] = ratios
         rows.append(row)
         log(
             f"N={n:>6} {sharing:<9} {r.name:<13} {step:8.3f} s (min {min(ts):.3f}) "
             f"{row['model_tflops']:.3f} TFLOP/s"
             + (f" x{row['speedup_vs_lucidrains']:.3f}" if "speedup_vs_lucidrains" in row else "")
+            + (f" x{row['speedup_vs_hf_bert']:.3f} vs HF" if "speedup_vs_hf_bert" in row else "")
             + f"  load {load_before[0]:.1f}->{load_after[0]:.1f}"
         )
     return rows
@@ -472,9 +515,12 @@ def run_benchmark(
     for row in rows:
         row["mfu"] = row["model_tflops"] * 1e12 / peak
     env["load_avg_end"] = os.getloadavg()
-    import linformer
+    if "lucidrains" in pc.models:
+        import linformer
 
-    env["linformer"] = getattr(linformer, "__version__", _dist_version("linformer"))
+        env["linformer"] = getattr(linformer, "__version__", _dist_version("linformer"))
+    if "hf-bert" in pc.models:
+        env["transformers"] = _dist_version("transformers")
     return {
         "config": asdict(pc),
         "environment": env,
@@ -504,7 +550,8 @@ def markdown_table(results: Dict[str, Any]) -> str:
         f"{c['layers']} layers, d={c['hidden']}, {c['heads']} heads, k={c['k']}, "
         f"FFN {c['intermediate']}, V={c['vocab']}, {c['precision']}, "
         f"batch {c['batch']}; {env.get('gpu') or env['cpu']} ({env['cpu_count']} CPUs, "
-        f"{env['torch_threads']} threads), torch {env['torch']}, linformer {env.get('linformer')}; "
+        f"{env['torch_threads']} threads), torch {env['torch']}, linformer {env.get('linformer')}"
+        + (f", transformers {env['transformers']}" if env.get("transformers") else "") + "; "
         f"median of {c['iters']} interleaved steps (fwd + bwd + AdamW) after {c['warmup']} "
         f"warm-up; isolation {c.get('isolation', 'shared')}; GEMM peak "
         f"{results['gemm_peak_flops'] / 1e12:.2f} TFLOP/s ({results['gemm_dtype']}); "
@@ -512,12 +559,13 @@ def markdown_table(results: Dict[str, Any]) -> str:
         f"{_load(env['load_avg_end'])} at end; beside: {env.get('beside') or 'not recorded'}",
         "",
         "| N | sharing | model | lucidrains config | step (s) | min (s) | tokens/s | TFLOP/s "
-        "| MFU | peak RSS (GiB) | vs lucidrains |",
-        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| MFU | peak RSS (GiB) | vs lucidrains | vs HF BERT |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
-        sp = r.get("speedup_vs_lucidrains")
-        peer = r.get("lucidrains_config", "") + (
+        sp, hf = r.get("speedup_vs_lucidrains"), r.get("speedup_vs_hf_bert")
+        dense = r["model"] in DENSE_MODELS
+        peer = "- (dense)" if dense else r.get("lucidrains_config", "") + (
             "" if r.get("equal_work", True) else " (NOT equal work)"
         )
         rss = r.get("peak_rss_gib")
@@ -526,7 +574,8 @@ def markdown_table(results: Dict[str, Any]) -> str:
             f"{r['step_s_median']:.3f} | {r['step_s_min']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['model_tflops']:.3f} | {r['mfu'] * 100:.1f} % | "
             + (f"{rss:.2f} | " if rss is not None else "- | ")
-            + (f"{sp:.3f}x |" if sp is not None else "- |")
+            + (f"{sp:.3f}x | " if sp is not None else "- | ")
+            + (f"{hf:.3f}x |" if hf is not None else "- |")
         )
     return "\n".join(lines) + "\n"
 
@@ -568,7 +617,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        import linformer  # noqa: F401
+        if "lucidrains" in pc.models:
+            import linformer  # noqa: F401
     except ImportError:
         print(
             "error: lucidrains' linformer is not installed: pip install -e '.[bench]'",

@@ -195,7 +195,10 @@ class ModelConfig:
                 f"{self.pad_token_id} is outside the vocabulary [0, {self.vocab_size})",
             )
         if self.local_mixer_kernel % 2 == 0:
-            _bad("local_mixer_kernel", f"must be odd (centred on the token), got {self.local_mixer_kernel}")
+            _bad(
+                "local_mixer_kernel",
+                f"must be odd (centred on the token), got {self.local_mixer_kernel}",
+            )
         self._validate_schedule()
         self._validate_k()
 
@@ -1019,10 +1022,10 @@ class LocalMixer(nn.Module):
         super().__init__()
         self.radius = kernel // 2
         self.weight = nn.Parameter(torch.empty(2 * self.radius + 1, hidden_size))
-        self.local_mixer = True  # init_weights: normal(std)
+        self.mixer_init = True  # init_weights: normal(std)
 
     def forward(self, x: torch.Tensor, mixing: "LocalMixing") -> torch.Tensor:
-        """``x [B, n, D]`` -> ``[B, n, D]``, with ``mixing`` from :func:`local_mixing`."""
+        """``x [B, n, D]`` -> ``[B, n, D]``, with ``mixing`` from ``LinformerEncoder._mixing``."""
         r, n = self.radius, x.shape[1]
         if mixing.valid.shape[0] != 2 * r + 1:
             raise ValueError(f"mixing is for kernel {mixing.valid.shape[0]}, not {2 * r + 1}")
@@ -1054,9 +1057,9 @@ def local_mixer_valid(
     position_ids: Optional[torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
-    """``[2r + 1, B, n]`` bool: True where token ``i + o`` (``o = j - r``) may feed token ``i``: inside
-    the row, not padding, and in the same document (a document starts at each row start and
-    at every unmasked position 0 of ``position_ids``)."""
+    """``[2r + 1, B, n]`` bool: True where token ``i + o`` (``o = j - r``) may feed token ``i``:
+    inside the row, not padding, and in the same document (a document starts at each row start
+    and at every unmasked position 0 of ``position_ids``)."""
     seg = None
     if position_ids is not None:
         seg = torch.cumsum(document_starts(position_ids, attention_mask).long(), dim=1)
@@ -1433,7 +1436,7 @@ def init_weights(module: nn.Module, std: float) -> None:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        elif getattr(module, "local_mixer", False):
+        elif getattr(module, "mixer_init", False):
             nn.init.normal_(module.weight, std=std)
         elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
             module.reset_parameters()

@@ -88,12 +88,13 @@ def run_pretrain(
 
 
 def start_worker_ranks(
-    ranks: int, runs: Sequence[dict], out: Path, name: str
+    ranks: int, runs: Sequence[dict], out: Path, name: str, merge_stderr: bool = False
 ) -> List[subprocess.Popen]:
     """Start tests/layout_worker.py on ``ranks`` gloo ranks: one process group that trains
     ``runs`` (``{"name", "overrides"}``, each logging to ``out/<name>``) one after the other,
     so the start-up is paid once. Spec ``out/<name>.json``; rank r's stdout in
-    ``out/<name>.rank<r>``, its stderr in ``.err`` beside it. :func:`wait_worker_ranks` waits."""
+    ``out/<name>.rank<r>``, its stderr in ``.err`` beside it (``merge_stderr``: in the same
+    file, in the order written). :func:`wait_worker_ranks` waits."""
     spec = out / f"{name}.json"
     spec.write_text(json.dumps({"out": str(out), "runs": list(runs)}))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -104,7 +105,8 @@ def start_worker_ranks(
         with open(log_path, "w") as log, open(f"{log_path}.err", "w") as err:
             procs.append(subprocess.Popen([sys.executable, WORKER, str(spec)], cwd=REPO,
                                           env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                          stdout=log, stderr=err))  # fmt: skip
+                                          stdout=log,
+                                          stderr=subprocess.STDOUT if merge_stderr else err))  # fmt: skip
     return procs
 
 

@@ -16,9 +16,6 @@ the host...), with whose code asked. Checked here:
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -30,9 +27,8 @@ from hypothesis import strategies as st
 
 from linformer_ds.hostsync import SyncCounter
 from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, labelled_positions
-from tests.pretrain_utils import REPO, free_port
+from tests.pretrain_utils import start_worker_ranks, wait_worker_ranks
 
-WORKER = str(REPO / "tests" / "layout_worker.py")
 VOCAB, MAX_N = 50, 16
 
 
@@ -151,19 +147,6 @@ RUNS = {"1rank_gas2": (1, 1, 2), "dp2_gas2": (2, 1, 2), "sp2_gas2": (2, 2, 2)}
 STAGES = (0, 1, 2, 3)
 
 
-def _run_ranks(ranks: int, spec: Path, log: Path) -> List[subprocess.Popen]:
-    """tests/layout_worker.py on ``ranks`` gloo ranks (the runs turn the sync hook on)."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = []
-    for r in range(ranks):
-        out = open(f"{log}.rank{r}", "w")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(spec)], cwd=REPO,
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                      stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
-    return procs
-
-
 @pytest.fixture(scope="module")
 def counted(tiny_corpus, tmp_path_factory) -> List[dict]:
     """Every run x ZeRO stage trained for STEPS steps; the hook's records of COUNTED steps."""
@@ -183,16 +166,10 @@ def counted(tiny_corpus, tmp_path_factory) -> List[dict]:
                 f"debug.sync_steps=[{','.join(map(str, COUNTED))}]",
                 # bf16; ZeRO-0 bf16 accumulates in bf16:
             ] + (["deepspeed.fp32_grad_accum=false"] if stage == 0 else [])})  # fmt: skip
-    launches = []
-    for ranks, runs in by_world.items():
-        spec = out / f"spec_{ranks}.json"
-        spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-        launches.append((ranks, _run_ranks(ranks, spec, out / f"world{ranks}.log")))
-    for ranks, procs in launches:
-        codes = [p.wait(timeout=600) for p in procs]
-        if any(codes):
-            tail = (out / f"world{ranks}.log.rank0").read_text()[-4000:]
-            raise AssertionError(f"world {ranks}: exit codes {codes}\n{tail}")
+    launches = [(f"world{r}", start_worker_ranks(r, runs, out, f"world{r}"))
+                for r, runs in by_world.items()]  # fmt: skip
+    for name, procs in launches:
+        wait_worker_ranks(procs, out, name, timeout=600)
     records = []
     for path in sorted(out.glob("syncs_world*/syncs.rank*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines()]

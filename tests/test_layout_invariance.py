@@ -8,20 +8,15 @@ wrong decay group shows); the parameters as one vector (relative L2), each tenso
 layouts in turn (tests/layout_worker.py). docs/reliability.md states the guarantee.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-from tests.pretrain_utils import REPO, free_port, read_metrics
+from tests.pretrain_utils import read_metrics, start_worker_ranks, wait_worker_ranks
 
-WORKER = str(REPO / "tests" / "layout_worker.py")
 RTOL = 1e-5
 STEPS = 10
 GLOBAL_ROWS = 8  # rows per optimizer step in every layout
@@ -67,18 +62,6 @@ def _overrides(ranks: int, sp: int, gas: int, more: List[str], stage: int, data:
     )
 
 
-def _launch(ranks: int, spec: Path, log: Path) -> List[subprocess.Popen]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = []
-    for r in range(ranks):
-        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-        out = open(f"{log}.rank{r}", "w")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(spec)], cwd=REPO, env=env_r,
-                                      stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
-    return procs
-
-
 @pytest.fixture(scope="module")
 def trained(tiny_corpus, tmp_path_factory) -> Path:
     """Every layout x ZeRO stage trained; one launch per world size, all at once."""
@@ -90,16 +73,10 @@ def trained(tiny_corpus, tmp_path_factory) -> Path:
             over = _overrides(ranks, sp, gas, more, stage, tiny_corpus)
             over = [o.format(out / run) for o in over]
             by_world.setdefault(ranks, []).append({"name": run, "overrides": over})
-    launches = []
-    for ranks, runs in by_world.items():
-        spec = out / f"spec_{ranks}.json"
-        spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-        launches.append((ranks, _launch(ranks, spec, out / f"world{ranks}.log")))
-    for ranks, procs in launches:
-        codes = [p.wait(timeout=900) for p in procs]
-        if any(codes):
-            tail = (out / f"world{ranks}.log.rank0").read_text()[-4000:]
-            raise AssertionError(f"world {ranks}: exit codes {codes}\n{tail}")
+    launches = [(f"world{r}", start_worker_ranks(r, runs, out, f"world{r}"))
+                for r, runs in by_world.items()]  # fmt: skip
+    for name, procs in launches:
+        wait_worker_ranks(procs, out, name, timeout=900)
     return out
 
 

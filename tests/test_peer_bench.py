@@ -32,7 +32,7 @@ def counted_flops(name: str, model: torch.nn.Module, ids: torch.Tensor) -> int:
     math SDPA backend, whose matmuls it sees), and the logits."""
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         out = model(ids)
-        logits = out.logits if name == "ours" else out
+        logits = out.logits if hasattr(out, "logits") else out
         logits.float().square().mean().backward()
     return counter.get_total_flops(), logits
 
@@ -64,6 +64,53 @@ def test_equal_work(sharing, layers, heads, head_dim, k, n_max, short, batch):
     f_theirs, logits_theirs = counted_flops("lucidrains", theirs, ids)
     assert f_ours == f_theirs == flops_per_token(cfg, n) * batch * n
     assert logits_ours.shape == logits_theirs.shape == (batch, n, 37)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    layers=st.integers(1, 2),
+    heads=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([4, 8]),
+    n_max=st.integers(8, 40),
+    short=st.integers(0, 6),
+    batch=st.integers(1, 2),
+)
+def test_dense_equal_work_with_hf_bert(layers, heads, head_dim, n_max, short, batch):
+    """ours-dense and HF BertForMaskedLM (sdpa): the same counted matrix-multiply FLOPs (= our
+    dense flops_per_token), the same logits shape; parameters differ by exactly our final
+    LayerNorm minus BERT's one token-type row (hidden)."""
+    from dataclasses import replace
+
+    d = heads * head_dim
+    pc = PeerConfig(layers=layers, hidden=d, heads=heads, k=4, intermediate=4 * d, vocab=37)
+    cfg = our_config(pc, n_max)
+    n = n_max - short
+    ids = torch.randint(5, 37, (batch, n), generator=torch.Generator().manual_seed(n))
+    ours, bert = build("ours-dense", cfg), build("hf-bert", cfg)
+    assert unique_parameters(ours) - unique_parameters(bert) == d
+    f_ours, logits_ours = counted_flops("ours-dense", ours, ids)
+    f_bert, logits_bert = counted_flops("hf-bert", bert, ids)
+    dense = replace(cfg, projection="dense")
+    assert f_ours == f_bert == flops_per_token(dense, n) * batch * n
+    assert logits_ours.shape == logits_bert.shape == (batch, n, 37)
+
+
+def test_dense_pair_run_records_speedup_vs_hf_bert(tmp_path):
+    """--models ours-dense hf-bert (one process each): rows with the dense FLOPs, the ratio
+    per round and its median, and a table row; lucidrains' FFN rule does not apply."""
+    pc = PeerConfig(layers=1, hidden=16, heads=2, k=4, intermediate=40, vocab=40)
+    pc.seq_lens, pc.iters, pc.warmup, pc.gemm_n, pc.gemm_budget_s = [32], 2, 0, 128, 0.2
+    pc.models, pc.sharings = ["ours-dense", "hf-bert"], ["headwise"]
+    results = run_benchmark(pc, log=lambda _: None)
+    rows = {r["model"]: r for r in results["rows"]}
+    assert set(rows) == {"ours-dense", "hf-bert"}
+    assert rows["ours-dense"]["flops_per_token"] == rows["hf-bert"]["flops_per_token"]
+    assert len(rows["ours-dense"]["speedup_vs_hf_bert_per_round"]) == 2
+    assert "speedup_vs_lucidrains" not in rows["ours-dense"]
+    assert results["environment"]["transformers"]
+    _, md_path = write_results(results, tmp_path, markdown_table)
+    line = next(ln for ln in md_path.read_text().splitlines() if "| ours-dense |" in ln)
+    assert "- (dense)" in line and line.rstrip().endswith("x |")
 
 
 def test_same_loss_on_same_logits():

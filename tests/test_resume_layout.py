@@ -11,10 +11,7 @@ steps. Each world size's hops of both chains run in one process-group launch
 (tests/layout_worker.py): 6 launches in all.
 """
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -23,9 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.pretrain_utils import REPO, free_port, read_metrics
+from tests.pretrain_utils import read_metrics, start_worker_ranks, wait_worker_ranks
 
-WORKER = str(REPO / "tests" / "layout_worker.py")
 RTOL = 1e-6  # per-step loss and gradient norm (measured worst: see test docstring)
 GLOBAL_ROWS = 8  # rows per optimizer step in every layout
 HOP = 2  # optimizer steps per hop
@@ -69,21 +65,11 @@ def _overrides(data: Path, ckpt: Path, stage: int, ranks: int, p: int, shard: bo
 
 
 def _launch(ranks: int, runs: List[dict], out: Path, name: str) -> str:
-    """Train ``runs`` in turn in one process group of ``ranks``; returns rank 0's log."""
-    spec = out / f"{name}.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = []
-    for r in range(ranks):
-        log = open(out / f"{name}.rank{r}", "w")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(spec)], cwd=REPO,
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
-    codes = [p.wait(timeout=900) for p in procs]
-    text = (out / f"{name}.rank0").read_text()
-    assert not any(codes), f"{name}: exit codes {codes}\n{text[-4000:]}"
-    return text
+    """Train ``runs`` in turn in one process group of ``ranks``; returns rank 0's log (stdout
+    and stderr as written)."""
+    procs = start_worker_ranks(ranks, runs, out, name, merge_stderr=True)
+    wait_worker_ranks(procs, out, name, timeout=900)
+    return (out / f"{name}.rank0").read_text()
 
 
 @pytest.fixture(scope="module")
