@@ -213,6 +213,21 @@ def _paths(d: Dict[str, Any], prefix: str = "", leaves: bool = False) -> List[st
     return out
 
 
+def _at(d: Dict[str, Any], path: str) -> Any:
+    """The value at dotted ``path`` of nested ``d`` (keys with dots in them taken whole)."""
+    if path in d:
+        return d[path]
+    for key, value in d.items():
+        if isinstance(value, dict) and path.startswith(f"{key}."):
+            found = _at(value, path[len(key) + 1 :])
+            if found is not _MISSING:
+                return found
+    return _MISSING
+
+
+_MISSING = object()
+
+
 def check_owned_keys(extra: Dict[str, Any]) -> None:
     """Refuse any key of ``deepspeed.extra`` that the job config owns (:data:`OWNED_DS_KEYS`)."""
     for path in _paths(extra, leaves=True):
@@ -225,6 +240,15 @@ def check_owned_keys(extra: Dict[str, Any]) -> None:
         if owner:
             raise ConfigError(
                 f"deepspeed.extra.{path}: the job config sets it; use {owner} instead"
+            )
+        inside = [k for k in OWNED_DS_KEYS if k.startswith(f"{path}.")]
+        value = _at(extra, path)
+        # a scalar would replace the whole section (zero_optimization: a bool is DeepSpeed's
+        # old spelling of a stage, compared with the job config's by check_deepspeed_extra)
+        if inside and not isinstance(value, dict) and path != "zero_optimization":
+            raise ConfigError(
+                f"deepspeed.extra.{path}: must be a section (a mapping), got {value!r}; the "
+                f"job config sets {path}.{inside[0][len(path) + 1 :]} ({OWNED_DS_KEYS[inside[0]]})"
             )
 
 

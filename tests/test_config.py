@@ -193,6 +193,8 @@ ds_scalars = st.one_of(
     ).filter(lambda x: isinstance(x, dict))
 )
 @example(extra={"zero_optimization": True})
+@example(extra={"optimizer": False})
+@example(extra={"optimizer": {"params": None}})
 @example(extra={"zero_optimization": {"cpu_offload": True}})
 @example(extra={"bfloat16": {"enabled": False}})
 def test_any_deepspeed_extra_never_changes_what_the_job_config_owns(extra):

@@ -61,6 +61,8 @@ VALUES = {
     "model.projection_init": ["model.projection_init=pooling"],
     "model.position_init": ["model.position_init=sinusoidal"],
     "model.output_bias_init": ["model.output_bias_init=unigram"],
+    "model.local_mixer": ["model.local_mixer=layers"],
+    "model.local_mixer_kernel": ["model.local_mixer_kernel=5"],
     "model.initializer_range": ["model.initializer_range=0.03"],
     "model.pad_token_id": ["model.pad_token_id=1"],
     "model.num_labels": ["model.num_labels=3"],
@@ -458,8 +460,13 @@ def test_a_checkpoint_older_than_a_model_option_resumes_with_its_default():
     cfg = load_config(TINY_CONFIG, TEST_OVERRIDES)
     old = cfg.model.to_dict()
     del old["position_init"], old["output_bias_init"]
+    del old["local_mixer"], old["local_mixer_kernel"]
     check_model_config({"model": old}, cfg, "step_00000002")  # no error
     new = load_config(TINY_CONFIG, TEST_OVERRIDES + ["model.position_init=sinusoidal"])
     with pytest.raises(CheckpointError, match=r"model.position_init: checkpoint 'normal' vs "
                        r"config 'sinusoidal'"):  # fmt: skip
         check_model_config({"model": old}, new, "step_00000002")
+    mixed = load_config(TINY_CONFIG, TEST_OVERRIDES + ["model.local_mixer=layers"])
+    with pytest.raises(CheckpointError, match=r"model.local_mixer: checkpoint 'none' vs "
+                       r"config 'layers'"):  # fmt: skip
+        check_model_config({"model": old}, mixed, "step_00000002")
