@@ -200,22 +200,12 @@ def test_worst_deviations_reported():
     print("isolation worst deviations:", {k: f"{v:.2e}" for k, v in WORST.items()})
 
 
-def test_export_accepts_position_ids(tmp_path):
-    """The exported MLM (remote code, loaded by transformers) given a packed row with
-    position_ids equals the training model; right and left padding agree; a one-document row
-    gives the same logits with position_ids 0..n-1 as without."""
-    import sys
-    from pathlib import Path
-
-    from transformers import AutoModelForMaskedLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_hf_heads import tiny_export
-
+def check_export_on_packed_row(exported) -> tuple:
+    """The exported MLM given a packed row (4 documents, 16 padding) with position_ids equals
+    the training model with its weights; the same row left-padded too. Returns the training
+    model and the row's ids."""
     from linformer_ds.model import LinformerForMaskedLM as TrainingMLM
 
-    out = tiny_export(tmp_path)
-    exported = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True).eval()
     torch.manual_seed(0)
     training = TrainingMLM(exported.encoder.config).eval()
     training.load_state_dict(exported.state_dict(), strict=False)
@@ -229,12 +219,31 @@ def test_export_accepts_position_ids(tmp_path):
         got = exported(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         left = exported(input_ids=ids.roll(pad, 1), attention_mask=mask.roll(pad, 1),
                         position_ids=pos.roll(pad, 1)).logits.roll(-pad, 1)  # fmt: skip
-        one = ids[:, :30]
-        plain = exported(input_ids=one).logits
-        counted = exported(input_ids=one, position_ids=torch.arange(30)[None]).logits
     real = mask[0].bool()
     assert (got - ref)[:, real].abs().max() <= 1e-5
     assert (left - ref)[:, real].abs().max() <= 1e-5
+    return training, ids
+
+
+def test_export_accepts_position_ids(tmp_path):
+    """The exported MLM (remote code, loaded by transformers) given a packed row with
+    position_ids equals the training model; right and left padding agree; a one-document row
+    gives the same logits with position_ids 0..n-1 as without."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForMaskedLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_hf_heads import tiny_export
+
+    out = tiny_export(tmp_path)
+    exported = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    _, ids = check_export_on_packed_row(exported)
+    with torch.no_grad():
+        one = ids[:, :30]
+        plain = exported(input_ids=one).logits
+        counted = exported(input_ids=one, position_ids=torch.arange(30)[None]).logits
     assert torch.equal(plain, counted)
 
 

@@ -22,7 +22,11 @@ from linformer_ds.model import (
     ModelConfigError,
     local_mixer_valid,
 )
-from tests.test_isolation import check_packed_equals_alone, rows_strategy
+from tests.test_isolation import (
+    check_export_on_packed_row,
+    check_packed_equals_alone,
+    rows_strategy,
+)
 
 
 def mixer_config(projection: str, mixer: str, kernel: int, sharing: str = "layerwise") -> ModelConfig:
@@ -153,7 +157,6 @@ def test_export_equals_training_model(tmp_path, mixer):
     model on a packed row with position_ids, with right and left padding."""
     from transformers import AutoModelForMaskedLM
 
-    from linformer_ds.model import LinformerForMaskedLM as TrainingMLM
     from tests.test_hf_heads import tiny_export
 
     out = tiny_export(tmp_path, local_mixer=mixer, local_mixer_kernel=5)
@@ -163,20 +166,10 @@ def test_export_equals_training_model(tmp_path, mixer):
         for n, p in exported.named_parameters():
             if "mixer" in n:
                 p.normal_(std=0.5)
-    training = TrainingMLM(exported.encoder.config).eval()
-    training.load_state_dict(exported.state_dict(), strict=False)
-    lengths, pad = [9, 20, 4, 15], 16
-    ids = torch.randint(5, 1000, (1, sum(lengths) + pad))
-    ids[:, sum(lengths):] = 0
-    mask = (ids != 0).long()
-    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
-    with torch.no_grad():
-        ref = training(ids, mask, position_ids=pos).logits
-        got = exported(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        left = exported(input_ids=ids.roll(pad, 1), attention_mask=mask.roll(pad, 1),
-                        position_ids=pos.roll(pad, 1)).logits.roll(-pad, 1)  # fmt: skip
+    training, ids = check_export_on_packed_row(exported)
+    with torch.no_grad():  # the first document alone: what the packed row gave it
         alone = training(ids[:, :9]).logits
-    real = mask[0].bool()
-    assert (got - ref)[:, real].abs().max() <= 1e-5
-    assert (left - ref)[:, real].abs().max() <= 1e-5
-    assert (ref[:, :9] - alone).abs().max() <= 1e-5
+        packed = training(ids, (ids != 0).long(), position_ids=torch.cat(
+            [torch.arange(n) for n in (9, 20, 4, 15)] + [torch.zeros(16, dtype=torch.long)])[None]
+        ).logits  # fmt: skip
+    assert (packed[:, :9] - alone).abs().max() <= 1e-5
