@@ -8,7 +8,6 @@ gradient norm under ZeRO 0-2 with E/F whole, a crash on the sharded mpu's model-
 :func:`linformer_ds.parallelize.parallelize` now installs every engine's own mpu (None included).
 """
 
-import json
 from pathlib import Path
 from typing import Dict, List
 
@@ -17,8 +16,13 @@ import pytest
 from linformer_ds.config import load_config
 from linformer_ds.engine import build_model
 from linformer_ds.parallelize import parallelize
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics
-from tests.test_layout_invariance import _launch
+from tests.pretrain_utils import (
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    read_metrics,
+    start_worker_ranks,
+    wait_worker_ranks,
+)
 
 STEPS = 5
 TOL = 1e-6
@@ -45,16 +49,13 @@ RUNS = {
 }  # fmt: skip
 
 
-def _spec(out: Path, data: Path, names: List[str], tag: str) -> Path:
-    runs = [
+def _runs(out: Path, data: Path, names: List[str], tag: str) -> List[dict]:
+    return [
         {"name": f"{tag}/{n}",
          "overrides": COMMON + RUNS[n] + [f"data.path={data}",
                                           f"checkpoint.dir={out / tag / n / 'checkpoints'}"]}
         for n in names
     ]  # fmt: skip
-    spec = out / f"spec_{tag}.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    return spec
 
 
 @pytest.mark.slow  # 5 launches of 2 ranks at once (~1 min on 2 cores)
@@ -63,10 +64,9 @@ def test_sp_then_dp_in_one_process_equals_fresh_processes(tiny_corpus, tmp_path)
     procs: Dict[str, list] = {}
     for tag, names in launches.items():
         (tmp_path / tag).mkdir()
-        procs[tag] = _launch(2, _spec(tmp_path, tiny_corpus, names, tag), tmp_path / f"{tag}.log")
+        procs[tag] = start_worker_ranks(2, _runs(tmp_path, tiny_corpus, names, tag), tmp_path, tag)
     for tag, ps in procs.items():
-        codes = [p.wait(timeout=900) for p in ps]
-        assert not any(codes), (tag, codes, (tmp_path / f"{tag}.log.rank0").read_text()[-4000:])
+        wait_worker_ranks(ps, tmp_path, tag, timeout=900)
     worst = {}
     for name in RUNS:
         same = read_metrics(tmp_path / "same" / name)
