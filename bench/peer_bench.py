@@ -261,14 +261,21 @@ def full_logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     )
 
 
+def model_config(name: str, config: ModelConfig) -> ModelConfig:
+    """The configuration model ``name`` runs at ``config``'s sizes: softmax attention for the
+    dense pair (no E/F; their FLOPs are the dense model's), ``config`` itself otherwise."""
+    return replace(config, projection="dense") if name in DENSE_MODELS else config
+
+
 def build(name: str, config: ModelConfig) -> nn.Module:
-    """The model ``name`` (one of MODELS) at ``config``, in training mode."""
+    """The model ``name`` (one of MODELS) at ``config``'s sizes, in training mode."""
+    config = model_config(name, config)
     if name == "ours":
         return LinformerForMaskedLM(config).train()
     if name == "ours-trainer":
         return LinformerForMaskedLMPretraining(config).train()
     if name == "ours-dense":
-        return LinformerForMaskedLM(replace(config, projection="dense")).train()
+        return LinformerForMaskedLM(config).train()
     if name == "hf-bert":
         return HFBertMLM(config).train()
     return LucidrainsMLM(config).train()
@@ -299,9 +306,8 @@ class Runner:
     def __init__(
         self, name: str, pc: PeerConfig, n: int, device: torch.device, sharing: str = "headwise"
     ):
-        self.name, self.config, self.device = name, our_config(pc, n, sharing), device
-        if name in DENSE_MODELS:  # softmax attention: no E/F; FLOPs of the dense model
-            self.config = replace(self.config, projection="dense")
+        self.name, self.device = name, device
+        self.config = model_config(name, our_config(pc, n, sharing))
         torch.manual_seed(pc.seed)
         self.model = build(name, self.config).to(device)
         params = list(self.model.parameters())
@@ -471,14 +477,15 @@ def run_group(
             "load_avg_after": load_after,
             **memory,
         }
-        if "lucidrains" in times and r.name not in ("lucidrains",) + DENSE_MODELS:
-            ratios = [a / b for a, b in zip(times["lucidrains"], ts)]
-            row["speedup_vs_lucidrains"] = statistics.median(ratios)
-            row["speedup_per_round"] = ratios
-        if "hf-bert" in times and r.name == "ours-dense":
-            ratios = [a / b for a, b in zip(times["hf-bert"], ts)]
-            row["speedup_vs_hf_bert"] = statistics.median(ratios)
-            row["speedup_vs_hf_bert_per_round"] = ratios
+        # each model against its peer: per-round ratios peer / ours and their median
+        for peer_name, applies, key, rounds_key in (
+            ("lucidrains", r.name not in ("lucidrains",) + DENSE_MODELS,
+             "speedup_vs_lucidrains", "speedup_per_round"),
+            ("hf-bert", r.name == "ours-dense", "speedup_vs_hf_bert", "speedup_vs_hf_bert_per_round"),
+        ):  # fmt: skip
+            if applies and peer_name in times:
+                ratios = [a / b for a, b in zip(times[peer_name], ts)]
+                row[key], row[rounds_key] = statistics.median(ratios), ratios
         rows.append(row)
         log(
             f"N={n:>6} {sharing:<9} {r.name:<13} {step:8.3f} s (min {min(ts):.3f}) "

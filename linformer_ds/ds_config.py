@@ -199,38 +199,25 @@ def _job_section(key: str) -> List[str]:
     return [f.name for f in dataclasses.fields(node)]
 
 
-def _paths(d: Dict[str, Any], prefix: str = "", leaves: bool = False) -> List[str]:
-    """Every key path of a nested dict, parents before children (``leaves``: only the paths to
-    values that are not non-empty dicts)."""
-    out: List[str] = []
+def _items(
+    d: Dict[str, Any], prefix: str = "", leaves: bool = False
+) -> List[Tuple[str, Any]]:
+    """``(key path, value)`` of every key of a nested dict, parents before children
+    (``leaves``: only those whose values are not non-empty dicts)."""
+    out: List[Tuple[str, Any]] = []
     for key, value in d.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         inner = isinstance(value, dict) and bool(value)
         if not (leaves and inner):
-            out.append(path)
+            out.append((path, value))
         if inner:
-            out += _paths(value, path, leaves)
+            out += _items(value, path, leaves)
     return out
-
-
-def _at(d: Dict[str, Any], path: str) -> Any:
-    """The value at dotted ``path`` of nested ``d`` (keys with dots in them taken whole)."""
-    if path in d:
-        return d[path]
-    for key, value in d.items():
-        if isinstance(value, dict) and path.startswith(f"{key}."):
-            found = _at(value, path[len(key) + 1 :])
-            if found is not _MISSING:
-                return found
-    return _MISSING
-
-
-_MISSING = object()
 
 
 def check_owned_keys(extra: Dict[str, Any]) -> None:
     """Refuse any key of ``deepspeed.extra`` that the job config owns (:data:`OWNED_DS_KEYS`)."""
-    for path in _paths(extra, leaves=True):
+    for path, value in _items(extra, leaves=True):
         fixed = next(
             (why for key, why in FIXED_DS_KEYS.items() if f"{path}.".startswith(f"{key}.")), None
         )
@@ -242,7 +229,6 @@ def check_owned_keys(extra: Dict[str, Any]) -> None:
                 f"deepspeed.extra.{path}: the job config sets it; use {owner} instead"
             )
         inside = [k for k in OWNED_DS_KEYS if k.startswith(f"{path}.")]
-        value = _at(extra, path)
         # a scalar would replace the whole section (zero_optimization: a bool is DeepSpeed's
         # old spelling of a stage, compared with the job config's by check_deepspeed_extra)
         if inside and not isinstance(value, dict) and path != "zero_optimization":
@@ -317,7 +303,7 @@ def _unknown_key(extra: Dict[str, Any], log: set) -> Optional[Tuple[str, List[st
     top_known = {p[0] for p in log if len(p) == 1} | {
         v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)
     }
-    for path in _paths(extra):
+    for path, _ in _items(extra):
         parts = tuple(path.split("."))
         parent = parts[:-1]
         if not parent:

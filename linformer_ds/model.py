@@ -22,7 +22,7 @@ Sharing modes (the paper's section 4 meaning):
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -1261,9 +1261,10 @@ class LinformerEncoder(nn.Module):
         attention_mask: Optional[torch.Tensor],
         n: int,
         offset: int,
-    ) -> Documents:
+    ) -> Tuple[Documents, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """The document spans of this batch (of this rank's slice, from the whole rows gathered
-        over the sequence-parallel group)."""
+        over the sequence-parallel group), and the ``(position_ids, mask)`` rows they come from
+        (whole rows under sequence parallelism; the local mixer reads them too)."""
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or (
             position_ids.shape[1] != n
         ):
@@ -1279,14 +1280,15 @@ class LinformerEncoder(nn.Module):
             raise ValueError("position_ids need the whole position table (not sharded)")
         sp = getattr(self, "sequence_parallel", None)
         if sp is None:
-            return document_spans(
+            docs = document_spans(
                 position_ids, attention_mask, max_position=self.config.max_seq_len
             )
+            return docs, (position_ids, attention_mask)
         pos, mask = sp.gather_documents(position_ids, attention_mask)  # whole rows [B, N]
         docs = document_spans(pos, mask, offset, n, max_position=self.config.max_seq_len)
         if "dense" in self.config.projection_schedule() and not docs.whole_rows:
             docs = docs._replace(block_mask=document_block_mask(pos, mask))
-        return docs
+        return docs, (pos, mask)
 
     def _mixing(
         self,
@@ -1294,30 +1296,30 @@ class LinformerEncoder(nn.Module):
         n: int,
         offset: int,
         attention_mask: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor],
+        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
         device: torch.device,
     ) -> LocalMixing:
-        """The local mixers' shared inputs for this batch (this rank's slice of the rows
-        gathered over the sequence-parallel group: documents and padding cross slices)."""
+        """The local mixers' shared inputs for this batch: ``rows`` are the ``(position_ids,
+        mask)`` of :meth:`_documents` (None: one document per row). Under sequence parallelism
+        the validity of the whole rows (documents and padding cross slices), sliced."""
         r = self.config.local_mixer_kernel // 2
         sp = getattr(self, "sequence_parallel", None)
-        if sp is None:
-            return LocalMixing(
-                local_mixer_valid(r, n, batch, attention_mask, position_ids, device)
-            )
-        if n < r:
+        if sp is not None and n < r:
             raise ValueError(
                 f"local_mixer_kernel {self.config.local_mixer_kernel} reaches {r} positions, "
                 f"past the sequence-parallel slice of {n}"
             )
-        mask = attention_mask
-        if position_ids is not None:
-            position_ids, mask = sp.gather_documents(position_ids, attention_mask)
-        elif attention_mask is not None:
-            mask = sp.gather_mask(attention_mask)
-        whole = local_mixer_valid(r, position_ids.shape[1] if position_ids is not None else (
-            n * sp.world_size), batch, mask, position_ids, device)
-        return LocalMixing(whole[:, :, offset : offset + n].contiguous(), sp.halo)
+        if rows is not None:
+            pos, mask = rows
+        elif sp is None or attention_mask is None:
+            pos, mask = None, attention_mask
+        else:
+            pos, mask = None, sp.gather_mask(attention_mask)
+        length = n if sp is None else n * sp.world_size
+        valid = local_mixer_valid(r, length, batch, mask, pos, device)
+        if sp is None:
+            return LocalMixing(valid)
+        return LocalMixing(valid[:, :, offset : offset + n].contiguous(), sp.halo)
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         kind = layer.attention.kind
@@ -1362,9 +1364,9 @@ class LinformerEncoder(nn.Module):
                 f"rank holds [{start}, {start + rows}): sharded positions need N = max_seq_len"
             )
         pos = torch.arange(off - start, off - start + n, device=device)
-        documents = None
+        documents, rows = None, None
         if position_ids is not None:
-            documents = self._documents(position_ids, attention_mask, n, off)
+            documents, rows = self._documents(position_ids, attention_mask, n, off)
             per_span = self.document_per_span
             documents = documents._replace(
                 per_span=device.type == "cpu" if per_span is None else per_span
@@ -1378,7 +1380,7 @@ class LinformerEncoder(nn.Module):
             x = self.embed(input_ids, pos, inputs_embeds)
         mixing = None
         if self.config.local_mixer != "none":
-            mixing = self._mixing(x.shape[0], n, off, attention_mask, position_ids, device)
+            mixing = self._mixing(x.shape[0], n, off, attention_mask, rows, device)
             if self.config.local_mixer == "embed":
                 x = x + self.mixer(x, mixing)
         for i, layer in enumerate(self.layers):
