@@ -1,5 +1,6 @@
 """Rank discovery (linformer_ds.dist_env) under each launcher's variables, and a real mpirun."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -376,14 +377,37 @@ def _one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-def _wait_started(proc: subprocess.Popen, seconds: float) -> None:
-    """Let a rank get past its imports and data checks into the rendezvous."""
+@contextlib.contextmanager
+def _rendezvous_port():
+    """A port where "rank 0's store" listens: yields ``(port, wait)``; ``wait(proc, seconds)``
+    returns once the rank has connected to it, i.e. is past its imports and data checks and
+    inside the rendezvous (fails if the rank exits or the deadline passes first). The accepted
+    connection stays open (never answered) until the block ends, so the rank keeps waiting
+    there instead of seeing a reset."""
     import time
 
-    end = time.monotonic() + seconds
-    while time.monotonic() < end and proc.poll() is None:
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()
+    conns = []
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        srv.settimeout(0.2)
+
+        def wait(proc: subprocess.Popen, seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and proc.poll() is None:
+                try:
+                    conns.append(srv.accept()[0])
+                    break
+                except TimeoutError:
+                    continue
+            assert proc.poll() is None, proc.communicate()
+            assert conns, f"the rank did not reach the rendezvous within {seconds:g} s"
+
+        try:
+            yield srv.getsockname()[1], wait
+        finally:
+            for c in conns:
+                c.close()
 
 
 def test_busy_master_port_is_one_line_exit_2(tiny_corpus, tmp_path):
@@ -448,19 +472,18 @@ def test_sigterm_during_rendezvous_ends_the_rank_within_seconds(tiny_corpus, tmp
     import signal
     import time
 
-    from linformer_ds.dist_env import free_port
-
     cmd = _rank_cmd(tiny_corpus, tmp_path / "run", ["parallel.init_timeout_s=600"])
-    proc = subprocess.Popen(cmd, env=_rank_env(1, 2, free_port()), cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    _wait_started(proc, 25.0)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    after = time.monotonic() - t0
+    with _rendezvous_port() as (port, wait_at_rendezvous):
+        proc = subprocess.Popen(cmd, env=_rank_env(1, 2, port), cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        wait_at_rendezvous(proc, 120.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        after = time.monotonic() - t0
     assert proc.returncode == 75, err
     line = _one_error_line(err)
-    assert "SIGTERM during start-up" in line, line
+    assert "SIGTERM during start-up (process-group init)" in line, line
     assert after < 5.0, after
     print(f"SIGTERM during the rendezvous: exit 75 after {after:.2f} s")
 
@@ -479,35 +502,35 @@ def test_rank_leaves_when_its_launcher_dies(tiny_corpus, tmp_path):
     import signal
     import time
 
-    from linformer_ds.dist_env import free_port
-
     cmd = _rank_cmd(tiny_corpus, tmp_path / "run", ["parallel.init_timeout_s=600"])
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *cmd], cwd=REPO, text=True,
-                                env=_rank_env(1, 2, free_port()), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)  # fmt: skip
-    rank_pid = int(launcher.stdout.readline())
-    _wait_started(launcher, 25.0)
-    t0 = time.monotonic()
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
-    while time.monotonic() - t0 < 30:
+    with _rendezvous_port() as (port, wait_at_rendezvous):
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *cmd], cwd=REPO, text=True,
+                                    env=_rank_env(1, 2, port), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)  # fmt: skip
+        rank_pid = int(launcher.stdout.readline())
+        wait_at_rendezvous(launcher, 120.0)
+        t0 = time.monotonic()
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        while time.monotonic() - t0 < 30:
+            try:
+                os.kill(rank_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        after = time.monotonic() - t0
+        gone = True
         try:
             os.kill(rank_pid, 0)
+            gone = False
+            os.kill(rank_pid, signal.SIGKILL)
         except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    after = time.monotonic() - t0
-    gone = True
-    try:
-        os.kill(rank_pid, 0)
-        gone = False
-        os.kill(rank_pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            pass
     assert gone, "the rank outlived its launcher by 30 s"
     assert after < 5.0, after
     err = launcher.stderr.read()
-    assert "the launcher (pid" in err and "SIGTERM during start-up" in err, err
+    assert "the launcher (pid" in err, err
+    assert "SIGTERM during start-up (process-group init)" in err, err
     print(f"rank left {after:.2f} s after its launcher was killed")
 
 
