@@ -90,6 +90,7 @@ class ProfileConfig(ModelSizes):
     dropout: float = 0.0
     batch: int = 1
     warmup: int = 1
+    timed: int = 5
     iters: int = 2
     mlm_fraction: float = 0.15
     zero: int = 2
@@ -107,8 +108,8 @@ class ProfileConfig(ModelSizes):
             raise BenchError(f"--paths: choose one or more of {PATHS}, got {self.paths}")
         if not self.seq_lens or any(n < self.k for n in self.seq_lens):
             raise BenchError(f"--seq-lens: give lengths >= k={self.k}, got {self.seq_lens}")
-        if self.iters < 1 or self.warmup < 0:
-            raise BenchError("--iters must be >= 1 and --warmup >= 0")
+        if self.iters < 1 or self.warmup < 0 or self.timed < 1:
+            raise BenchError("--iters and --timed must be >= 1 and --warmup >= 0")
         for item in self.ds_extra:
             if "=" not in item:
                 raise BenchError(f"--ds-extra: expected KEY=VALUE, got {item!r}")
@@ -314,11 +315,15 @@ def breakdown(events: Sequence[Any]) -> Tuple[Dict[str, Dict[str, float]], Dict[
 def profile_path(
     pc: ProfileConfig, path: str, n: int, log: Callable[[str], None]
 ) -> Dict[str, Any]:
-    """Build ``path`` at ``n``, run ``warmup`` steps, then profile ``iters`` steps."""
+    """Build ``path`` at ``n``, run ``warmup`` steps, time ``timed`` steps without the profiler
+    (the step time and MFU: the profiler itself stretches a step, by some 20 % at 4,096), then
+    profile ``iters`` steps (the shares)."""
     load_before = os.getloadavg()
     step = build_step(path, pc, n)
     plain = contextlib.nullcontext
-    walls = [run_step(step, lambda _: plain()) for _ in range(pc.warmup)]
+    for _ in range(pc.warmup):
+        run_step(step, lambda _: plain())
+    timed = [run_step(step, lambda _: plain())["total"] for _ in range(pc.timed)]
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         walls = [run_step(step, lambda p: record_function(MARK + p)) for _ in range(pc.iters)]
     table, extra = breakdown(prof.events())
@@ -341,6 +346,8 @@ def profile_path(
         "iters": pc.iters,
         "self_s_per_step": per_step,
         "phase_wall_s_per_step": {p: v / pc.iters for p, v in extra["phase_wall_s"].items()},
+        "step_wall_s": statistics.median(timed),
+        "step_wall_s_timed": timed,
         "step_wall_s_profiled": wall,
         "gemm_flops_per_step": extra["gemm_flops"] / pc.iters,
         "model_flops_per_step": fpt * pc.batch * n,
@@ -350,7 +357,8 @@ def profile_path(
         **info,
     }
     gemm_s = sum(per_step[CATEGORIES[0]].values())
-    log(f"{path} N={n}: profiled step {wall:.3f} s, GEMM self {gemm_s:.3f} s "
+    log(f"{path} N={n}: step {row['step_wall_s']:.3f} s (profiled {wall:.3f} s), GEMM self "
+        f"{gemm_s:.3f} s "
         f"({gemm_s / max(wall, 1e-9) * 100:.0f} %)")  # fmt: skip
     return row
 
@@ -383,8 +391,9 @@ def markdown(results: Dict[str, Any]) -> str:
         f"{c['layers']} layers, d={c['hidden']}, {c['heads']} heads, k={c['k']}, FFN "
         f"{c['intermediate']}, V={c['vocab']}, sharing {c['sharing']}, bf16, batch {c['batch']}; "
         f"{env['cpu']} ({env['cpu_count']} CPUs, {env['torch_threads']} threads), torch "
-        f"{env['torch']}, deepspeed {env.get('deepspeed')}; {c['iters']} profiled steps after "
-        f"{c['warmup']} warm-up, self CPU time per step; bf16 GEMM peak "
+        f"{env['torch']}, deepspeed {env.get('deepspeed')}; {c['warmup']} warm-up, "
+        f"{c.get('timed', 0)} timed steps without the profiler (step time, MFU), then "
+        f"{c['iters']} profiled steps (self CPU time per step); bf16 GEMM peak "
         f"{results['gemm_peak_tflops']:.2f} TFLOP/s; load average {_load(env['load_avg_start'])} "
         f"at start, {_load(env['load_avg_end'])} at end; beside: {env.get('beside') or '-'}",
         "",
@@ -401,8 +410,14 @@ def markdown(results: Dict[str, Any]) -> str:
         if "inner_optimizer" in r:
             opt = (f"; DeepSpeed ZeRO-{r['zero_stage']} {r['engine_optimizer']} over torch "
                    f"{r['inner_optimizer']} {r['inner_defaults']}")  # fmt: skip
+        mfu = ""
+        if "step_wall_s" in r:
+            rate_step = r["model_flops_per_step"] / r["step_wall_s"] / 1e12
+            mfu = (f"step {r['step_wall_s']:.3f} s (median of {len(r['step_wall_s_timed'])} "
+                   f"unprofiled), model FLOPs / step time {rate_step:.3f} TFLOP/s = **MFU "
+                   f"{rate_step / results['gemm_peak_tflops'] * 100:.1f} %** of the probed peak; ")  # fmt: skip
         lines += [
-            f"**{r['path']}, N = {r['n']}**: profiled step {r['step_wall_s_profiled']:.3f} s "
+            f"**{r['path']}, N = {r['n']}**: {mfu}profiled step {r['step_wall_s_profiled']:.3f} s "
             f"(median); GEMMs {rate:.3f} TFLOP/s while they run ({share}); load "
             f"{_load(r['load_avg_before'])} -> {_load(r['load_avg_after'])}{opt}",
             "",
@@ -431,6 +446,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ProfileConfig:
     p.add_argument("--sharing", default=d.sharing)
     add_size_options(p, d, "batch", "zero")
     p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--timed", type=int, default=d.timed, help="unprofiled timed steps")
     p.add_argument("--iters", type=int, default=d.iters, help="profiled steps")
     p.add_argument("--mlm-fraction", type=float, default=d.mlm_fraction)
     p.add_argument(

@@ -53,13 +53,18 @@ def test_tiny_equal_work_profile(tmp_path):
     for p in PHASES:  # every phase's wall time is fully accounted for (up to rounding)
         accounted = sum(table[c].get(p, 0.0) for c in CATEGORIES)
         assert accounted == pytest.approx(row["phase_wall_s_per_step"][p], rel=1e-6, abs=1e-6)
+    assert len(row["step_wall_s_timed"]) == pc.timed and row["step_wall_s"] > 0
     md = markdown(results)
     assert "**equal-work, N = 64**" in md and "beside: nothing" in md
+    mfu = row["model_flops_per_step"] / row["step_wall_s"] / 1e12 / results["gemm_peak_tflops"]
+    assert f"MFU {mfu * 100:.1f} %" in md
     assert json.dumps(results)  # serialisable
 
 
 def test_bad_options_exit_2(capsys):
     assert main(["--paths", "dense"]) == 2
     assert main(["--ds-extra", "fused"]) == 2
+    assert main(["--timed", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--paths" in err and "--ds-extra" in err and "Traceback" not in err
+    assert "--paths" in err and "--ds-extra" in err and "--timed" in err
+    assert "Traceback" not in err
