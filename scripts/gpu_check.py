@@ -11,6 +11,9 @@ Steps, in order (GPU budgets in seconds; the sweep gets what is left, minus a re
     main        deepspeed launch/pretrain.py --config configs/base_4096.yaml, 300 steps (host
                 synchronisations of two steps counted, with their step times)
     bench       bash bench/gpu_bench.sh, trimmed
+    peer        bench/peer_bench.py: ours against lucidrains' linformer in every sharing mode
+                and our dense model against Hugging Face BERT (SDPA), at equal work, N = 4096
+                and 16384 (issue 31's CPU comparison, on the GPU)
     sweep       configs/sweeps/gpu_quality.yaml, several points at a time on the one GPU
     optimizers  (alongside the sweep) the main job with DeepSpeed's FusedAdam (nvcc JIT, built in
                 the background from the start) and with torch's unfused AdamW (fused=false)
@@ -51,7 +54,7 @@ from linformer_ds.dist_env import free_port  # noqa: E402
 from linformer_ds.fsio import atomic_write_text, read_jsonl  # noqa: E402
 from studies import sweep  # noqa: E402
 
-STEPS = ("data", "env", "tests", "main", "bench", "sweep", "optimizers")
+STEPS = ("data", "env", "tests", "main", "bench", "peer", "sweep", "optimizers")
 SWEEP_FILE = REPO / "configs" / "sweeps" / "gpu_quality.yaml"
 MAIN_CONFIG = REPO / "configs" / "base_4096.yaml"
 # Seconds per step. GPU: 9 minutes in all with the wheel install (bash wrapper, ~15 s).
@@ -59,7 +62,7 @@ MAIN_CONFIG = REPO / "configs" / "base_4096.yaml"
 # its budget); the wrapper's hard limit (575 s) leaves room for report and tarball overruns.
 # The dry run has none: its work is fixed and every step runs to its end (no clock in CI).
 BUDGETS = {
-    "gpu": {"data": 5, "env": 20, "tests": 60, "main": 100, "bench": 90, "sweep": 225},
+    "gpu": {"data": 5, "env": 20, "tests": 60, "main": 100, "bench": 90, "peer": 45, "sweep": 180},
 }
 TOTAL_BUDGET_S = {"gpu": 525}
 RESERVE_S = 25  # kept back from the sweep for its report, the tarball and report.md
@@ -433,6 +436,59 @@ class Kit:
             rec.update(status="timeout", reason=f"stopped at the {budget:.0f}s budget")
         elif res["returncode"] != 0 or "rows" not in rec:
             rec.update(status="failed", reason=tail(self.work / "bench.log", 8))
+        return rec
+
+    # the peer comparison's two runs: (out folder, models, sharing modes)
+    PEER_RUNS = (
+        ("peer", ["ours", "lucidrains", "ours-trainer"], ["none", "headwise", "kv", "layerwise"]),
+        ("peer_dense", ["ours-dense", "hf-bert"], ["headwise"]),
+    )
+
+    def do_peer(self, budget: Optional[float]) -> Dict[str, Any]:
+        """bench.peer_bench at equal work: every sharing mode against lucidrains, then the dense
+        pair (ours vs HF BERT SDPA). GPU: N = 4096 and 16384, the issue's sizes, the models of
+        a group in this one process (``--isolation shared``: the GPU's memory holds them all,
+        and a spawned process per model would spend the budget on CUDA start-ups); dry run:
+        tiny CPU sizes."""
+        rec: Dict[str, Any] = {"runs": {}}
+        end = None if budget is None else time.perf_counter() + budget
+        for name, models, sharings in self.PEER_RUNS:
+            d = self.work / name
+            cmd = [self.py, "-m", "bench.peer_bench", "--out", str(d), "--models", *models,
+                   "--sharings", *sharings, "--isolation", "shared"]  # fmt: skip
+            if self.dry:
+                cmd += ["--device", "cpu", "--seq-lens", "64", "--layers", "1", "--hidden", "32"]
+                cmd += ["--heads", "2", "--k", "16", "--intermediate", "128", "--vocab", "500"]
+                cmd += ["--warmup", "0", "--iters", "1", "--gemm-n", "128"]
+                cmd += ["--gemm-budget-s", "0.2"]
+            else:
+                cmd += ["--device", "cuda", "--seq-lens", "4096", "16384", "--warmup", "2"]
+                cmd += ["--iters", "5", "--gemm-n", "8192", "--gemm-budget-s", "3"]
+            left = None if end is None else end - time.perf_counter()
+            if left is not None and left < 5:
+                rec["runs"][name] = {"status": "skipped", "reason": "no budget left"}
+                continue
+            res = run(cmd, self.work / f"{name}.log", self.env(), left)
+            run_rec: Dict[str, Any] = {**res, "command": shlex.join(cmd[1:])}
+            path = d / "results.json"
+            if path.is_file():
+                b = json.loads(path.read_text())
+                keys = ("n", "sharing", "model", "step_s_median", "tokens_per_s", "mfu",
+                        "speedup_vs_lucidrains", "speedup_vs_hf_bert", "equal_work")  # fmt: skip
+                run_rec["rows"] = [{k: r.get(k) for k in keys} for r in b["rows"]]
+                md = d / "results.md"
+                run_rec["table_md"] = md.read_text() if md.is_file() else ""
+            if res["timed_out"]:
+                run_rec.update(status="timeout", reason="stopped at the step's budget")
+            elif res["returncode"] != 0 or "rows" not in run_rec:
+                run_rec.update(status="failed", reason=tail(self.work / f"{name}.log", 8))
+            else:
+                run_rec["status"] = "ok"
+            rec["runs"][name] = run_rec
+        bad = {k: v["status"] for k, v in rec["runs"].items() if v["status"] != "ok"}
+        if bad:
+            rec.update(status="failed" if "failed" in bad.values() else "timeout",
+                       reason=", ".join(f"{k}: {v}" for k, v in bad.items()))  # fmt: skip
         return rec
 
     def do_sweep(self, budget: Optional[float]) -> Dict[str, Any]:
@@ -888,7 +944,8 @@ import importlib, json, os, platform, subprocess, sys
 info = {"python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "imports": {}}
 for name in ("torch", "deepspeed", "omegaconf", "datasets", "pydantic", "pydantic_core", "hjson",
-             "numpy", "triton", "sentencepiece", "yaml", "matplotlib"):
+             "numpy", "triton", "sentencepiece", "yaml", "matplotlib", "linformer",
+             "transformers"):
     try:
         mod = importlib.import_module(name)
         info["imports"][name] = "ok " + str(getattr(mod, "__version__", "?"))
@@ -989,6 +1046,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     kit.step("tests", kit.do_tests)
     kit.step("main", kit.do_main)
     kit.step("bench", kit.do_bench)
+    kit.step("peer", kit.do_peer)
     kit.step("sweep", kit.do_sweep)
     return kit.finish_up()
 

@@ -202,6 +202,18 @@ def bench(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
+def peer(s: Dict[str, Any]) -> List[str]:
+    lines = ["### Equal work against lucidrains and HF BERT (`bench/peer_bench.py`)", ""]
+    for name, run in s.get("runs", {}).items():
+        lines += [f"`{name}`: `{run.get('command', '')}`", ""]
+        if run.get("table_md"):
+            lines.append(run["table_md"].rstrip())
+        else:
+            lines.append(f"No results ({run.get('status')}: {run.get('reason', '')[:200]}).")
+        lines.append("")
+    return lines
+
+
 def sweep(s: Dict[str, Any]) -> List[str]:
     lines = [f"### Quality sweep (`{s.get('sweep_file', '')}`)", ""]
     counts = s.get("status_counts", {})
@@ -254,6 +266,8 @@ def render(results: Dict[str, Any]) -> str:
         out += main_job(steps["main"])
     if "bench" in steps:
         out += bench(steps["bench"])
+    if "peer" in steps:
+        out += peer(steps["peer"])
     if "sweep" in steps:
         out += sweep(steps["sweep"])
     if "optimizers" in steps:

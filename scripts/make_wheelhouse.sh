@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for the GPU machine (docs/gpu.md): the packages this project imports that the device's
-# CUDA image lacks (deepspeed, omegaconf, datasets, pydantic, hjson and their missing
-# dependencies), for its Python (3.12, x86-64 manylinux), at the versions this checkout's venv
+# CUDA image lacks (deepspeed, omegaconf, datasets, pydantic, hjson, lucidrains' linformer
+# for the peer comparison, and their missing dependencies), for its Python (3.12, x86-64 manylinux), at the versions this checkout's venv
 # runs, into gpu_carry/wheels/ (ignored; it travels with the working tree). DeepSpeed ships only
 # an sdist: it is built here into a pure-Python wheel (DS_BUILD_OPS=0: its CUDA ops are JIT-built
 # on first use there, with the image's nvcc). Checks that every wheel's requirements are carried
@@ -15,7 +15,7 @@ target_py=3.12   # the device image's python3 (KINDS.md: Python 3.12.3)
 
 # Missing on the image (KINDS.md's package list), with what they need that it also lacks.
 pure=(omegaconf hjson pydantic annotated-types typing-inspection typing-extensions
-      datasets dill multiprocess)
+      datasets dill multiprocess linformer)
 binary=(pydantic-core)
 sdist=deepspeed
 ver() { "$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }

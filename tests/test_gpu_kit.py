@@ -168,6 +168,27 @@ def test_dry_run_bench(dry) -> None:
     assert "| variant | N |" in b["table_md"]
 
 
+def test_dry_run_peer(dry) -> None:
+    """The peer comparison: every sharing mode of ours against lucidrains (equal work, ratios
+    recorded), then our dense model against HF BERT; each a bench.peer_bench run."""
+    _, work, r, _ = dry
+    p = r["steps"]["peer"]
+    assert p["status"] == "ok", p
+    lin, dense = p["runs"]["peer"], p["runs"]["peer_dense"]
+    assert lin["command"].startswith("-m bench.peer_bench ")
+    got = {(x["sharing"], x["model"]) for x in lin["rows"] if x["step_s_median"] > 0}
+    sharings = ("none", "headwise", "kv", "layerwise")
+    assert got == {(s, m) for s in sharings for m in ("ours", "lucidrains", "ours-trainer")}
+    for x in lin["rows"]:
+        assert (x["speedup_vs_lucidrains"] is None) == (x["model"] == "lucidrains")
+        assert x["equal_work"] == (x["sharing"] != "none")
+    (d,) = [x for x in dense["rows"] if x["model"] == "ours-dense"]
+    assert d["speedup_vs_hf_bert"] > 0
+    assert {x["model"] for x in dense["rows"]} == {"ours-dense", "hf-bert"}
+    saved = json.loads((work / "peer" / "results.json").read_text())
+    assert [x["step_s_median"] for x in saved["rows"]] == [x["step_s_median"] for x in lin["rows"]]
+
+
 def _unigram_ppl(data: Path, eval_tokens: int) -> float:
     """Independent recomputation: add-0.5 train-split unigram on the first eval tokens."""
     m = json.loads((data / "manifest.json").read_text())
@@ -215,6 +236,7 @@ def test_report_renders_every_section(dry) -> None:
         "### GPU tests",
         "### Main job",
         "### Model-speed benchmark",
+        "### Equal work against lucidrains and HF BERT",
         "### Quality sweep",
         "### Optimizers",
     ):
@@ -240,6 +262,8 @@ def test_artifacts_hold_the_logs(dry) -> None:
         "gpu_check/main.log",
         "gpu_check/tests/junit.xml",
         "gpu_check/bench/results.json",
+        "gpu_check/peer/results.json",
+        "gpu_check/peer_dense/results.md",
         "gpu_check/sweep/report/report.md",
     ):
         assert name in names
