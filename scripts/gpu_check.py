@@ -471,6 +471,8 @@ class Kit:
             res = run(cmd, self.work / f"{name}.log", self.env(), left)
             run_rec: Dict[str, Any] = {**res, "command": shlex.join(cmd[1:])}
             path = d / "results.json"
+            if not path.is_file():  # cut short: the groups that finished (written after each)
+                path = d / "partial.json"
             if path.is_file():
                 b = json.loads(path.read_text())
                 keys = ("n", "sharing", "model", "step_s_median", "tokens_per_s", "mfu",
