@@ -223,6 +223,11 @@ class TrainerStep:
             for part in parents:
                 node = node.setdefault(part, {})
             node[leaf] = _parse_value(value)
+        params = ds.get("optimizer", {}).get("params", {})
+        if params.get("torch_adam") is False and not any(
+            item.startswith("optimizer.params.fused=") for item in pc.ds_extra
+        ):  # DeepSpeed's own Adam takes no `fused` (as linformer_ds/ds_config.py drops it)
+            params.pop("fused", None)
         self.ds_config = ds
         params = param_groups(model, job.optimizer.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
