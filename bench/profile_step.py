@@ -50,6 +50,7 @@ from bench.common import (
 )
 from bench.model_bench import ADAMW, MasterWeightAdamW
 from bench.peer_bench import full_logits_loss
+from linformer_ds.ds_config import merge_extra
 from linformer_ds.model import (
     LinformerForMaskedLM,
     LinformerForMaskedLMPretraining,
@@ -215,19 +216,16 @@ class TrainerStep:
         job = job_config(self.config, pc.zero, "bf16")
         model = LinformerForMaskedLMPretraining(job.model)
         model.encoder.check_token_ids = False  # the trainer checks ids on the host
-        ds = deepspeed_json(job, world_size=1)
+        extra: Dict[str, Any] = {}
         for item in pc.ds_extra:  # e.g. optimizer.params.fused=true
             key, _, value = item.partition("=")
-            node = ds
+            node = extra
             *parents, leaf = key.split(".")
             for part in parents:
                 node = node.setdefault(part, {})
             node[leaf] = _parse_value(value)
-        params = ds.get("optimizer", {}).get("params", {})
-        if params.get("torch_adam") is False and not any(
-            item.startswith("optimizer.params.fused=") for item in pc.ds_extra
-        ):  # DeepSpeed's own Adam takes no `fused` (as linformer_ds/ds_config.py drops it)
-            params.pop("fused", None)
+        # merged as the trainer merges deepspeed.extra (torch_adam=false drops `fused`)
+        ds = merge_extra(deepspeed_json(job, world_size=1), extra)
         self.ds_config = ds
         params = param_groups(model, job.optimizer.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)

@@ -110,11 +110,17 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
         }
     if not with_extra:
         return out
-    extra = ds.extra_dict()
+    return merge_extra(out, ds.extra_dict())
+
+
+def merge_extra(out: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    """``extra`` merged into the DeepSpeed JSON ``out`` (in place; returned): nested keys
+    update, others replace. With ``torch_adam`` off the trainer's ``fused`` is dropped unless
+    ``extra`` sets it: DeepSpeed's FusedAdam / DeepSpeedCPUAdam take no ``fused``."""
     out = _deep_update(out, extra)
-    params = out["optimizer"]["params"]
+    params = out.get("optimizer", {}).get("params", {})
     if not params.get("torch_adam") and "fused" not in extra.get("optimizer", {}).get("params", {}):
-        params.pop("fused", None)  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam take no `fused`
+        params.pop("fused", None)
     return out
 
 
