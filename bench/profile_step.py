@@ -320,8 +320,7 @@ def profile_path(
 ) -> Dict[str, Any]:
     """Build ``path`` at ``n``, run ``warmup`` steps, time ``timed`` steps without the profiler
     (the step time and MFU: the profiler stretches the trainer step, by 7-9 % at 4,096 and some
-    20 % at 16,384 on a 2-core EPYC), then
-    profile ``iters`` steps (the shares)."""
+    20 % at 16,384 on a 2-core EPYC), then profile ``iters`` steps (the shares)."""
     load_before = os.getloadavg()
     step = build_step(path, pc, n)
     plain = contextlib.nullcontext
