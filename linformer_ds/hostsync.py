@@ -95,7 +95,8 @@ def sync_reason(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
 
 _SEP = os.sep
 _OURS = f"{_SEP}linformer_ds{_SEP}"
-_MODEL_FILES = ("model.py", "sequence_parallel.py")
+_MODEL_DIR = f"{_OURS}model{_SEP}"  # the model package
+_MODEL_FILES = ("sequence_parallel.py",)
 _DATA_DIR = f"{_OURS}data{_SEP}"  # the data pipeline: the package linformer_ds/data/
 
 
@@ -116,7 +117,7 @@ def owner(frame: Any) -> str:
     for i, code in enumerate(frames):
         path = code.co_filename
         if _OURS in path:
-            return "model" if path.endswith(_MODEL_FILES) else "trainer"
+            return "model" if _MODEL_DIR in path or path.endswith(_MODEL_FILES) else "trainer"
         if f"{_SEP}deepspeed{_SEP}" in path:
             return _deepspeed_phase(frames[i:])
         if code.co_name == "_engine_run_backward":  # torch.autograd: the graph's own nodes

@@ -40,8 +40,12 @@ CLS_SEP = {"cls_token": "<s>", "sep_token": "</s>"}
 
 _PKG = Path(__file__).resolve().parent
 # exported file name -> (source file, import rewrites that make it a flat remote-code module)
+# The model package ships file for file (its files import each other relatively, so they work
+# unchanged as a flat remote-code directory); its __init__ is linformer_model.py.
+MODEL_FILES = tuple(sorted(p.name for p in (_PKG / "model").glob("*.py") if p.name != "__init__.py"))
 REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
-    "linformer_model.py": (_PKG / "model.py", ()),
+    "linformer_model.py": (_PKG / "model" / "__init__.py", ()),
+    **{name: (_PKG / "model" / name, ()) for name in MODEL_FILES},
     "configuration_linformer.py": (
         _PKG / "hf" / "configuration_linformer.py",
         (("from ..model import", "from .linformer_model import"),),
@@ -222,7 +226,7 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
 
 
 def remote_code() -> Dict[str, str]:
-    """``{file name: text}`` of the remote code: ``model.py`` and the HF wrappers, with their
+    """``{file name: text}`` of the remote code: the model package and the HF wrappers, with their
     package imports made flat."""
     out = {}
     for name, (src, rewrites) in REMOTE_CODE.items():

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from linformer_ds.dist_env import free_port
+from linformer_ds.model_dir import MODEL_FILES
 from tests.pretrain_utils import init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,6 +418,7 @@ def test_export_directory_layout(exported):
             "tokenizer.json",
             "tokenizer.model",
             "tokenizer_config.json",
+            *MODEL_FILES,
         ]
     )
     config = json.loads((out / "config.json").read_text())
@@ -435,8 +437,13 @@ def test_export_directory_layout(exported):
     assert (config["hidden_size"], config["k"], config["sharing"]) == (32, 8, "layerwise")
     ids = {k: config[k + "_token_id"] for k in ("pad", "bos", "eos", "cls", "sep", "mask")}
     assert ids == {"pad": 0, "bos": 2, "eos": 3, "cls": 2, "sep": 3, "mask": 4}
-    # model.py ships verbatim; the wrappers import it flat
-    assert (out / "linformer_model.py").read_text() == (REPO / "linformer_ds/model.py").read_text()
+    # the model package ships file for file (its __init__ as linformer_model.py); the wrappers
+    # import it flat
+    model_dir = REPO / "linformer_ds" / "model"
+    assert (out / "linformer_model.py").read_text() == (model_dir / "__init__.py").read_text()
+    assert set(MODEL_FILES) == {p.name for p in model_dir.glob("*.py")} - {"__init__.py"}
+    for name in MODEL_FILES:
+        assert (out / name).read_text() == (model_dir / name).read_text(), name
     for f in ("configuration_linformer.py", "modeling_linformer.py"):
         text = (out / f).read_text()
         assert "linformer_ds" not in text and "from ..model" not in text

@@ -44,15 +44,20 @@ def test_module_sizes(mods):
     assert big == {}, f"modules over {MAX_LINES} lines: {big}"
 
 
-def test_model_is_torch_only():
-    """model.py is copied verbatim into every export: torch and the standard library only."""
-    tree = ast.parse((ROOT / "linformer_ds" / "model.py").read_text())
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "linformer_ds" / "model").glob("*.py")), ids=lambda p: p.name
+)
+def test_model_files_are_torch_only(path):
+    """Every file of linformer_ds/model/ ships unchanged in every export (flat, as remote code):
+    torch, the standard library and its siblings (one-dot relative imports) only."""
+    siblings = {p.stem for p in path.parent.glob("*.py")}
     names = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            assert node.level == 1 and node.module in siblings, (path.name, node.module)
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "model.py uses a relative import"
             names.add((node.module or "").split(".")[0])
     assert names - set(sys.stdlib_module_names) <= {"torch"}, names
 

@@ -1,0 +1,136 @@
+"""Linformer encoder (Wang et al. 2020, arXiv 2006.04768) in plain PyTorch.
+
+Every file of this package imports nothing but torch, the standard library and its siblings
+(relatively): the Hugging Face export ships the files unchanged as the model's remote code (this
+``__init__`` as ``linformer_model.py``), so an exported model loads without linformer_ds.
+
+Files: ``config`` (options and validation), ``documents`` (document isolation in packed rows),
+``projections`` (sequence projections and their registry), ``attention``, ``layers`` (FFN, local
+mixer, encoder layer), ``encoder``, ``heads`` (task models, losses, initialisation, FLOPs).
+
+Attention variants (per layer, see ``ModelConfig.projection_schedule``):
+
+* ``linear``: keys and values are projected along the sequence axis by learned ``E, F`` of shape
+  ``[k, N_max]``: ``softmax(Q (E K)^T / sqrt(d_h)) (F V)``. Cost O(n k), no n x n tensor.
+* ``conv`` (Conv-Linformer): keys and values are compressed by a strided 1-D convolution over the
+  sequence with kernel = stride = ``N_max / k``.
+* ``dense``: full softmax attention (the baseline), through ``scaled_dot_product_attention``.
+
+Sharing modes (the paper's section 4 meaning):
+
+* ``none``: separate ``E_h, F_h`` for every head of every layer.
+* ``headwise``: one ``E`` and one ``F`` per layer, shared by all heads.
+* ``kv``: one matrix per layer, used for keys and values (``E = F``), shared by all heads.
+* ``layerwise``: one matrix for all layers, heads, keys and values (owned by the encoder).
+"""
+
+from .attention import LinformerSelfAttention
+from .config import (
+    _FLOAT_RANGES,
+    _INT_RANGES,
+    LOCAL_MIXERS,
+    MODEL_FORMAT_VERSION,
+    NORM_STYLES,
+    OUTPUT_BIAS_INITS,
+    POSITION_INITS,
+    PROJECTION_INITS,
+    PROJECTIONS,
+    SCHEDULES,
+    SHARING_MODES,
+    ModelConfig,
+)
+from .documents import (
+    DocumentChunks,
+    Documents,
+    DocumentSpan,
+    document_block_mask,
+    document_chunks,
+    document_spans,
+    document_starts,
+)
+from .encoder import LinformerEncoder, check_inputs
+from .heads import (
+    ClassificationHead,
+    LabelledMLMOutput,
+    LinformerForMaskedLM,
+    LinformerForMaskedLMPretraining,
+    LinformerForSequenceClassification,
+    LinformerPreTrainedModel,
+    MaskedLMOutput,
+    MLMHead,
+    SequenceClassifierOutput,
+    flops_per_token,
+    init_weights,
+    labelled_positions,
+    mlm_loss,
+    sequence_classification_loss,
+    sinusoidal_positions,
+)
+from .layers import EncoderLayer, FeedForward, LocalMixer, LocalMixing, local_mixer_valid
+from .projections import (
+    ConvProjection,
+    LinearProjection,
+    ModelConfigError,
+    ProjectionKind,
+    get_projection,
+    projection_names,
+    projection_stride,
+    register_projection,
+    tracing,
+    unregister_projection,
+)
+
+__all__ = [
+    "ClassificationHead",
+    "ConvProjection",
+    "DocumentChunks",
+    "DocumentSpan",
+    "Documents",
+    "EncoderLayer",
+    "FeedForward",
+    "LOCAL_MIXERS",
+    "LabelledMLMOutput",
+    "LinearProjection",
+    "LinformerEncoder",
+    "LinformerForMaskedLM",
+    "LinformerForMaskedLMPretraining",
+    "LinformerForSequenceClassification",
+    "LinformerPreTrainedModel",
+    "LinformerSelfAttention",
+    "LocalMixer",
+    "LocalMixing",
+    "MLMHead",
+    "MODEL_FORMAT_VERSION",
+    "MaskedLMOutput",
+    "ModelConfig",
+    "ModelConfigError",
+    "NORM_STYLES",
+    "OUTPUT_BIAS_INITS",
+    "POSITION_INITS",
+    "PROJECTIONS",
+    "PROJECTION_INITS",
+    "ProjectionKind",
+    "SCHEDULES",
+    "SHARING_MODES",
+    "SequenceClassifierOutput",
+    "_FLOAT_RANGES",
+    "_INT_RANGES",
+    "check_inputs",
+    "document_block_mask",
+    "document_chunks",
+    "document_spans",
+    "document_starts",
+    "flops_per_token",
+    "get_projection",
+    "init_weights",
+    "labelled_positions",
+    "local_mixer_valid",
+    "mlm_loss",
+    "projection_names",
+    "projection_stride",
+    "register_projection",
+    "sequence_classification_loss",
+    "sinusoidal_positions",
+    "tracing",
+    "unregister_projection",
+]

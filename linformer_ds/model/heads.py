@@ -1,0 +1,286 @@
+"""Task heads and models (MLM, pretraining MLM, sequence classification), their losses, the
+weight initialisation and the FLOPs count."""
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .encoder import LinformerEncoder
+from .projections import get_projection
+
+
+# NamedTuples, not dataclasses: ZeRO-3's module hooks see the tensors inside tuples (and warn
+# about, and skip, unknown output types)
+class MaskedLMOutput(NamedTuple):
+    loss: Optional[torch.Tensor]  # mean cross-entropy over positions with label != -100
+    logits: torch.Tensor  # [B, n, V], every position
+
+
+class LabelledMLMOutput(NamedTuple):
+    """Training-time MLM output: only the labelled positions went through the head."""
+
+    loss: torch.Tensor  # sum of cross-entropies / loss_denominator (default: M)
+    labelled_logits: torch.Tensor  # [M, V] for the M positions with label != -100, row-major
+    labelled_targets: torch.Tensor  # [M] their labels
+
+
+class SequenceClassifierOutput(NamedTuple):
+    loss: Optional[torch.Tensor]
+    logits: torch.Tensor  # [B, num_labels]
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """The initialisation of every task model (project and Hugging Face classes alike)."""
+    with torch.no_grad():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) and getattr(module, "sinusoidal_init", False):
+            module.weight.copy_(sinusoidal_positions(*module.weight.shape) * (std * math.sqrt(2.0)))
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif getattr(module, "mixer_init", False):
+            nn.init.normal_(module.weight, std=std)
+        elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
+            module.reset_parameters()
+
+
+def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
+    """``[n, d]`` fp32 sin/cos table of Vaswani et al. (2017): column ``2i`` is
+    ``sin(p / 10000^(2i/d))``, column ``2i+1`` its cosine; RMS over a row 1/sqrt(2)."""
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [ceil(d/2)]
+    table = torch.zeros(n, d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq[: d // 2])
+    return table.float()
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [..., V]`` against ``labels [...]`` (``-100`` ignored)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
+
+
+def sequence_classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: Optional[str] = None
+) -> torch.Tensor:
+    """Loss of ``logits [B, C]``: regression (C = 1 or ``problem_type='regression'``),
+    multi-label (``'multi_label_classification'``, BCE) or single-label cross-entropy."""
+    if logits.shape[-1] == 1 or problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    return F.cross_entropy(logits.float(), labels.long())
+
+
+class LinformerPreTrainedModel(nn.Module):
+    """Shared init and utilities of the task models."""
+
+    config: ModelConfig
+
+    def _init_weights(self, module: nn.Module) -> None:
+        init_weights(module, self.config.initializer_range)
+
+    def num_parameters(self, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
+        """Unique parameters (a tied or shared tensor counts once)."""
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and "embeddings" in name:
+                continue
+            total += _numel(p)
+        return total
+
+    def flops_per_token(self, seq_len: Optional[int] = None, mlm_fraction: float = 1.0) -> float:
+        return flops_per_token(self.config, seq_len, mlm_fraction)
+
+
+def _numel(p: torch.Tensor) -> int:
+    """Full size, also for a ZeRO-3 partitioned parameter (whose local numel is 0) and for one
+    sharded over sequence-parallel ranks (``sequence_shard = (dim, full size)``)."""
+    n = int(getattr(p, "ds_numel", p.numel()))
+    shard = getattr(p, "sequence_shard", None)
+    if shard is not None:
+        dim, size = shard
+        n = n // int(getattr(p, "ds_shape", p.shape)[dim]) * int(size)
+    return n
+
+
+class MLMHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(F.gelu(self.dense(x))))
+
+
+class ClassificationHead(nn.Module):
+    """First-token head laid out as RoBERTa's ``classifier``: ``dense`` (D -> D) + tanh, dropout,
+    ``out_proj`` (D -> C). ``forward(hidden [B, n, D]) -> [B, C]`` pools position 0.
+
+    One module holds the whole head (the pooler included), so PEFT's default ``modules_to_save``
+    for sequence classification (``classifier``) trains and saves all of it.
+    """
+
+    def __init__(self, hidden_size: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.drop = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.drop(torch.tanh(self.dense(hidden[:, 0]))))
+
+
+class LinformerForMaskedLM(LinformerPreTrainedModel):
+    """Encoder + MLM head (decoder weight tied to the token embeddings).
+
+    ``forward(input_ids, attention_mask=None, labels=None, position_ids=None)``: logits for every
+    position
+    ``[B, n, V]``; with labels (``-100`` = ignore) also their mean cross-entropy. Training uses
+    :class:`LinformerForMaskedLMPretraining`, which runs the head on labelled positions only.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = LinformerEncoder(config)
+        self.lm_head = MLMHead(config)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.decoder.weight = self.encoder.token_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> MaskedLMOutput:
+        _check_labels(labels, input_ids)
+        logits = self.lm_head(self.encoder(input_ids, attention_mask, position_ids=position_ids))
+        return MaskedLMOutput(
+            loss=None if labels is None else mlm_loss(logits, labels), logits=logits
+        )
+
+
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat row-major indices ``[M]`` (int64, ascending) of the positions of ``labels [B, n]``
+    whose label is not ``-100``. Its size depends on the data: on an accelerator computing it
+    waits for the device, so the trainer's data pipeline computes it on the host."""
+    return torch.nonzero(labels.reshape(-1) != -100).reshape(-1)
+
+
+class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
+    """The MLM model as pretraining runs it (same parameters and state dict as
+    :class:`LinformerForMaskedLM`): the head and the softmax run only on labelled positions
+    (15 % of them), which saves most of the ``V``-wide work.
+
+    ``forward(input_ids, attention_mask, labels, loss_denominator=None, labelled_index=None)
+    -> LabelledMLMOutput``; the loss is the sum of the labelled positions' cross-entropies over
+    ``loss_denominator`` (default: their number; sequence parallelism passes the replica's
+    global count). ``labelled_index``: :func:`labelled_positions` of ``labels``, computed by
+    the caller on the host (the trainer's data pipeline does), so the forward never reads
+    from the device; without it the model computes it (one device->host wait on a GPU).
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_denominator: Optional[torch.Tensor] = None,
+        labelled_index: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> LabelledMLMOutput:
+        if labels is None:
+            raise ValueError("LinformerForMaskedLMPretraining needs labels ([B, n], -100 = ignore)")
+        _check_labels(labels, input_ids)
+        hidden = self.encoder(input_ids, attention_mask, position_ids=position_ids)
+        if labelled_index is None:
+            labelled_index = labelled_positions(labels)
+        elif labelled_index.dim() != 1 or labelled_index.dtype != torch.long:
+            raise ValueError(
+                "labelled_index must be a 1-D int64 tensor (labelled_positions(labels)), got "
+                f"shape {tuple(labelled_index.shape)} dtype {labelled_index.dtype}"
+            )
+        # gathers with a known size: the same rows (and, backward, the same sums) as labels[sel]
+        targets = labels.reshape(-1).index_select(0, labelled_index)
+        logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled_index))
+        total = F.cross_entropy(logits.float(), targets, reduction="sum")
+        denom = loss_denominator if loss_denominator is not None else max(targets.numel(), 1)
+        return LabelledMLMOutput(
+            loss=total / denom, labelled_logits=logits, labelled_targets=targets
+        )
+
+
+def _check_labels(labels: Optional[torch.Tensor], input_ids: torch.Tensor) -> None:
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+
+
+class LinformerForSequenceClassification(LinformerPreTrainedModel):
+    """Encoder + :class:`ClassificationHead` (first token): ``[B, num_labels]``."""
+
+    def __init__(self, config: ModelConfig, problem_type: Optional[str] = None):
+        super().__init__()
+        self.config = config
+        self.problem_type = problem_type
+        self.encoder = LinformerEncoder(config)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.dropout
+        self.classifier = ClassificationHead(config.hidden_size, config.num_labels, p)
+        self.apply(self._init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> SequenceClassifierOutput:
+        hidden = self.encoder(input_ids, attention_mask, position_ids=position_ids)
+        logits = self.classifier(hidden)
+        loss = None
+        if labels is not None:
+            loss = sequence_classification_loss(logits, labels, self.problem_type)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def flops_per_token(
+    config: ModelConfig, seq_len: Optional[int] = None, mlm_fraction: float = 1.0
+) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token of an MLM step.
+
+    Counts matrix multiplies only (2 FLOPs per multiply-add): QKV/output/FFN projections,
+    sequence projections (E/F or conv), attention scores and weighted sum, and the MLM head on
+    ``mlm_fraction`` of the tokens. The benchmark and the trainer's MFU both use this formula.
+    """
+    n = seq_len or config.max_seq_len
+    dm, ff = config.hidden_size, config.intermediate_size
+    fwd = 0.0
+    for i, kind in enumerate(config.projection_schedule()):
+        fwd += 2 * (3 * dm * dm + dm * dm + 2 * dm * ff)  # qkv, out, ffn
+        proj = None if kind == "dense" else get_projection(kind).flops
+        if proj is None:  # dense, or a registered kind without a formula (an upper bound)
+            fwd += 2 * 2 * n * dm  # Q K^T and A V
+        else:  # the kind's own: linear E K, F V + k summaries; conv: kernel taps + c blocks
+            fwd += proj(config, i, n)
+    fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
+    return 3.0 * fwd

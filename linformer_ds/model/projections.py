@@ -1,0 +1,373 @@
+"""Key/value projections along the sequence axis and their registry.
+
+``linear`` (learned ``E, F [k, N_max]``) and ``conv`` (Conv-Linformer's strided convolution) are
+built in; more kinds register with :func:`register_projection` (docs/extending.md). A kind's
+module answers its own questions (padding of its summaries, sequence parallelism), so attention
+never branches on a kind's name.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .documents import Documents
+
+# A ModelConfig (config.py imports this module for the registry, so not the other way round)
+Config = Any
+
+
+class ModelConfigError(ValueError):
+    """A model option is invalid; the message names the field."""
+
+
+def tracing() -> bool:
+    """True while ``torch.export`` / ``torch.onnx.export`` (dynamo) or ``torch.jit.trace`` records
+    the model: shape-generic code (no per-row loops, no branches on sizes or values) replaces the
+    eager fast paths, with the same math."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+class LinearProjection(nn.Module):
+    """Learned projection along the sequence axis: ``[B, n, h, d] -> [B, k, h, d]``.
+
+    ``weight`` is ``[H, k, N_max]`` with ``H = 1`` (shared by all heads) or ``H = num_heads``.
+    Inputs shorter than ``N_max`` use the first ``n`` columns (fairseq's slicing).
+    Sequence parallel (``sequence_parallel`` set): the rank's slice uses the columns at its
+    global offset and the partial products are summed over the group (``E K = sum_r E_r K_r``).
+    Sharded (``shard_sequence_parameters``): ``weight`` holds only the columns from
+    ``shard_start`` on (``[H, k, N_max / P]``), the ones this rank's slice uses.
+    """
+
+    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
+    shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
+    sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
+    projection_kind = "linear"  # its registered kind (_make_projection sets it on every module)
+
+    def __init__(
+        self, k: int, max_seq_len: int, heads: int, init_std: float, frozen: bool,
+        init: str = "normal",
+    ):  # fmt: skip
+        super().__init__()
+        self.k, self.max_seq_len, self.heads = k, max_seq_len, heads
+        self.init_std, self.init = init_std, init
+        self.weight = nn.Parameter(torch.empty(heads, k, max_seq_len), requires_grad=not frozen)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``normal``: N(0, init_std). ``pooling``: row j averages the positions
+        ``n`` with ``floor(n k / N_max) = j`` (the same for every head; sharded: own columns)."""
+        if self.init != "pooling":
+            nn.init.normal_(self.weight, std=self.init_std)
+            return
+        width = self.weight.shape[-1]
+        # on the CPU even under torch.device("meta") (export's shape check, transformers'
+        # meta init): bincount has no meta kernel; copy_ into a meta weight is a no-op
+        cpu = torch.device("cpu")
+        slot = torch.arange(self.max_seq_len, device=cpu) * self.k // self.max_seq_len  # [N_max]
+        count = torch.bincount(slot, minlength=self.k).clamp(min=1)  # [k] positions per row
+        cols = slot[self.shard_start : self.shard_start + width]
+        w = (cols[None, :] == torch.arange(self.k, device=cpu)[:, None]) / count[:, None]
+        with torch.no_grad():
+            self.weight.copy_(w.to(self.weight.dtype).expand_as(self.weight))
+
+    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+        """``[B, n, h, d] -> [B, k, h, d]``; with ``documents``: each span's own summaries
+        ``[S, k, h, d]`` (E's columns from the span's document position on; a document split
+        over sequence-parallel ranks gets the sum of its parts)."""
+        if documents is not None:
+            return self._project_documents(x, documents)
+        b, n, h, d = x.shape
+        sp = self.sequence_parallel
+        off = 0 if sp is None else sp.offset(n) - self.shard_start  # column in the local weight
+        width = self.weight.shape[-1]
+        if not 0 <= off <= width - n:
+            raise ValueError(
+                f"sequence-parallel slice [{off + self.shard_start}, "
+                f"{off + self.shard_start + n}) is outside the E/F columns this rank holds "
+                f"[{self.shard_start}, {self.shard_start + width}): sharded E/F need N = max_seq_len"
+            )
+        if tracing():  # any batch and length: one batched product, E sliced whatever n is
+            cols = torch.arange(off, off + n, device=x.device)  # a slice would guard n != N
+            w = self.weight.index_select(2, cols)
+            if self.heads == 1:  # bmm: matmul and einsum would guard on n == 1 or B == 1
+                e = w.expand(b, self.k, n)
+                y = torch.bmm(e, x.reshape(b, n, h * d)).view(b, self.k, h, d)
+            else:  # one bmm per head (a static count): reshaping x would guard on B == 1
+                e = [w[i].expand(b, self.k, n) for i in range(h)]
+                y = torch.stack([torch.bmm(e[i], x[:, :, i]) for i in range(h)], dim=2)
+            return y if sp is None else sp.reduce_projection(y)
+        # Plain views where possible: the backward of slicing/indexing zero-fills a gradient.
+        w = self.weight if n == width else self.weight[:, :, off : off + n]
+        if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
+            # One mm per row, not matmul or bmm: matmul runs [k, n] @ [B, n, D] as
+            # (x^T E^T)^T, whose input gradient comes out transposed and makes the stack/cat
+            # that joins the k, v and q gradients (unbind/split backward) some 10x slower; bmm
+            # copies the transposed strided input for E's gradient. mm takes each row as the
+            # strided slice of qkv it is and returns contiguous gradients.
+            e = w.squeeze(0)
+            ys = [torch.mm(e, xi) for xi in x.reshape(b, n, h * d).unbind(0)]
+            y = (ys[0][None] if b == 1 else torch.stack(ys)).view(b, self.k, h, d)
+        else:
+            y = torch.einsum("hkn,bnhd->bkhd", w, x)
+        return y if sp is None else sp.reduce_projection(y)
+
+    def _project_documents(self, x: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """``x [B, n, h, d]`` -> ``[S, k, h, d]``: span i's tokens times E's columns
+        ``[column, column + length)`` (the slicing a lone document of that length uses), as one
+        batched product over chunks of k positions (:class:`DocumentChunks`) summed per span."""
+        b, n, h, d = x.shape
+        if self.shard_start or self.weight.shape[-1] != self.max_seq_len:
+            raise ValueError("document isolation needs the whole E/F (not sharded)")
+        sp = self.sequence_parallel
+        if documents.per_span:  # span i: E[:, col : col + L] @ x[row, start:end], both views
+            ys = []
+            for s, xi in zip(documents.spans, documents.split(x)):  # xi [L, h, d]
+                w = self.weight[:, :, s.column : s.column + s.end - s.start]
+                if self.heads == 1:
+                    ys.append(torch.mm(w[0], xi.reshape(-1, h * d)))
+                else:
+                    ys.append(torch.einsum("hkn,nhd->khd", w, xi))
+            y = torch.stack(ys).view(len(ys), self.k, h, d)
+            return y if sp is None else sp.reduce_documents(y, documents)
+        plan = documents.chunks(self.k, b * n, x.device)
+        c, num = plan.size, len(documents.spans)
+        flat = torch.cat([x.reshape(b * n, h * d), x.new_zeros(1, h * d)])  # + an empty slot
+        xc = flat.index_select(0, plan.tokens.reshape(-1)).view(-1, c, h * d)  # [C, c, hd]
+        w = self.weight
+        if w.shape[-1] % c:
+            w = F.pad(w, (0, c - w.shape[-1] % c))
+        wc = w.view(self.heads, self.k, -1, c).index_select(2, plan.block)  # [H, k, C, c]
+        if self.heads == 1:
+            y = torch.bmm(wc[0].transpose(0, 1), xc).view(-1, self.k, h, d)  # [C, k, h, d]
+        else:
+            y = torch.einsum("hkjc,jchd->jkhd", wc, xc.view(-1, c, h, d))
+        y = y.new_zeros((num,) + tuple(y.shape[1:])).index_add(0, plan.span, y)
+        return y if sp is None else sp.reduce_documents(y, documents)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, k={self.k}, max_seq_len={self.max_seq_len}"
+
+
+class ConvProjection(nn.Module):
+    """Strided 1-D convolution over the sequence (Conv-Linformer): ``[B, n, h, d] -> [B, c, h, d]``.
+
+    kernel = stride = ``r``; ``c = ceil(n / r)`` (the input is zero-padded to a multiple of r).
+    ``weight`` is ``[H, d_out, d_in, r]`` (Conv1d layout per head), ``bias`` is ``[H, d]``;
+    ``H = 1`` shares the kernel across heads. Parameters: ``H * (d*d*r + d)``.
+    Sequence parallel: the rank's slice (a multiple of r) gives its own blocks, all-gathered.
+    """
+
+    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
+    sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
+    projection_kind = "conv"
+
+    def __init__(self, stride: int, head_dim: int, heads: int, frozen: bool, init: str = "normal"):
+        super().__init__()
+        self.stride, self.heads, self.head_dim, self.init = stride, heads, head_dim, init
+        self.weight = nn.Parameter(
+            torch.empty(heads, head_dim, head_dim, stride), requires_grad=not frozen
+        )
+        self.bias = nn.Parameter(torch.zeros(heads, head_dim), requires_grad=not frozen)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``normal``: N(0, 1/sqrt(r d)); ``pooling``: the block mean (identity / r per tap)."""
+        if self.init == "pooling":
+            eye = torch.eye(self.head_dim, dtype=self.weight.dtype) / self.stride  # [d_out, d_in]
+            with torch.no_grad():
+                self.weight.copy_(eye[None, :, :, None].expand_as(self.weight))
+        else:
+            nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+        """``[B, n, h, d] -> [B, c, h, d]``; with ``documents``: every span's blocks, windows
+        starting at its own start (its tail zero-padded), concatenated: ``[sum c_i, h, d]``."""
+        if documents is not None:
+            if self.sequence_parallel is not None:
+                raise ValueError("conv projection: document isolation under sequence parallelism")
+            b, n, h, d = x.shape
+            plan = documents.chunks(self.stride, b * n, x.device)  # one chunk = one window
+            # one scatter of every token to its window slot (tails stay zero); its backward is
+            # a gather, where index_select's would be a scatter-add
+            windows = x.new_zeros(plan.tokens.numel(), h * d)
+            windows = windows.index_copy(0, plan.slot, x.reshape(b * n, h * d))
+            return self._blocks(windows.view(1, -1, h, d))[0]
+        b, n, h, d = x.shape
+        r = self.stride
+        pad = (n + r - 1) // r * r - n  # to c r: no export guards; // of n >= 0 (ONNX truncates)
+        sp = self.sequence_parallel
+        if sp is not None and pad:
+            raise ValueError(f"sequence parallel conv: slice length {n} is not a multiple of {r}")
+        if tracing() or pad:  # traced: padded (by 0 when n is a multiple) for any length
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        y = self._blocks(x)
+        return y if sp is None else sp.gather_blocks(y)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, c r, h, d]`` (a multiple of the stride) -> ``[B, c, h, d]``."""
+        b, n, h, d = x.shape
+        r = self.stride
+        c = n // r
+        # One GEMM contracting the whole window (r taps x d inputs = K of r*d) per output block;
+        # einsum would contract d only and then sum the r partial products in a second pass.
+        x = x.view(b, c, r, h, d).transpose(2, 3)  # [B, c, h, r, d_in]
+        if self.heads == 1:
+            w = self.weight.squeeze(0).permute(0, 2, 1).reshape(d, r * d)  # [d_out, (r, d_in)]
+            y = torch.matmul(x.reshape(b, c, h, r * d), w.t())  # [B, c, h, d_out]
+        else:
+            w = self.weight.permute(0, 3, 2, 1).reshape(h, r * d, d)  # [h, (r, d_in), d_out]
+            if tracing():  # bmm per head: matmul would guard on B == 1 and c == 1
+                xh = x.permute(2, 0, 1, 3, 4).reshape(h, b * c, r * d)
+                y = torch.bmm(xh, w).view(h, b, c, d).permute(1, 2, 0, 3)
+            else:
+                y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
+        return y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, kernel=stride={self.stride}"
+
+
+# ============================================================================ projection registry
+@dataclass(frozen=True)
+class ProjectionKind:
+    """A kind of key/value projection along the sequence, named in ``model.projection`` /
+    ``layer_projections`` (:func:`register_projection`; see docs/extending.md).
+
+    ``factory(config, layer_idx, heads)`` builds one module mapping ``[B, n, heads, d_h]`` ->
+    ``[B, m, heads, d_h]`` (``heads`` is 1 when shared by all heads). Optional rules:
+    ``stride(config, layer_idx)``: every length N (and sequence-parallel slice) must be a
+    multiple of it (``stride_rule`` says how it is derived); ``check(config, layer_idx)``: a
+    problem with the layer's options, or None; ``num_parameters(config, layer_idx)`` of one
+    ``heads=1`` module (default: counted on the meta device); ``flops(config, layer_idx, n)``:
+    forward FLOPs per token of projecting keys and values and attending to the ``m`` summaries
+    (default: dense attention's, an upper bound); ``sequence_parallel``: the module reads its
+    ``sequence_parallel`` attribute (set by ``parallelize``) and supports P > 1.
+    A module class says whether its ``weight`` is indexed by sequence position with a
+    ``sequence_dim`` class attribute (E/F: 2; such weights are sharded under sequence
+    parallelism and sliced to the first n positions).
+    """
+
+    name: str
+    factory: Callable[[Config, int, int], nn.Module]
+    stride: Optional[Callable[[Config, int], int]] = None
+    stride_rule: str = ""
+    check: Optional[Callable[[Config, int], Optional[str]]] = None
+    num_parameters: Optional[Callable[[Config, int], int]] = None
+    flops: Optional[Callable[[Config, int, int], float]] = None
+    sequence_parallel: bool = False
+
+    def parameters_of(self, config: Config, layer_idx: int) -> int:
+        """Parameters of one ``heads=1`` module of layer ``layer_idx``."""
+        if self.num_parameters is not None:
+            return int(self.num_parameters(config, layer_idx))
+        with torch.device("meta"):
+            module = self.factory(config, layer_idx, 1)
+        return sum(p.numel() for p in module.parameters())
+
+
+_PROJECTION_KINDS: "dict[str, ProjectionKind]" = {}
+
+
+def register_projection(
+    name: str,
+    factory: Callable[[Config, int, int], nn.Module],
+    replace: bool = False,
+    **rules: Any,
+) -> ProjectionKind:
+    """Make ``name`` a projection kind (``rules``: the optional fields of
+    :class:`ProjectionKind`); a taken name is a ValueError unless ``replace``."""
+    if not name.isidentifier() or name in ("dense", "hybrid"):
+        raise ValueError(f"projection kind name must be an identifier, not dense/hybrid: {name!r}")
+    if name in _PROJECTION_KINDS and not replace:
+        raise ValueError(f"projection kind {name!r} is already registered")
+    kind = ProjectionKind(name, factory, **rules)
+    _PROJECTION_KINDS[name] = kind
+    return kind
+
+
+def unregister_projection(name: str) -> None:
+    """Remove a registered projection kind (no error if absent)."""
+    _PROJECTION_KINDS.pop(name, None)
+
+
+def get_projection(name: str) -> ProjectionKind:
+    """The registered kind ``name`` (ModelConfigError if there is none)."""
+    try:
+        return _PROJECTION_KINDS[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown projection kind {name!r} (registered: {sorted(_PROJECTION_KINDS)})"
+        ) from None
+
+
+def projection_names() -> tuple:
+    """Every per-layer attention kind: the registered projections, then ``dense``."""
+    return tuple(_PROJECTION_KINDS) + ("dense",)
+
+
+def projection_stride(config: Config, layer_idx: int) -> Optional[int]:
+    """The stride every N (and sequence-parallel slice) must be a multiple of at layer
+    ``layer_idx`` (conv: max_seq_len / k), or None (dense, linear: any N)."""
+    kind = config.projection_schedule()[layer_idx]
+    rule = None if kind == "dense" else get_projection(kind).stride
+    return None if rule is None else int(rule(config, layer_idx))
+
+
+def _make_projection(config: Config, layer_idx: int, kind: str, heads: int) -> nn.Module:
+    module = get_projection(kind).factory(config, layer_idx, heads)
+    module.projection_kind = kind  # init_weights and parallelize find projections by it
+    return module
+
+
+def _linear(config: Config, layer_idx: int, heads: int) -> nn.Module:
+    std = config.projection_init_std or 1.0 / math.sqrt(config.max_seq_len)
+    return LinearProjection(
+        config.k_for_layer(layer_idx), config.max_seq_len, heads, std, config.freeze_projection,
+        config.projection_init,
+    )  # fmt: skip
+
+
+def _conv(config: Config, layer_idx: int, heads: int) -> nn.Module:
+    return ConvProjection(
+        config.conv_stride(layer_idx), config.head_dim, heads, config.freeze_projection,
+        config.projection_init,
+    )  # fmt: skip
+
+
+def _conv_check(config: Config, i: int) -> Optional[str]:
+    k = config.k_for_layer(i)
+    if config.max_seq_len % k:
+        return (
+            f"conv layer {i}: k={k} does not divide max_seq_len={config.max_seq_len} "
+            "(conv kernel = stride = max_seq_len / k)"
+        )
+    return None
+
+
+def _linear_flops(config: Config, i: int, n: int) -> float:
+    k, dm = config.k_for_layer(i), config.hidden_size  # k rows even when n < k: E[:, :n] is [k, n]
+    return 2 * 2 * k * dm + 2 * 2 * k * dm  # E K and F V; scores and weighted sum over k
+
+
+def _conv_flops(config: Config, i: int, n: int) -> float:
+    # conv: per head a d_h x d_h kernel per tap; a token is one tap of one block, so it costs
+    # d_h^2 multiply-adds per head, D * d_h over all heads (for K and for V)
+    dm, c = config.hidden_size, math.ceil(n / config.conv_stride(i))
+    return 2 * 2 * config.head_dim * dm + 2 * 2 * c * dm
+
+
+register_projection(
+    "linear", _linear, flops=_linear_flops, sequence_parallel=True,
+    num_parameters=lambda c, i: c.k_for_layer(i) * c.max_seq_len,
+)  # fmt: skip
+register_projection(
+    "conv", _conv, stride=lambda c, i: c.conv_stride(i), stride_rule="max_seq_len / k",
+    check=_conv_check, flops=_conv_flops, sequence_parallel=True,
+    num_parameters=lambda c, i: c.head_dim**2 * c.conv_stride(i) + c.head_dim,
+)  # fmt: skip
