@@ -25,6 +25,7 @@ never holds still has a finite loss.
 """
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -38,8 +39,14 @@ if TYPE_CHECKING:  # numpy only at run time: data_prep records the counts withou
 IGNORE_INDEX = -100  # = linformer_ds.data.masking.IGNORE_INDEX (the labels of unscored positions)
 COUNTS_FILE = "unigram_counts.npy"  # data_prep's record of the train split's counts
 CHUNK_TOKENS = 1 << 22  # tokens per bincount (bounded memory for any corpus size)
-FIELDS = ("hidden_loss", "hidden_accuracy", "unigram_loss", "unigram_accuracy",
-          "context_gain_nats", "context_gain_accuracy")
+FIELDS = (
+    "hidden_loss",
+    "hidden_accuracy",
+    "unigram_loss",
+    "unigram_accuracy",
+    "context_gain_nats",
+    "context_gain_accuracy",
+)
 
 
 def count_tokens(
@@ -87,54 +94,116 @@ def _split_key(dataset: Any, excluded: Sequence[int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _recorded(dataset: Any, excluded: Sequence[int]) -> Optional[np.ndarray]:
-    """data_prep's counts of this split, when its manifest records them (and they fit)."""
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _recorded_sha(dataset: Any, excluded: Sequence[int]) -> Optional[str]:
+    """The sha256 the manifest records for this split's counts (with these excluded ids)."""
     rec = dataset.manifest.get("unigram")
     if not isinstance(rec, dict) or rec.get("split") != dataset.split:
         return None
     if sorted(rec.get("excluded_ids", [])) != sorted(excluded):
         return None
-    path = Path(dataset.path, str(rec.get("file", COUNTS_FILE)))
+    return str(rec["sha256"]) if rec.get("sha256") else None
+
+
+def _parse(data: bytes, vocab_size: int) -> Optional[np.ndarray]:
+    """``data`` (the bytes of a ``.npy`` file) as ``int64 [vocab_size]`` counts, else None."""
     try:
-        counts = np.load(path)
-    except (OSError, ValueError):
+        counts = np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError, EOFError):
         return None
-    if counts.shape != (dataset.vocab_size,) or int(counts.sum()) != rec.get("tokens"):
+    if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu" or (counts < 0).any():
         return None
     return counts.astype(np.int64)
+
+
+def _recorded(dataset: Any, excluded: Sequence[int]) -> "tuple[Optional[np.ndarray], str]":
+    """data_prep's counts of this split, when its manifest records them and the file is the
+    one recorded (sha256, token total); else ``(None, why not)`` (empty: nothing recorded)."""
+    want = _recorded_sha(dataset, excluded)
+    rec = dataset.manifest.get("unigram")
+    if not isinstance(rec, dict) or rec.get("split") != dataset.split:
+        return None, ""
+    if sorted(rec.get("excluded_ids", [])) != sorted(excluded):
+        return None, ""
+    path = Path(dataset.path, str(rec.get("file", COUNTS_FILE)))
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return None, f"{path.name} unreadable ({e.strerror or type(e).__name__})"
+    if want is not None and _sha256(data) != want:
+        return None, (f"{path.name} sha256 {_sha256(data)[:12]} is not the manifest's "
+                      f"{want[:12]}")  # fmt: skip
+    counts = _parse(data, dataset.vocab_size)
+    if counts is None or int(counts.sum()) != rec.get("tokens"):
+        return None, f"{path.name} does not hold the manifest's counts"
+    return counts, ""
+
+
+def _cached(
+    cache: Path, want: Optional[str], vocab_size: int
+) -> "tuple[Optional[np.ndarray], str]":
+    """The cache file's counts when its bytes have the manifest's sha256 (``want``), else the
+    sha256 its sidecar (``.sha256``) recorded when it was written; ``(None, why not)``."""
+    try:
+        data = cache.read_bytes()
+    except FileNotFoundError:
+        return None, ""
+    except OSError as e:
+        return None, f"cache {cache.name} unreadable ({e.strerror or type(e).__name__})"
+    if want is None:
+        try:
+            want = cache.with_suffix(".sha256").read_text(encoding="utf-8").strip()
+        except OSError:
+            return None, f"cache {cache.name} has no {cache.with_suffix('.sha256').name}"
+    got = _sha256(data)
+    if got != want:
+        return None, f"cache {cache.name} sha256 {got[:12]} is not the recorded {want[:12]}"
+    counts = _parse(data, vocab_size)
+    if counts is None:
+        return None, f"cache {cache.name} does not hold counts of {vocab_size} ids"
+    return counts, ""
 
 
 def load_counts(
     dataset: Any, cache_dir: Optional[Union[str, os.PathLike]], write_cache: bool = True
 ) -> Dict[str, Any]:
     """The unigram counts of ``dataset`` (a ``ShardDataset``, normally the train split):
-    ``{"counts": int64 [V], "from": "manifest" | "cache" | "counted"}``. Counted ones are
-    written to ``cache_dir/unigram_<split>_<key>.npy`` (atomically) when ``write_cache``."""
+    ``{"counts": int64 [V], "from": "manifest" | "cache" | "counted", "why": str}``. Files are
+    verified by sha256 (the manifest's record; a cache's own ``.sha256`` beside it when the
+    manifest records none): one that does not match is not used, the counts are recounted and
+    ``why`` says which file failed. Counted ones are written to
+    ``cache_dir/unigram_<split>_<key>.npy`` (atomically, with its sha256) when ``write_cache``."""
     excluded = sorted(set(int(i) for i in dataset.special_ids))
-    counts = _recorded(dataset, excluded)
+    counts, why = _recorded(dataset, excluded)
     if counts is not None:
-        return {"counts": counts, "from": "manifest"}
+        return {"counts": counts, "from": "manifest", "why": ""}
+    reasons = [why] if why else []
     cache = None
     if cache_dir is not None:
         cache = Path(cache_dir, f"unigram_{dataset.split}_{_split_key(dataset, excluded)}.npy")
-        try:
-            counts = np.load(cache)
-            if counts.shape == (dataset.vocab_size,):
-                return {"counts": counts.astype(np.int64), "from": "cache"}
-        except (OSError, ValueError):
-            pass
+        counts, why = _cached(cache, _recorded_sha(dataset, excluded), dataset.vocab_size)
+        if counts is not None:
+            return {"counts": counts, "from": "cache", "why": "; ".join(reasons)}
+        reasons += [why] if why else []
     paths = [Path(dataset.path, s["file"]) for s in dataset.shards]
     counts = count_tokens(paths, dataset.vocab_size, excluded)
     if cache is not None and write_cache:
         try:
             os.makedirs(cache.parent, exist_ok=True)
-            tmp = cache.with_name(f"{cache.name}.tmp.{os.getpid()}")
-            with open(tmp, "wb") as f:
-                np.save(f, counts)
-            os.replace(tmp, cache)
+            buf = io.BytesIO()
+            np.save(buf, counts)
+            for path, data in ((cache.with_suffix(".sha256"), _sha256(buf.getvalue()).encode()),
+                               (cache, buf.getvalue())):  # fmt: skip
+                tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
         except OSError:
             pass  # a cache only: the next run counts again
-    return {"counts": counts, "from": "counted"}
+    why = "; ".join(reasons)
+    return {"counts": counts, "from": "counted", "why": f"{why}: recounted" if why else ""}
 
 
 class UnigramMeter:
@@ -159,7 +228,8 @@ class UnigramMeter:
                     write_cache: bool = True) -> "UnigramMeter":  # fmt: skip
         """The meter of a train split (see :func:`load_counts`)."""
         got = load_counts(dataset, cache_dir, write_cache)
-        return cls(got["counts"], dataset.special_ids, got["from"])
+        why = got.get("why")
+        return cls(got["counts"], dataset.special_ids, got["from"] + (f": {why}" if why else ""))
 
     def stats(self, labels: "torch.Tensor") -> List[float]:
         """``[sum of -log p(label), labels equal to the top token]`` over the labelled positions
@@ -200,8 +270,10 @@ def set_output_bias(model: Any, meters: Dict[str, UnigramMeter], stage: Any,
     bias = unigram_bias([meters[n] for n in stage.names], stage.weights, vocab_size)
     with torch.no_grad():
         model.lm_head.decoder.bias.copy_(torch.from_numpy(bias))
-    return (f"[setup] MLM decoder bias: log unigram of {'+'.join(stage.names)} "
-            f"(range {bias.min():.2f} .. {bias.max():.2f})")
+    return (
+        f"[setup] MLM decoder bias: log unigram of {'+'.join(stage.names)} "
+        f"(range {bias.min():.2f} .. {bias.max():.2f})"
+    )
 
 
 def train_meters(datasets: Dict[str, Any], cache_dir: Optional[Union[str, os.PathLike]],

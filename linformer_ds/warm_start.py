@@ -27,6 +27,7 @@ activation, a decoder, and a model section or data vocabulary that does not matc
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,6 +38,7 @@ from omegaconf import OmegaConf
 from linformer_ds.config import _load_yaml
 from linformer_ds.config_fields import ConfigError
 from linformer_ds.model import ModelConfig
+from linformer_ds.outdir import error_line
 
 HF_PREFIX = "hf:"
 MODEL_TYPES = ("bert", "roberta")
@@ -53,7 +55,7 @@ def source_path(spec: str) -> str:
     if not isinstance(spec, str) or not spec.startswith(HF_PREFIX) or not spec[3:].strip():
         raise WarmStartError(f"checkpoint.init_from: must be hf:PATH (a Hugging Face BERT or "
                              f"RoBERTa directory) or null, got {spec!r}")  # fmt: skip
-    return spec[len(HF_PREFIX):]
+    return spec[len(HF_PREFIX) :]
 
 
 def read_source_config(path: str) -> Dict[str, Any]:
@@ -90,11 +92,15 @@ def source_problem(hf: Dict[str, Any]) -> Optional[str]:
         return f"hidden_act {act!r}: our layers and MLM head use the exact (erf) GELU ('gelu')"
     if hf.get("is_decoder") or hf.get("add_cross_attention"):
         return "a decoder (is_decoder / add_cross_attention): only encoders convert"
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                           "num_attention_heads", "intermediate_size",
-                           "max_position_embeddings") if not isinstance(hf.get(k), int)]  # fmt: skip
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "max_position_embeddings")  # fmt: skip
+    missing = [k for k in sizes if k not in hf or hf[k] is None]
     if missing:
         return f"config.json lacks {', '.join(missing)}"
+    wrong = [f"{k}={hf[k]!r}" for k in sizes
+             if not isinstance(hf[k], int) or isinstance(hf[k], bool)]  # fmt: skip
+    if wrong:
+        return f"config.json: {', '.join(wrong)}: sizes must be integers"
     if source_positions(hf) < 1:
         return f"max_position_embeddings {hf['max_position_embeddings']} leaves no position"
     return None
@@ -201,17 +207,111 @@ def source_tokenizer_ids(path: str) -> Dict[str, int]:
     return out
 
 
+# ==================================================================== tokenizer identity
+# the tokenizer files a save_pretrained directory may hold, in the order they are read
+SOURCE_VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
+
+
+def source_pieces(path: str) -> Optional[Tuple[str, List[Optional[str]]]]:
+    """``(file, piece of every id)`` of the tokenizer saved beside the source (tokenizer.json,
+    else BERT's vocab.txt, else RoBERTa's vocab.json); None when it has none."""
+    for name in SOURCE_VOCAB_FILES:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            continue
+        try:
+            if name == "tokenizer.json":
+                from tokenizers import Tokenizer
+
+                vocab = Tokenizer.from_file(full).get_vocab(with_added_tokens=True)
+            elif name == "vocab.txt":
+                with open(full, encoding="utf-8") as f:
+                    vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+            else:
+                with open(full, encoding="utf-8") as f:
+                    vocab = json.load(f)
+            return name, _by_id(vocab)
+        except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
+            raise WarmStartError(f"{full}: the source's tokenizer cannot be read "
+                                 f"({error_line(e)})") from None  # fmt: skip
+    return None
+
+
+def _by_id(vocab: Dict[str, int]) -> List[Optional[str]]:
+    """``{piece: id}`` -> the piece of every id (None where no piece has the id)."""
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ValueError("not a {piece: id} vocabulary")
+    out: List[Optional[str]] = [None] * (max(vocab.values(), default=-1) + 1)
+    for piece, i in vocab.items():
+        if i < 0:
+            raise ValueError(f"negative id {i}")
+        out[i] = piece
+    return out
+
+
+def data_pieces(data: str, manifest: Dict[str, Any]) -> Optional[Tuple[str, List[Optional[str]]]]:
+    """``(file, piece of every id)`` of a data_prep output's tokenizer (SentencePiece
+    tokenizer.model or a Hugging Face tokenizer.json); None when the manifest records none."""
+    tok = manifest.get("tokenizer") if isinstance(manifest, dict) else None
+    if not isinstance(tok, dict):
+        return None
+    full = os.path.join(data, str(tok.get("file", "tokenizer.model")))
+    try:
+        if tok.get("kind") == "huggingface":
+            from tokenizers import Tokenizer
+
+            return full, _by_id(Tokenizer.from_file(full).get_vocab(with_added_tokens=True))
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=full)
+        return full, [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    except Exception as e:  # noqa: BLE001
+        raise WarmStartError(f"{full}: the data's tokenizer cannot be read ({error_line(e)})"
+                             ) from None  # fmt: skip
+
+
+def check_pieces(where: str, data: str, manifest: Optional[Dict[str, Any]]) -> str:
+    """The data's tokenizer has the pieces of the source's, id for id (WarmStartError naming
+    how many differ and the first); returns the ``[init]`` line's note on the comparison."""
+    path = source_path(where)
+    src = source_pieces(path)
+    if src is None:
+        return ("tokenizer: not compared (no " + ", ".join(SOURCE_VOCAB_FILES)
+                + " beside the source)")  # fmt: skip
+    got = data_pieces(data, manifest or {}) if manifest else None
+    if got is None:
+        return f"tokenizer: not compared (no data tokenizer recorded for {data or 'the run'})"
+    (sname, theirs), (dname, ours) = src, got
+    n = max(len(theirs), len(ours))
+    theirs, ours = theirs + [None] * (n - len(theirs)), ours + [None] * (n - len(ours))
+    differ = [i for i in range(n) if theirs[i] != ours[i]]
+    if differ:
+        i = differ[0]
+        raise WarmStartError(
+            f"{where}: the data's tokenizer ({dname}) is not the source's ({sname}): "
+            f"{len(differ)} of {n} ids are other pieces (id {i}: {ours[i]!r} in the data, "
+            f"{theirs[i]!r} in the source): the data must be tokenized with the source's "
+            f"tokenizer (data_prep --tokenizer {path})"
+        )
+    return f"tokenizer: {n} pieces equal to the source's {sname}"
+
+
 # ====================================================================================== weights
 def _load_file(path: str) -> Dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file  # optional dependency (the hf extra)
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+        sd = load_file(path)
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"not a state dict of tensors (a {type(sd).__name__})")
+    return sd
 
 
 def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
-    """The source's state dict (safetensors or pytorch_model.bin, single or sharded)."""
+    """The source's state dict (safetensors or pytorch_model.bin, single or sharded); any read
+    error (truncated, empty, not the format its name says) is one line naming the file."""
     found = next((f for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))), None)
     if found is None:
         raise WarmStartError(f"hf:{path}: no weights ({' or '.join(_WEIGHT_FILES[::2])})")
@@ -222,11 +322,49 @@ def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
                 files = sorted(set(json.load(f)["weight_map"].values()))
             sd: Dict[str, torch.Tensor] = {}
             for name in files:
-                sd.update(_load_file(os.path.join(path, name)))
+                full = os.path.join(path, name)
+                sd.update(_load_file(full))
             return sd
         return _load_file(full)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise WarmStartError(f"{full}: unreadable weights ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001  (SafetensorError, UnpicklingError, zip errors, ...)
+        raise WarmStartError(f"{full}: unreadable weights ({error_line(e)})") from None
+
+
+_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.")
+
+
+def check_weights(hf: Dict[str, Any], source: Dict[str, torch.Tensor], where: str) -> None:
+    """config.json agrees with the weights (vocabulary, width, positions, layers, FFN width,
+    token types); WarmStartError naming every key that does not."""
+    sd = _strip(source, hf["model_type"])
+
+    def shape(name: str) -> Optional[Tuple[int, ...]]:
+        t = sd.get(name)
+        return tuple(t.shape) if t is not None else None
+
+    wrong: List[str] = []
+
+    def agree(key: str, stored: Optional[int], what: str) -> None:
+        if stored is not None and key in hf and hf[key] != stored:
+            wrong.append(f"{key}={hf[key]!r} (the weights store {stored} {what})")
+
+    word = shape("embeddings.word_embeddings.weight")
+    agree("vocab_size", word[0] if word else None, "ids: embeddings.word_embeddings")
+    agree("hidden_size", word[1] if word and len(word) > 1 else None,
+          "features: embeddings.word_embeddings")  # fmt: skip
+    pos = shape("embeddings.position_embeddings.weight")
+    agree("max_position_embeddings", pos[0] if pos else None,
+          "rows: embeddings.position_embeddings")  # fmt: skip
+    types = shape("embeddings.token_type_embeddings.weight")
+    agree("type_vocab_size", types[0] if types else None, "rows: embeddings.token_type_embeddings")
+    layers = {int(m.group(1)) for m in map(_LAYER_RE.match, sd) if m}
+    agree("num_hidden_layers", max(layers) + 1 if layers else 0, "layers: encoder.layer.*")
+    fc1 = shape("encoder.layer.0.intermediate.dense.weight")
+    agree("intermediate_size", fc1[0] if fc1 else None,
+          "rows: encoder.layer.0.intermediate.dense")  # fmt: skip
+    if wrong:
+        raise WarmStartError(f"{where}: config.json does not agree with the weights: "
+                             f"{', '.join(wrong)}: fix config.json or the weights")  # fmt: skip
 
 
 def _strip(sd: Dict[str, torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
@@ -234,7 +372,7 @@ def _strip(sd: Dict[str, torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
     out = {}
     for name, t in sd.items():
         if name.startswith(kind + "."):
-            name = name[len(kind) + 1:]
+            name = name[len(kind) + 1 :]
         name = name.replace("LayerNorm.gamma", "LayerNorm.weight")
         name = name.replace("LayerNorm.beta", "LayerNorm.bias")
         out[name] = t
@@ -325,10 +463,11 @@ def _projection_param(name: str) -> bool:
 
 
 def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = "",
-                 data_ids: Optional[Dict[str, int]] = None) -> Dict[str, Any]:  # fmt: skip
+                 data: str = "", data_ids: Optional[Dict[str, int]] = None,
+                 manifest: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:  # fmt: skip
     """Everything but the weights: the source maps, the model section and the data's
-    vocabulary and special ids match it (WarmStartError otherwise); returns its config.json."""
+    vocabulary, special ids and (with the data's ``manifest``) pieces match it (WarmStartError
+    otherwise); returns its config.json."""
     hf = read_source_config(source_path(spec))
     check_model(model, hf, spec)
     check_vocabulary(hf, data_vocab, spec, data, data_ids)
@@ -336,12 +475,18 @@ def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None
 
 
 def load_into(model: torch.nn.Module, spec: str, data_vocab: Optional[int] = None,
-              data: str = "") -> str:  # fmt: skip
+              data: str = "", weights: Optional[Dict[str, torch.Tensor]] = None,
+              tokenizer_note: Optional[str] = None) -> str:  # fmt: skip
     """Load source ``spec`` (``hf:PATH``) into ``model`` (a task model built from its config,
-    whole: before any sharding); returns the one-line summary for the run's log."""
+    whole: before any sharding); returns the one-line summary for the run's log, which says
+    what was copied. ``weights``: the source's state dict when already read (and checked)."""
     cfg: ModelConfig = model.config
     hf, path = check_source(spec, cfg, data_vocab, data), source_path(spec)
-    weights, notes = convert_state_dict(read_source_weights(path), hf, cfg)
+    if weights is None:
+        weights = read_source_weights(path)
+        check_weights(hf, weights, spec)
+    table = _strip(weights, hf["model_type"]).get("embeddings.position_embeddings.weight")
+    weights, notes = convert_state_dict(weights, hf, cfg)
     ours = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in weights.items()
              if k in ours and v.shape != ours[k].shape]  # fmt: skip
@@ -349,29 +494,46 @@ def load_into(model: torch.nn.Module, spec: str, data_vocab: Optional[int] = Non
         raise WarmStartError(f"{spec}: shapes differ: {', '.join(wrong[:3])}")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     headless = not any(k.startswith("lm_head.") for k in weights)
-    missing = [k for k in missing
-               if not _projection_param(k) and not (headless and k.startswith("lm_head."))]
+    missing = [
+        k
+        for k in missing
+        if not _projection_param(k) and not (headless and k.startswith("lm_head."))
+    ]
     if missing or unexpected:
         raise WarmStartError(f"{spec}: not mapped: {', '.join((missing + unexpected)[:4])}")
-    p = source_positions(hf)
+    # what was copied: the rows of the source's table after RoBERTa's offset, the layers taken
+    rows = table.shape[0] if table is not None else hf["max_position_embeddings"]
+    p = rows - position_offset(hf)
     rule = (f"{p} positions copied to {cfg.max_seq_len}" if cfg.max_seq_len > p
             else f"the first {cfg.max_seq_len} of {p} positions")  # fmt: skip
+    layers = len({k.split(".")[2] for k in weights if k.startswith("encoder.layers.")})
     init = getattr(cfg, "projection_init", "normal")
-    where = f"{hf['model_type']}, {rule}, E/F: {init}"
+    where = f"{hf['model_type']}, {rule}, {layers} layers, E/F: {init}"
+    if not headless:
+        notes.insert(0, "MLM head copied")
+    if tokenizer_note:
+        notes.append(tokenizer_note)
     return f"[init] weights from {spec} ({where}{''.join('; ' + n for n in notes)})"
 
 
 class WarmStart:
     """A run's ``checkpoint.init_from``: checked when made (before any collective: the source,
-    the model section, the data's vocabulary), loaded by :meth:`load`. Nothing to do when
-    ``spec`` is None (no init_from, or a resume: the checkpoint has the weights)."""
+    the model section, the data's vocabulary and pieces, config.json against the weights),
+    loaded by :meth:`load`. Nothing to do when ``spec`` is None (no init_from, or a resume: the
+    checkpoint has the weights)."""
 
     def __init__(self, spec: Optional[str], model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = "", data_ids: Optional[Dict[str, int]] = None):  # fmt: skip
+                 data: str = "", data_ids: Optional[Dict[str, int]] = None,
+                 manifest: Optional[Dict[str, Any]] = None):  # fmt: skip
         self.spec, self.data_vocab, self.data = spec, data_vocab, data
+        self.weights: Optional[Dict[str, torch.Tensor]] = None
+        self.note: Optional[str] = None
         if spec is not None:
             try:
-                check_source(spec, model, data_vocab, data, data_ids)
+                hf = check_source(spec, model, data_vocab, data, data_ids)
+                self.note = check_pieces(spec, data, manifest)
+                self.weights = read_source_weights(source_path(spec))
+                check_weights(hf, self.weights, spec)
             except WarmStartError as e:  # name the key
                 key = "checkpoint.init_from"
                 raise WarmStartError(str(e) if str(e).startswith(key) else f"{key}: {e}") from None
@@ -380,13 +542,15 @@ class WarmStart:
     def for_run(cls, cfg: Any, resume_tag: Optional[str], dataset: Any) -> "WarmStart":
         """``cfg`` a job config, ``dataset`` its first train split (ShardDataset)."""
         spec = cfg.checkpoint.init_from if resume_tag is None else None
-        ids = dict(getattr(dataset, "manifest", {}).get("special_ids") or {})
-        return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path), ids)
+        manifest = getattr(dataset, "manifest", {}) or {}
+        ids = dict(manifest.get("special_ids") or {})
+        return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path), ids, manifest)
 
     def load(self, model: torch.nn.Module, log: Any = print) -> None:
         """The source's weights into ``model`` (whole, before any sharding); ``log`` the line."""
         if self.spec is not None:
-            log(load_into(model, self.spec, self.data_vocab, self.data))
+            weights, self.weights = self.weights, None  # read once, at the check
+            log(load_into(model, self.spec, self.data_vocab, self.data, weights, self.note))
 
 
 def model_section(hf: Dict[str, Any], **linformer: Any) -> Dict[str, Any]:
@@ -423,9 +587,12 @@ def _overrides(items: List[str]) -> Dict[str, Any]:
     return out
 
 
-def job_config_text(spec: str, section: Dict[str, Any], base: Optional[str]) -> str:
+def job_config_text(spec: str, section: Dict[str, Any], base: Optional[str],
+                    note: str = "") -> str:  # fmt: skip
     """The YAML of a job config: ``defaults: base``, the model section, ``init_from``."""
     head = f"# warm start from {spec} (launch/convert.py); see docs/export.md\n"
+    if note:
+        head += f"# {note}\n"
     if base:
         head += f"defaults: {os.path.abspath(base)}\n"
     body = {"model": section, "checkpoint": {"init_from": spec}}
@@ -466,7 +633,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WarmStartError(f"{manifest}: unreadable ({e})") from None
             check_vocabulary(hf, vocab, spec, args.data, ids)
-        text = job_config_text(spec, section, args.config)
+            note = check_pieces(spec, args.data, m)
+        else:
+            note = "tokenizer: not compared (no --data)"
+        check_weights(hf, read_source_weights(source_path(spec)), spec)
+        text = job_config_text(spec, section, args.config, note)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -2,6 +2,8 @@
 guess accuracy against references computed here in plain Python, evaluate()'s figures on the
 exact scored positions, the mixture's weighting, and a real one-rank run's eval records."""
 
+import hashlib
+import io
 import json
 import math
 import re
@@ -12,6 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from linformer_ds.context_meter import (
     COUNTS_FILE,
@@ -307,3 +311,83 @@ def test_output_bias_init_starts_the_model_at_the_unigram_level(tiny_corpus, tmp
     z = read_metrics(zero, "eval")[1]
     assert z["hidden_loss"] == pytest.approx(math.log(2000), abs=2e-3)
     assert z["unigram_loss"] == pytest.approx(r["unigram_loss"], rel=1e-12)  # the same masks
+
+
+# ============================== the counts are the ones recorded (issue 45 item 3), generated
+COUNT_FAULTS = ("permuted", "other total", "empty", "random bytes", "missing")
+
+
+def _fault(kind, counts, rng):
+    """The bytes a counts file is replaced with (None: removed)."""
+    buf = io.BytesIO()
+    if kind == "permuted":  # the same total: only the sha256 tells
+        np.save(buf, counts[rng.permutation(len(counts))])
+    elif kind == "other total":
+        np.save(buf, counts + 1)
+    elif kind == "random bytes":
+        return rng.bytes(int(rng.integers(1, 900)))
+    elif kind == "missing":
+        return None
+    return buf.getvalue()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(manifest_fault=st.sampled_from(COUNT_FAULTS), cache_fault=st.sampled_from(COUNT_FAULTS),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_counts_and_cache_are_checked_against_their_sha256(shards, tmp_path, manifest_fault,
+                                                           cache_fault, seed):  # fmt: skip
+    """The manifest's unigram_counts.npy and the run directory's cache, each replaced by swapped
+    counts (same total), other counts, random bytes or nothing: neither is used unless its
+    sha256 is the recorded one; the counts are recounted (the reference's) and the meter's
+    source names the file that failed."""
+    counter, _, _ = reference(shards)
+    want = [counter[t] for t in range(V)]
+    m = json.loads((shards / "manifest.json").read_text())
+    m["unigram"] = counts_record(shards, m["splits"]["train"]["shards"], V, list(SPECIAL.values()))
+    (shards / "manifest.json").write_text(json.dumps(m))
+    rng = np.random.default_rng(seed)
+    true = np.array(want, dtype=np.int64)
+    run = tmp_path / f"run{seed}-{manifest_fault}-{cache_fault}"
+    train = ShardDataset(shards, "train")
+    # a cache made while the manifest's file was unreadable, then both files damaged
+    (shards / COUNTS_FILE).rename(shards / "saved.npy")
+    first = load_counts(train, run)
+    assert first["from"] == "counted" and first["counts"].tolist() == want
+    assert first["why"] == f"{COUNTS_FILE} unreadable (No such file or directory): recounted"
+    (cache,) = run.glob("unigram_train_*.npy")
+    assert load_counts(train, run)["from"] == "cache"  # its bytes are the manifest's sha256
+    for path, kind in ((shards / COUNTS_FILE, manifest_fault), (cache, cache_fault)):
+        data = _fault(kind, true, rng)
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+    meter = UnigramMeter.for_dataset(train, run, write_cache=False)
+    assert meter.tokens == sum(want) and meter.source.startswith("counted: ")
+    result = load_counts(train, run, write_cache=False)
+    assert result["counts"].tolist() == want
+    assert result["from"] == "counted"
+    assert result["why"].startswith(COUNTS_FILE)
+    assert (f"cache {cache.name}" in result["why"]) == (cache_fault != "missing"), result["why"]
+    assert result["why"].endswith(": recounted") and "\n" not in result["why"]
+    (shards / "saved.npy").rename(shards / COUNTS_FILE)
+    assert load_counts(train, run)["from"] == "manifest"  # the recorded file back: used again
+
+
+def test_a_cache_without_a_manifest_record_carries_its_own_sha256(shards, tmp_path):
+    """No unigram record in the manifest (older data): the cache is trusted only with the
+    sha256 written beside it; swapped counts in it are recounted, and the meter says so."""
+    train = ShardDataset(shards, "train")
+    first = load_counts(train, tmp_path)
+    (cache,) = tmp_path.glob("unigram_train_*.npy")
+    assert (cache.with_suffix(".sha256")).read_text() == hashlib.sha256(
+        cache.read_bytes()).hexdigest()  # fmt: skip
+    swapped = io.BytesIO()
+    np.save(swapped, first["counts"][::-1].copy())
+    cache.write_bytes(swapped.getvalue())
+    meter = UnigramMeter.for_dataset(train, tmp_path)
+    assert meter.source.startswith(f"counted: cache {cache.name} sha256 ")
+    assert meter.source.endswith(": recounted")
+    assert load_counts(train, tmp_path)["from"] == "cache"  # rewritten with the true counts
+    assert load_counts(train, tmp_path)["counts"].tolist() == first["counts"].tolist()

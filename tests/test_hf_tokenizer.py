@@ -168,7 +168,9 @@ def test_rows_are_the_tokenizers_own_encoding(env, kind):
     assert any("[MASK]" in d or "</s>" in d for d in docs)  # special-token text stayed text
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(docs=st.lists(st.text(alphabet=st.sampled_from(list("ab cé\n\t.[]<>/MASKs1")), max_size=40),
                      min_size=1, max_size=6),
        kind=st.sampled_from(["wordpiece", "bpe"]), packing=st.sampled_from(["full", "pad"]))  # fmt: skip
@@ -258,7 +260,9 @@ def test_bad_tokenizer_directories_are_refused_in_one_line(env, tmp_path):
         return str(e.value)
 
     (tmp_path / "empty").mkdir()
-    assert "not a Hugging Face tokenizer directory (no tokenizer.json" in refused(tmp_path / "empty")
+    assert "not a Hugging Face tokenizer directory (no tokenizer.json" in refused(
+        tmp_path / "empty"
+    )
     for attr, name in (("mask_token", "mask_token"), ("pad_token", "pad_token")):
         d = tmp_path / f"no_{attr}"
         broken = transformers.AutoTokenizer.from_pretrained(str(env["dirs"]["wordpiece"]))
@@ -341,6 +345,38 @@ def test_warm_start_must_agree_with_the_data(env, tmp_path):
     cfg.model, cfg.checkpoint.init_from = model_cfg(src), f"hf:{src}"
     with pytest.raises(WarmStartError, match=r"unk 3 \(data: 2\)"):
         WarmStart.for_run(cfg, None, ds)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(k=st.integers(2, 60), seed=st.integers(0, 2**16))
+def test_warm_start_refuses_a_tokenizer_with_other_pieces(env, tmp_path_factory, k, seed):
+    """The WordPiece tokenizer beside the source with k of its non-special pieces permuted
+    (same size, same special ids): the trainer's check refuses in one line with the count
+    (issue 45: 985 of 1,000 ids meant other strings and the run started)."""
+    from linformer_ds.warm_start import WarmStart, WarmStartError
+
+    tok = env["toks"]["wordpiece"]
+    ds = ShardDataset(env["outs"]["wordpiece"], "train")
+    src = tmp_path_factory.mktemp("permuted")
+    save_bert(src, len(tok), tok)
+    spec = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    specials = set(special_ids(tok).values()) | {1}
+    rng = random.Random(seed)
+    moved = rng.sample(sorted(set(vocab.values()) - specials), k)
+    by_id = {i: p for p, i in vocab.items()}
+    for a, b in zip(moved, moved[1:] + moved[:1]):  # a cycle: every moved id gets another piece
+        vocab[by_id[a]] = b
+    (src / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    cfg = type("Cfg", (), {})()
+    cfg.checkpoint = type("C", (), {})()
+    cfg.model, cfg.checkpoint.init_from = model_cfg(src), f"hf:{src}"
+    with pytest.raises(WarmStartError) as e:
+        WarmStart.for_run(cfg, None, ds)
+    msg = str(e.value)
+    assert msg.startswith("checkpoint.init_from: hf:") and "\n" not in msg
+    assert f"{k} of {len(tok)} ids are other pieces (id {min(moved)}:" in msg, msg
 
 
 def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_path, capfd):

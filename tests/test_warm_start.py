@@ -195,7 +195,9 @@ def test_warm_started_run_trains_with_the_trainer(tmp_path, tiny_corpus):
             "optimizer.lr=3e-3", "checkpoint.save_interval=0", "deepspeed.precision=fp32"]  # fmt: skip
     r = run_pretrain(tiny_corpus, run, over, nproc=1, launcher="python", check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"[init] weights from hf:{tmp_path / 'src'} (bert, 64 positions copied to 128" in r.stdout
+    assert (
+        f"[init] weights from hf:{tmp_path / 'src'} (bert, 64 positions copied to 128" in r.stdout
+    )
     losses = [m["loss"] for _, m in sorted(read_metrics(run).items())]
     print("warm-started losses:", [round(x, 3) for x in losses])
     assert len(losses) == 20 and all(x == x and abs(x) < 1e9 for x in losses)
@@ -214,3 +216,181 @@ def test_trainer_refuses_another_vocabulary_in_one_line(tmp_path, tiny_corpus):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("config error: checkpoint.init_from: hf:") and "3000 ids" in line, line
     assert "the data's tokenizer" in line and "2000" in line
+
+
+# ============================================ identity, not just shape (issue 45 item 2)
+# Generated: config.json keys edited against the weights, corrupted weight files, tokenizers
+# whose pieces differ from the data's in k generated places. Each refusal is one line.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from linformer_ds.warm_start import WarmStart, check_pieces, main  # noqa: E402
+
+FAST = settings(max_examples=12, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """One saved BERT (2 layers, 64 positions, vocab 97), its files by name."""
+    path = tmp_path_factory.mktemp("bert")
+    save_source(path)
+    return Files({p.name: p.read_bytes() for p in path.iterdir()})
+
+
+class Files(dict):
+    """File name -> bytes, with a short repr (hypothesis prints the arguments of a failure)."""
+
+    def __repr__(self) -> str:
+        return f"Files({sorted(self)})"
+
+
+def _copy(files, root, **replace):
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in {**files, **replace}.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+def _convert(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# the config.json keys checked against the weights; deltas keep the model section valid
+KEYS = {"num_hidden_layers": (-1, 1, 3), "max_position_embeddings": (-48, -1, 1, 448),
+        "vocab_size": (-1, 5), "hidden_size": (-16, 4), "intermediate_size": (-32, 8),
+        "type_vocab_size": (1, 3)}  # fmt: skip
+
+
+@FAST
+@given(key=st.sampled_from(sorted(KEYS)), data=st.data())
+def test_config_json_must_agree_with_the_weights(source, tmp_path_factory, capsys, key, data):
+    """Any key of config.json edited away from what the weights store (1 layer declared, 2
+    stored; 512 positions declared, 64 stored; ...): the convert command and the trainer's
+    check refuse in one line naming the key; nothing loads silently."""
+    delta = data.draw(st.sampled_from(KEYS[key]))
+    cfg = json.loads(source["config.json"])
+    cfg[key] += delta
+    src = _copy(source, tmp_path_factory.mktemp("edited"),
+                **{"config.json": json.dumps(cfg).encode()})  # fmt: skip
+    rc, out, err = _convert(capsys, "--from", f"hf:{src}", "model.max_seq_len=64", "model.k=8")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (rc, err)
+    assert f"{key}={cfg[key]}" in err and "does not agree with the weights" in err, err
+    model = ModelConfig(**model_section(cfg, max_seq_len=64, k=8))
+    with pytest.raises(WarmStartError, match=f"checkpoint.init_from: .*{key}={cfg[key]} "):
+        WarmStart(f"hf:{src}", model)
+
+
+CORRUPT = {
+    "empty safetensors": ("model.safetensors", lambda data, cut, noise: b""),
+    "truncated safetensors": ("model.safetensors", lambda data, cut, noise: data[:cut]),
+    "random safetensors": ("model.safetensors", lambda data, cut, noise: noise),
+    "random pytorch_model.bin": ("pytorch_model.bin", lambda data, cut, noise: noise),
+    "truncated pytorch_model.bin": ("pytorch_model.bin", lambda data, cut, noise: data[:cut]),
+}
+
+
+@FAST
+@given(kind=st.sampled_from(sorted(CORRUPT)), frac=st.floats(0.0, 0.99),
+       noise=st.binary(min_size=0, max_size=300))  # fmt: skip
+def test_every_weights_read_error_is_one_line(source, tmp_path_factory, kind, frac, noise):
+    """Empty, truncated or random-bytes weight files (safetensors and pickle): one line naming
+    the file, never a SafetensorError / UnpicklingError traceback."""
+    name, corrupt = CORRUPT[kind]
+    files = {k: v for k, v in source.items() if k != "model.safetensors"}
+    if name == "pytorch_model.bin":
+        import io
+
+        buf = io.BytesIO()
+        from safetensors.torch import load
+
+        torch.save(load(source["model.safetensors"]), buf)
+        data = buf.getvalue()
+    else:
+        data = source["model.safetensors"]
+    src = _copy(files, tmp_path_factory.mktemp("bad"),
+                **{name: corrupt(data, int(len(data) * frac), noise)})  # fmt: skip
+    model = LinformerForMaskedLM(ModelConfig(**model_section(
+        json.loads(source["config.json"]), max_seq_len=64, k=8)))  # fmt: skip
+    with pytest.raises(WarmStartError) as e:
+        load_into(model, f"hf:{src}")
+    msg = str(e.value)
+    assert "\n" not in msg and f"{src / name}: unreadable weights (" in msg, msg
+
+
+def test_a_pickle_that_is_not_a_state_dict_is_refused(source, tmp_path):
+    files = {k: v for k, v in source.items() if k != "model.safetensors"}
+    src = _copy(files, tmp_path / "src")
+    torch.save([torch.zeros(2)], src / "pytorch_model.bin")
+    with pytest.raises(WarmStartError, match=r"unreadable weights \(ValueError: not a state dict"):
+        ours(src)
+
+
+def test_init_line_says_what_was_copied(source, tmp_path):
+    src = _copy(source, tmp_path / "src")
+    _, line = ours(src, max_seq_len=100)
+    assert line == (f"[init] weights from hf:{src} (bert, 64 positions copied to 100, 2 layers, "
+                    "E/F: normal; MLM head copied)"), line  # fmt: skip
+
+
+def _vocab_txt(pieces):
+    return "".join(p + "\n" for p in pieces).encode()
+
+
+@FAST
+@given(data=st.data())
+def test_the_data_tokenizer_must_have_the_sources_pieces(source, tiny_corpus, tmp_path_factory,
+                                                         data):  # fmt: skip
+    """The tiny corpus's SentencePiece pieces saved beside the source as vocab.txt: equal, the
+    check passes and says so; k generated pairs of ids swapped (same size, same special ids):
+    refused in one line with the count of ids that mean other pieces."""
+    import sentencepiece as spm
+
+    from linformer_ds.data.shards import ShardDataset
+
+    ds = ShardDataset(tiny_corpus, "train")
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_corpus / "tokenizer.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    src = _copy(source, tmp_path_factory.mktemp("tok"))
+    (src / "vocab.txt").write_bytes(_vocab_txt(pieces))
+    note = check_pieces(f"hf:{src}", str(ds.path), ds.manifest)
+    assert note == "tokenizer: 2000 pieces equal to the source's vocab.txt"
+    ids = data.draw(st.lists(st.integers(5, 1999), min_size=2, max_size=40, unique=True))
+    ids = ids[: len(ids) // 2 * 2]
+    swapped = list(pieces)
+    for a, b in zip(ids[::2], ids[1::2]):
+        swapped[a], swapped[b] = swapped[b], swapped[a]
+    (src / "vocab.txt").write_bytes(_vocab_txt(swapped))
+    with pytest.raises(WarmStartError) as e:
+        check_pieces(f"hf:{src}", str(ds.path), ds.manifest)
+    msg = str(e.value)
+    assert "\n" not in msg and f": {len(ids)} of 2000 ids are other pieces (id {min(ids)}:" in msg
+
+
+def test_convert_compares_the_pieces_with_the_data(source, tiny_corpus, tmp_path, capsys):
+    """launch/convert.py --data: the tokenizer beside the source against the data's."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_corpus / "tokenizer.model"))
+    pieces = [sp.id_to_piece(i) for i in range(2000)]
+    files = dict(source)
+    save_source(tmp_path / "src", vocab=2000)
+    (tmp_path / "src" / "vocab.txt").write_bytes(_vocab_txt(pieces))
+    capsys.readouterr()
+    args = (
+        "--from",
+        f"hf:{tmp_path / 'src'}",
+        "--data",
+        str(tiny_corpus),
+        "model.max_seq_len=128",
+        "model.k=8",
+    )
+    rc, out, err = _convert(capsys, *args)
+    assert rc == 0 and "# tokenizer: 2000 pieces equal to the source's vocab.txt" in out, err
+    pieces[7], pieces[8] = pieces[8], pieces[7]
+    (tmp_path / "src" / "vocab.txt").write_bytes(_vocab_txt(pieces))
+    rc, out, err = _convert(capsys, *args)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "2 of 2000 ids are other" in err
+    assert files == source  # the module's source untouched
