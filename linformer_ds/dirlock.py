@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -52,13 +53,64 @@ def _await_holder(path: str, deadline_s: float = 5.0) -> Dict[str, Any]:
 
 
 def read_holder(path: str) -> Dict[str, Any]:
-    """The holder recorded in the lock file ``path`` ({} when none or unreadable)."""
+    """The holder recorded in the lock file ``path`` ({} when none or unreadable); a symbolic
+    link is not followed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.loads(f.read() or "{}")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            holder = json.loads(f.read(1 << 16) or "{}")
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), None
+    when it does not exist or there is no /proc: with the pid it names one process, a pid
+    reused by a later process has another start."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> Optional[str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def holder_state(holder: Dict[str, Any]) -> str:
+    """Whether the process a lock record names is alive, judged by pid and start time (and the
+    host's boot): ``"gone"``, ``"alive"`` (the same process: it no longer holds the lock),
+    ``"reused"`` (the pid now names another process) or ``"unknown"`` (another host, or a
+    record without a start time whose pid is alive)."""
+    if holder.get("host") != socket.gethostname():
+        return "unknown"
+    try:
+        pid = int(holder.get("pid"))
+    except (TypeError, ValueError):
+        return "unknown"
+    if holder.get("boot") and holder.get("boot") != _boot_id():
+        return "gone"  # recorded before a reboot
+    now = process_start(pid)
+    if now is None:
+        if os.path.isdir("/proc/self"):
+            return "gone"  # /proc has no such pid
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:  # EPERM: it exists (another user's)
+            pass
+        return "unknown"
+    if holder.get("start") is None:
+        return "unknown"
+    return "alive" if int(holder["start"]) == now else "reused"
 
 
 class DirLock:
@@ -101,7 +153,7 @@ class DirLock:
 
     def _lock(self, mode: int) -> "DirLock":
         for _ in range(100):  # the file may be removed by its last holder between open and lock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = self._open()
             try:
                 fcntl.flock(fd, mode)
             except BlockingIOError:
@@ -127,16 +179,46 @@ class DirLock:
         if not self.shared:  # a record left behind: its process died holding the lock
             self.stale = read_holder(self.path)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
-                  "since": round(time.time(), 1)}  # fmt: skip
+                  "since": round(time.time(), 1), "start": process_start(os.getpid()),
+                  "boot": _boot_id()}  # fmt: skip
         os.ftruncate(fd, 0)  # (shared holders: the last one to start is named)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         return self
 
+    def _open(self) -> int:
+        """The lock file, opened (made) without following a symbolic link; anything but a
+        regular file there is refused in one line (LockError), never written through."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except OSError:
+            kind = _kind(self.path)
+            if kind is None:
+                raise
+            raise LockError(f"{self.what}: the lock file {self.path} is {kind}, not a regular "
+                            "file; nothing is written through it: remove it and run again"
+                            ) from None  # fmt: skip
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise LockError(f"{self.what}: the lock file {self.path} is "
+                            f"{_kind(self.path) or 'not a regular file'}, not a regular file; "
+                            "remove it and run again")  # fmt: skip
+        return fd
+
     def stale_note(self) -> Optional[str]:
-        """One line about the stale lock taken over (its holder's process is gone), or None."""
+        """One line about the stale lock taken over (its holder no longer holds it), or None:
+        the holder's process is called gone only when its pid and start time say so."""
         if not self.stale:
             return None
-        return f"[lock] {self.what}: took over the lock of {_describe(self.stale)}, which is gone"
+        state = holder_state(self.stale)
+        why = {
+            "gone": "which is gone",
+            "alive": "which is still running but no longer holds it",
+            "reused": f"which is gone (pid {self.stale.get('pid')} is now another process)",
+            "unknown": "which no longer holds it",
+        }[state]
+        return f"[lock] {self.what}: took over the lock of {_describe(self.stale)}, {why}"
 
     def release(self) -> None:
         """Unlock; the last holder removes the lock file first (while still holding it)."""
@@ -164,6 +246,21 @@ class DirLock:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.release()
+
+
+def _kind(path: str) -> Optional[str]:
+    """What ``path`` is when it is not a regular file ("a symbolic link", "a directory", ...);
+    None when it is one or does not exist."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):  # fmt: skip
+        if test(mode):
+            return name
+    return None
 
 
 def run_dir_lock(directory: str, what: str, command: str) -> DirLock:
