@@ -88,6 +88,13 @@ def config_errors(
             f"{KEY}: the slice length N/P={n_local} is shorter than the local mixer's reach "
             f"{r} (model.local_mixer_kernel {model.local_mixer_kernel}); lower P or the kernel"
         )
+    w = model.local_window // 2
+    if w and seq_len % p == 0 and n_local < w:
+        errors.append(
+            f"{KEY}: the slice length N/P={n_local} is shorter than the window's reach {w} "
+            f"(model.local_window {model.local_window}: W/2 keys each side come from the "
+            f"neighbouring rank); use local_window <= {2 * n_local} or a lower P"
+        )
     schedule = model.projection_schedule()
     for i, kind in enumerate(schedule):  # the registered kind's own support and stride
         if kind != "dense" and not get_projection(kind).sequence_parallel:
@@ -444,7 +451,7 @@ def sequence_parameters(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
         prefix = f"{name}." if name else ""
         if _sequence_shaped(module):
             out.append((f"{prefix}weight", module, int(module.sequence_dim)))
-        elif isinstance(module, LinformerEncoder):
+        elif isinstance(module, LinformerEncoder) and module.position_embeddings is not None:
             out.append((f"{prefix}position_embeddings.weight", module.position_embeddings, 0))
     return out
 

@@ -38,6 +38,12 @@ SCHEDULES = {
     "linear+mixer": dict(projection="linear", local_mixer="layers", local_mixer_kernel=5),
     "mixed+mixer": dict(num_layers=3, layer_projections=["linear", "dense", "linear"],
                         local_mixer="embed", local_mixer_kernel=3),
+    # windows of W/2 = 4 keys each side reach into the other rank's slice (a halo), within
+    # each document; rotary positions are the document positions
+    "linear+window": dict(projection="linear", local_window=8, positions="rope"),
+    "modern": dict(num_layers=3, layer_projections=["local", "local", "dense"], local_window=8,
+                   positions="rope"),
+    "local+linear": dict(layer_projections=["local", "linear"], local_window=10),
 }
 
 
@@ -92,6 +98,8 @@ def _equivalence(rank: int, world: int) -> dict:
     cases += [("mixed", "layerwise", "sublayer", True)]
     cases += [("linear+mixer", "layerwise", None, True), ("linear+mixer", "none", None, False)]
     cases += [("mixed+mixer", "kv", "sublayer", True), ("linear+mixer", "headwise", "layer", True)]
+    cases += [("linear+window", "layerwise", None, True), ("linear+window", "kv", "sublayer", False)]
+    cases += [("modern", "none", "layer", True), ("local+linear", "headwise", None, True)]
     for sched, sharing, checkpointing, per_span in cases:
         torch.manual_seed(0)
         ref = LinformerForMaskedLM(ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing}))
@@ -128,7 +136,8 @@ def _zero(rank: int, world: int, deepspeed) -> dict:
     batch = make_batch(seed=1)
     count = (batch["labels"] != -100).sum().float()
     local, _ = shard_batch(batch, groups.sp_rank, groups.sp_size)
-    mixer = dict(local_mixer="layers", local_mixer_kernel=3)  # its weights ZeRO-partitioned too
+    # the mixer's weights are ZeRO-partitioned too; the window's halo runs under every stage
+    mixer = dict(local_mixer="layers", local_mixer_kernel=3, local_window=8, positions="rope")
     cfg_model = ModelConfig(**{**BASE, **SCHEDULES["mixed"], "sharing": "headwise", **mixer})
     torch.manual_seed(0)
     ref = LinformerForMaskedLM(cfg_model)

@@ -57,6 +57,16 @@ MIXER_CASES = [
     ("linear+mixer", "layerwise", False, False), ("conv+mixer", "headwise", False, True),
     ("mixed+mixer", "kv", "sublayer", False), ("dense+mixer", "none", False, False),
 ]  # fmt: skip
+# local + global attention: the window reads W/2 = 4 rows of the neighbouring slice (a halo);
+# rotary positions at the slice's global offset; "modern": ModernBERT-like local/local/dense
+WINDOW = dict(local_window=8, positions="rope")
+CASE_SCHEDULES = {
+    **SCHEDULES, "modern": dict(num_layers=3, layer_projections=["local", "local", "dense"]),
+}  # fmt: skip
+MIXER_CASES += [
+    ("linear+window", "layerwise", False, False), ("conv+window", "headwise", False, True),
+    ("modern+window", "kv", "sublayer", False), ("mixed+window", "none", "layer", True),
+]  # fmt: skip
 
 
 # ============================================================================ data, shared by all
@@ -144,7 +154,9 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         extra = {"max_seq_len": N} if shard else {}
         if sched.endswith("+mixer"):  # the local mixer's halo rows cross the slice boundary
             sched, extra = sched[: -len("+mixer")], {**extra, **MIXER}
-        cfg = ModelConfig(**{**BASE, **SCHEDULES[sched], "sharing": sharing, **extra})
+        if sched.endswith("+window"):  # so do the window's keys
+            sched, extra = sched[: -len("+window")], {**extra, **WINDOW}
+        cfg = ModelConfig(**{**BASE, **CASE_SCHEDULES[sched], "sharing": sharing, **extra})
         ref = LinformerForMaskedLM(cfg)
         model = copy.deepcopy(ref)
         sharded = {}
@@ -183,7 +195,10 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         tag = (f"/checkpointed-{checkpointing}" if checkpointing else "") + (
             "/sharded" if shard else ""
         )
-        results["cases"][f"{sched}{'+mixer' if 'local_mixer' in extra else ''}/{sharing}{tag}"] = errs
+        suffix = ("+mixer" if "local_mixer" in extra else "") + (
+            "+window" if "local_window" in extra else ""
+        )
+        results["cases"][f"{sched}{suffix}/{sharing}{tag}"] = errs
 
     # Bytes handed to collectives by one layer of each kind, forward and backward.
     for kind in ("linear", "conv", "dense"):

@@ -1,6 +1,15 @@
-"""Multi-head self-attention over projected (linear, conv, registered kinds) or all (dense) keys."""
+"""Multi-head self-attention: dense, or against projected summaries of the keys and values
+(linear, conv, dynamic, registered kinds), optionally joined by an exact sliding window (local +
+global attention, Transformer-LS), with rotary positions on exact attention.
 
-from typing import Any, Optional
+Every per-kind question (which summaries hold padding, how the summaries of a document are laid
+out) is answered by the projection module (:class:`~.projections.Projection`): no branch here
+on a kind's name.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -8,17 +17,73 @@ from torch import nn
 
 from .config import ModelConfig
 from .documents import Documents, _nonempty
-from .projections import _make_projection
+from .projections import (
+    _make_projection,
+    chunk_summaries,
+    get_projection,
+    span_summaries,
+    span_summary_mask,
+    summary_mask,
+)
+
+
+class Window(NamedTuple):
+    """What every windowed layer of one forward pass shares (built by the encoder): ``radius``
+    ``r = local_window / 2``; ``query_doc [B, n]`` each query's document number (this rank's
+    slice); ``key_doc [B, n + 2r]`` the document number of the keys from ``r`` positions before
+    the slice to ``r`` after it, ``-1`` for padding and positions outside the row; ``halo(x, r)``
+    the neighbouring ranks' ``r`` rows either side (None: zeros, one rank)."""
+
+    radius: int
+    query_doc: torch.Tensor
+    key_doc: torch.Tensor
+    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
+
+
+class LocalContext(NamedTuple):
+    """Per-forward inputs of the attention layers beyond the mask and the documents:
+    ``window`` (None: no layer has one) and ``rotary`` (``cos, sin [B or 1, n, 1, d_h / 2]``,
+    None: learned positions)."""
+
+    window: Optional[Window] = None
+    rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def rotary_tables(
+    positions: torch.Tensor, head_dim: int, base: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``positions [n]`` or ``[B, n]`` -> ``cos, sin [B or 1, n, 1, head_dim / 2]`` (fp32)."""
+    inv = base ** (-torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv  # [.., n, d/2]
+    if angles.dim() == 2:
+        angles = angles[None]
+    return angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+
+def rotate(x: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE of ``x [B, n, h, d]`` (halves rotated as pairs, GPT-NeoX layout), in fp32."""
+    cos, sin = rotary
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _band(r: int, device: torch.device) -> torch.Tensor:
+    """``[r, 3r]`` bool: query ``t`` of a block may see key ``s`` of the three blocks around it
+    (key position - query position = ``s - r - t`` in ``[-r, r]``)."""
+    t = torch.arange(r, device=device)[:, None]
+    s = torch.arange(3 * r, device=device)[None, :]
+    return (s - r - t).abs() <= r
 
 
 class LinformerSelfAttention(nn.Module):
-    """Multi-head self-attention with linear, conv or dense key/value handling.
+    """Multi-head self-attention of one layer, of kind ``config.projection_schedule()[i]``.
 
-    ``forward(x [B, n, D], attention_mask [B, n] or None, shared_projection) -> [B, n, D]``.
-    Under ``sharing='layerwise'`` the projection is owned by the encoder and passed in as a
-    module; it is always called (never read), so ZeRO-3 gathers its parameters.
+    ``forward(x [B, n, D], attention_mask [B, n] or None, shared_projection, documents, local)
+    -> [B, n, D]``. Under ``sharing='layerwise'`` the projection is owned by the encoder and
+    passed in as a module; it is always called (never read), so ZeRO-3 gathers its parameters.
     Sequence parallel: ``x`` is the rank's slice; the projections exchange their summaries,
-    conv block masks and dense masks are gathered, dense layers run DeepSpeed-Ulysses.
+    summary masks and dense masks are gathered, dense layers run DeepSpeed-Ulysses, windows
+    read the neighbouring ranks' edge rows (a halo exchange).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
@@ -31,6 +96,8 @@ class LinformerSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_dropout
+        self.windowed = self.kind != "dense" and config.local_window > 0
+        self.masked_projection = self.kind != "dense" and get_projection(self.kind).masked
         self.proj_k: Optional[nn.Module] = None
         self.proj_v: Optional[nn.Module] = None
         # layout, set from outside (linformer_ds.parallelize.apply_sequence_parallel)
@@ -47,63 +114,50 @@ class LinformerSelfAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         shared_projection: Optional[nn.Module] = None,
         documents: Optional[Documents] = None,
+        local: Optional[LocalContext] = None,
     ) -> torch.Tensor:
         """``documents`` (:func:`document_spans`): each token attends only within its own
-        document (its own summaries, conv blocks or tokens); None: the whole row."""
+        document (its own summaries, windows or tokens); None: the whole row. ``local``: the
+        window and rotary tables of this batch (:class:`LocalContext`)."""
         b, n, _ = x.shape
         h, d = self.num_heads, self.head_dim
         qkv = self.qkv(x)  # [B, n, 3D]
         dropout_p = self.dropout_p if self.training else 0.0
         mask = attention_mask.bool() if attention_mask is not None else None
-        if documents is not None and not documents.whole_rows:
-            return self._isolated(qkv, mask, shared_projection, documents, dropout_p)
+        isolated = documents is not None and not documents.whole_rows
+        local = local if local is not None else LocalContext()
+        if self.windowed and local.window is None:
+            raise ValueError(f"layer {self.layer_idx} has a window: it needs `local.window`")
+        if self.kind == "dense":
+            return self._dense(qkv, mask, documents if isolated else None, local, dropout_p)
 
         # unbind/split rather than slicing: their backward writes the three gradients into one
         # [B, n, 3D] tensor (a stack/cat) instead of zero-filling and summing three of them.
-        sp = self.sequence_parallel
-        if self.kind == "dense" and sp is not None:  # Ulysses: q, k, v [B, n, h, d] slices
-            q, k, v = qkv.view(b, n, 3, h, d).unbind(2)
-            full = sp.gather_mask(mask) if mask is not None else None
-            attn_mask = _nonempty(full)[:, None, None, :] if full is not None else None
-            y = sp.dense_attention(q, k, v, attn_mask, dropout_p)  # [B, n, h, d]
-            return self.out(y.reshape(b, n, self.hidden_size))
-        if self.kind == "dense":
-            q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, h, d).unbind(2))
-            attn_mask = _nonempty(mask)[:, None, None, :] if mask is not None else None
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-            return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
-
         q, kv = qkv.split([self.hidden_size, 2 * self.hidden_size], dim=-1)
-        q = q.view(b, n, h, d).transpose(1, 2)  # [B, h, n, d] (a strided view, no copy)
         kv = kv.view(b, n, 2 * h, d)  # keys then values of each token, still a view of qkv
         if mask is not None:  # padded positions contribute nothing to the projected keys/values
             kv = kv * mask[:, :, None, None].to(kv.dtype)
-        proj_k = self.proj_k
-        if proj_k is None:
-            if shared_projection is None:
-                raise ValueError(
-                    f"layer {self.layer_idx}: sharing='layerwise' needs the encoder's shared "
-                    "projection passed as `shared_projection`"
-                )
-            proj_k = shared_projection
-        if self.proj_v is None:  # E = F: one GEMM projects keys and values together
-            kp, vp = proj_k(kv).view(b, -1, 2, h, d).unbind(2)
-        else:
-            k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
-            kp, vp = proj_k(k_in), self.proj_v(v_in)
+        proj_k = self._projection(shared_projection)
+        kp, vp = self._summaries(proj_k, kv, mask, documents if isolated else None)
+        if self.windowed:
+            k, v = kv.view(b, n, 2, h, d).unbind(2)
+            return self._local_global(
+                q.view(b, n, h, d), k, v, proj_k, kp, vp, mask, documents if isolated else None,
+                local, dropout_p,
+            )  # fmt: skip
+        if isolated:
+            return self._isolated(q, kp, vp, proj_k, mask, documents, dropout_p)
+        q = q.view(b, n, h, d).transpose(1, 2)  # [B, h, n, d] (a strided view, no copy)
         attn_mask = None
-        if self.kind == "conv" and mask is not None:  # blocks made only of padding are ignored
-            r = proj_k.stride
-            pad = (n + r - 1) // r * r - n  # as ConvProjection pads
-            blocks = F.pad(mask, (0, pad)).view(b, -1, r).any(dim=-1)
-            if sp is not None:  # the rank's blocks -> every block of the sequence
-                blocks = sp.gather_mask(blocks)
-            attn_mask = _nonempty(blocks)[:, None, None, :]
+        if mask is not None:
+            blocks = summary_mask(proj_k, mask)  # the kind says which summaries are padding
+            attn_mask = None if blocks is None else _nonempty(blocks)[:, None, None, :]
         y = F.scaled_dot_product_attention(
             q, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask, dropout_p=dropout_p
         )
         return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
+    # ------------------------------------------------------------------------------- pieces
     def _projection(self, shared_projection: Optional[nn.Module]) -> nn.Module:
         if self.proj_k is not None:
             return self.proj_k
@@ -114,88 +168,209 @@ class LinformerSelfAttention(nn.Module):
             )
         return shared_projection
 
-    def _isolated(
+    def _summaries(
+        self,
+        proj_k: nn.Module,
+        kv: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        documents: Optional[Documents],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Projected keys and values: ``[B, m, h, d]`` each (isolated: the kind's per-span
+        layout, e.g. ``[S, m, h, d]``)."""
+        b, n = kv.shape[:2]
+        h, d = self.num_heads, self.head_dim
+        extra = {"mask": mask} if self.masked_projection else {}
+        if self.proj_v is None:  # E = F: one GEMM projects keys and values together
+            y = proj_k(kv, documents, **extra) if documents is not None else proj_k(kv, **extra)
+            return y.view(y.shape[:-2] + (2, h, d)).unbind(-3)
+        k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
+        if documents is not None:
+            return proj_k(k_in, documents, **extra), self.proj_v(v_in, documents, **extra)
+        return proj_k(k_in, **extra), self.proj_v(v_in, **extra)
+
+    def _dense(
         self,
         qkv: torch.Tensor,
         mask: Optional[torch.Tensor],
-        shared_projection: Optional[nn.Module],
+        documents: Optional[Documents],
+        local: LocalContext,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """Full softmax attention (each document alone under isolation; Ulysses under sequence
+        parallelism); rotary positions on queries and keys when set."""
+        b, n, _ = qkv.shape
+        h, d = self.num_heads, self.head_dim
+        sp = self.sequence_parallel
+        q, k, v = qkv.view(b, n, 3, h, d).unbind(2)  # [B, n, h, d]
+        if local.rotary is not None:
+            q, k = rotate(q, local.rotary), rotate(k, local.rotary)
+        if sp is not None:  # Ulysses over the whole rows: the documents' or padding's mask
+            if documents is not None:
+                attn_mask = documents.block_mask
+            else:
+                full = sp.gather_mask(mask) if mask is not None else None
+                attn_mask = _nonempty(full)[:, None, None, :] if full is not None else None
+            y = sp.dense_attention(q, k, v, attn_mask, dropout_p)  # [B, n, h, d]
+            return self.out(y.reshape(b, n, self.hidden_size))
+        if documents is None:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            attn_mask = _nonempty(mask)[:, None, None, :] if mask is not None else None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+            return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
+        ys = []
+        for s, *qkv_i in zip(documents.spans, *(documents.split(t) for t in (q, k, v))):
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in qkv_i)  # [1, h, L, d]
+            am = None
+            if s.padded and mask is not None:
+                am = _nonempty(mask[s.row, s.start : s.end][None])[:, None, None, :]
+            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=am, dropout_p=dropout_p)
+            ys.append(y[0].transpose(0, 1))  # [L, h, d]
+        return self.out(torch.cat(ys).view(b, n, self.hidden_size))
+
+    def _isolated(
+        self,
+        q: torch.Tensor,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        proj_k: nn.Module,
+        mask: Optional[torch.Tensor],
         documents: Documents,
         dropout_p: float,
     ) -> torch.Tensor:
-        """Document-isolated attention of ``qkv [B, n, 3D]`` -> ``[B, n, D]``: each document
-        against its own keys (dense: one attention per document), summaries (linear) or
-        windows (conv); linear and conv run batched over chunks of k document positions
-        (:class:`DocumentChunks`), the work of each document alone plus the chunks' padding."""
-        b, n, _ = qkv.shape
+        """Document-isolated attention of ``q [B, n, D]`` against each document's own summaries
+        (the kind's per-span layout): one attention per span on views (the CPU path), or batched
+        over chunks of k document positions (:class:`DocumentChunks`)."""
+        b, n, _ = q.shape
         h, d = self.num_heads, self.head_dim
-        spans, sp = documents.spans, self.sequence_parallel
         sdpa = F.scaled_dot_product_attention
-        ys = []
-        if self.kind == "dense":
-            q, k, v = qkv.view(b, n, 3, h, d).unbind(2)  # [B, n, h, d]
-            if sp is not None:  # Ulysses over the whole rows, the documents' block mask
-                y = sp.dense_attention(q, k, v, documents.block_mask, dropout_p)
-                return self.out(y.reshape(b, n, self.hidden_size))
-            for s, *qkv_i in zip(spans, *(documents.split(t) for t in (q, k, v))):
-                qi, ki, vi = (t.transpose(0, 1)[None] for t in qkv_i)  # [1, h, L, d]
-                am = None
-                if s.padded and mask is not None:
-                    am = _nonempty(mask[s.row, s.start : s.end][None])[:, None, None, :]
-                y = sdpa(qi, ki, vi, attn_mask=am, dropout_p=dropout_p)
-                ys.append(y[0].transpose(0, 1))  # [L, h, d]
-            return self.out(torch.cat(ys).view(b, n, self.hidden_size))
-
-        q, kv = qkv.split([self.hidden_size, 2 * self.hidden_size], dim=-1)
-        q = q.view(b, n, h, d).transpose(1, 2)  # [B, h, n, d]
-        kv = kv.view(b, n, 2 * h, d)
-        if mask is not None:
-            kv = kv * mask[:, :, None, None].to(kv.dtype)
-        proj_k = self._projection(shared_projection)
-        if self.proj_v is None:  # E = F
-            kvp = proj_k(kv, documents)  # [S, k, 2h, d] or [C, 2h, d]
-            kp, vp = kvp.view(kvp.shape[:-2] + (2, h, d)).unbind(-3)
-        else:
-            k_in, v_in = kv.view(b, n, 2, h, d).unbind(2)
-            kp, vp = proj_k(k_in, documents), self.proj_v(v_in, documents)
+        spans = documents.spans
         if documents.per_span:  # each span's queries (a view) against its own summaries
-            counts = [1] * len(spans)  # summaries rows per span: linear [S, k, h, d]
-            if self.kind == "conv":  # [sum c_i, h, d] -> c_i = ceil(L_i / r) windows each
-                r = proj_k.stride
-                counts = [-(-(s.end - s.start) // r) for s in spans]
-            ks, vs = kp.split(counts), vp.split(counts)
-            qs = documents.split(q.transpose(1, 2))  # [L_i, h, d] views
-            for i, s in enumerate(spans):
+            ks, vs = span_summaries(proj_k, kp, documents), span_summaries(proj_k, vp, documents)
+            ys = []
+            for s, qi, ki, vi in zip(spans, documents.split(q.view(b, n, h, d)), ks, vs):
                 am = None
-                if self.kind == "conv" and s.padded and mask is not None:  # padding windows
-                    real = F.pad(mask[s.row, s.start : s.end], (0, counts[i] * r - s.end + s.start))
-                    am = _nonempty(real.view(1, -1, r).any(-1))[:, None, None, :]
-                ki, vi = (t[i].reshape(-1, h, d).transpose(0, 1)[None] for t in (ks, vs))
-                qi = qs[i].transpose(0, 1)[None]  # [1, h, L, d]
-                y = sdpa(qi, ki, vi, attn_mask=am, dropout_p=dropout_p)
+                if s.padded and mask is not None:  # the kind says which summaries are padding
+                    real = span_summary_mask(proj_k, mask[s.row, s.start : s.end])
+                    am = None if real is None else _nonempty(real[None])[:, None, None, :]
+                ki, vi = (t.reshape(-1, h, d).transpose(0, 1)[None] for t in (ki, vi))
+                y = sdpa(qi.transpose(0, 1)[None], ki, vi, attn_mask=am, dropout_p=dropout_p)
                 ys.append(y[0].transpose(0, 1))  # [L, h, d]
             return self.out(torch.cat(ys).view(b, n, self.hidden_size))
         # queries in chunks of k positions of a document, each chunk against its document's
-        # summaries (linear: k of them; conv: its windows, padded to the most of one document)
-        plan = documents.chunks(self.config.k_for_layer(self.layer_idx), b * n, qkv.device)
-        am = None
-        if self.kind == "conv":  # [C_w, h, d] windows -> [S, J, h, d], empty ones masked
-            win = documents.chunks(proj_k.stride, b * n, qkv.device)
-            valid = win.key_index < win.tokens.shape[0]  # [S, J]
-            if mask is not None:  # windows made only of padding are ignored
-                m = torch.cat([mask.reshape(-1), mask.new_zeros(1)])
-                real = m.index_select(0, win.tokens.reshape(-1)).view(win.tokens.shape).any(-1)
-                real = torch.cat([real, real.new_zeros(1)])
-                valid = real.index_select(0, win.key_index.reshape(-1)).view(valid.shape)
-            kp, vp = (
-                torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
-                .index_select(0, win.key_index.reshape(-1))
-                .view(win.key_index.shape + (h, d))
-                for t in (kp, vp)
-            )
-            am = _nonempty(valid).index_select(0, plan.span)[:, None, None, :]
-        flat = torch.cat([q.transpose(1, 2).reshape(b * n, h * d), q.new_zeros(1, h * d)])
+        # summaries (the kind lays them out per chunk, with their mask)
+        plan = documents.chunks(self.config.k_for_layer(self.layer_idx), b * n, q.device)
+        kc, vc, am = chunk_summaries(proj_k, kp, vp, documents, mask, plan, b * n)
+        flat = torch.cat([q.reshape(b * n, h * d), q.new_zeros(1, h * d)])
         qc = flat.index_select(0, plan.tokens.reshape(-1)).view(-1, plan.size, h, d)
-        kc, vc = (t.index_select(0, plan.span).transpose(1, 2) for t in (kp, vp))
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         y = sdpa(qc.transpose(1, 2), kc, vc, attn_mask=am, dropout_p=dropout_p)  # [C, h, c, d]
         y = y.transpose(1, 2).reshape(-1, h * d).index_select(0, plan.slot)  # [B n, D]
         return self.out(y.view(b, n, self.hidden_size))
+
+    # -------------------------------------------------------------------- local + global
+    def _local_global(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        proj_k: nn.Module,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        documents: Optional[Documents],
+        local: LocalContext,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """Each query against the keys within ``r`` positions of it (its document, no padding)
+        and its document's summaries, in one softmax (Transformer-LS). ``q, k, v [B, n, h, d]``.
+
+        The window runs in blocks of ``r`` queries against the ``3r`` keys around them (one
+        batched product: memory and work O(n r)); rotary positions turn the window's queries and
+        keys (the summaries' keys stay unrotated)."""
+        b, n, h, d = q.shape
+        win = local.window
+        r = win.radius
+        nb = -(-n // r)  # query blocks
+        tail = nb * r - n
+        scale = 1.0 / math.sqrt(d)
+        qs = q * scale
+        qw, kw = qs, k
+        if local.rotary is not None:
+            qw, kw = rotate(qs, local.rotary), rotate(k, local.rotary)
+        # keys and values from r before the slice to r after it, then to a whole block count
+        if win.halo is None:
+            kk, vv = (F.pad(t, (0, 0, 0, 0, r, r + tail)) for t in (kw, v))
+        else:
+            kk, vv = (F.pad(win.halo(t, r), (0, 0, 0, 0, 0, tail)) for t in (kw, v))
+        kb, vb = kk.unfold(1, 3 * r, r), vv.unfold(1, 3 * r, r)  # [B, nb, h, d, 3r]
+        qb = F.pad(qw, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, d)
+        s_win = torch.einsum("bjthd,bjhds->bjths", qb, kb).float()  # [B, nb, r, h, 3r]
+        key_doc = F.pad(win.key_doc, (0, tail), value=-1).unfold(1, 3 * r, r)  # [B, nb, 3r]
+        query_doc = F.pad(win.query_doc, (0, tail), value=-2).view(b, nb, r)
+        valid = (query_doc[..., :, None] == key_doc[..., None, :]) & _band(r, q.device)
+        neg = torch.finfo(torch.float32).min
+        s_win = s_win.masked_fill(~valid[:, :, :, None, :], neg)
+        s_sum, sum_valid = self._summary_scores(qs, proj_k, kp, mask, documents)  # [B, n, h, M]
+        m = s_sum.shape[-1]
+        if sum_valid is not None:
+            s_sum = s_sum.masked_fill(~sum_valid, neg)
+        s_sum = F.pad(s_sum, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, m)
+        p = torch.cat([s_win, s_sum], dim=-1).softmax(dim=-1).to(q.dtype)
+        if dropout_p:
+            p = F.dropout(p, dropout_p)
+        p_win, p_sum = p.split([3 * r, m], dim=-1)
+        y = torch.einsum("bjths,bjhds->bjthd", p_win, vb).reshape(b, nb * r, h, d)[:, :n]
+        if m:
+            y = y + self._summary_values(p_sum.reshape(b, nb * r, h, m)[:, :n], vp, proj_k, documents)
+        return self.out(y.reshape(b, n, self.hidden_size))
+
+    def _summary_scores(
+        self,
+        qs: torch.Tensor,
+        proj_k: nn.Module,
+        kp: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        documents: Optional[Documents],
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Scores of ``qs [B, n, h, d]`` against each query's summaries ``[B, n, h, M]`` (fp32)
+        and which are valid (``[B, n or 1, 1, M]`` bool, None: all); isolated: each span's
+        against its own (padded to the most of one span)."""
+        b, n, h, d = qs.shape
+        if documents is None:
+            s = torch.einsum("bnhd,bmhd->bnhm", qs, kp).float()
+            blocks = None if mask is None else summary_mask(proj_k, mask)
+            return s, None if blocks is None else blocks[:, None, None, :]
+        ks = span_summaries(proj_k, kp, documents)
+        most = max(t.shape[0] for t in ks)
+        scores: List[torch.Tensor] = []
+        valid: List[torch.Tensor] = []
+        for s, qi, ki in zip(documents.spans, documents.split(qs), ks):
+            si = torch.einsum("lhd,mhd->lhm", qi, ki).float()
+            ok = torch.ones(ki.shape[0], dtype=torch.bool, device=qs.device)
+            if s.padded and mask is not None:
+                real = span_summary_mask(proj_k, mask[s.row, s.start : s.end])
+                ok = ok if real is None else real
+            scores.append(F.pad(si, (0, most - ki.shape[0])))
+            valid.append(F.pad(ok, (0, most - ki.shape[0])).expand(qi.shape[0], most))
+        return (
+            torch.cat(scores).view(b, n, h, most),
+            torch.cat(valid).view(b, n, 1, most),
+        )
+
+    def _summary_values(
+        self,
+        p: torch.Tensor,
+        vp: torch.Tensor,
+        proj_k: nn.Module,
+        documents: Optional[Documents],
+    ) -> torch.Tensor:
+        """``p [B, n, h, M]`` weights of the summaries -> ``[B, n, h, d]``."""
+        if documents is None:
+            return torch.einsum("bnhm,bmhd->bnhd", p, vp)
+        vs = span_summaries(proj_k, vp, documents)
+        h, d = vp.shape[-2:]
+        ys = [
+            torch.einsum("lhm,mhd->lhd", pi[..., : vi.shape[0]], vi)
+            for pi, vi in zip(documents.split(p), vs)
+        ]
+        return torch.cat(ys).view(p.shape[:3] + (d,))

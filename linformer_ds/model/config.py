@@ -9,11 +9,12 @@ from .projections import ModelConfigError, get_projection, projection_names
 
 MODEL_FORMAT_VERSION = 1
 
-PROJECTIONS = ("linear", "conv", "dense")  # the built-in kinds (more: register_projection)
+PROJECTIONS = ("linear", "conv", "local", "dynamic", "dense")  # the built-in kinds (more: register_projection)
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 PROJECTION_INITS = ("normal", "pooling")
 POSITION_INITS = ("normal", "sinusoidal")
+POSITIONS = ("learned", "rope")
 LOCAL_MIXERS = ("none", "embed", "layers")
 OUTPUT_BIAS_INITS = ("zero", "unigram")
 NORM_STYLES = ("pre", "post")
@@ -35,6 +36,7 @@ _INT_RANGES = {
     "num_labels": (1, _MAX_SIZE),
     "format_version": (1, MODEL_FORMAT_VERSION),
     "local_mixer_kernel": (1, 2**10 + 1),
+    "local_window": (0, _MAX_SIZE),
 }
 # Floats: (test, the range as the message states it); nan fails every test.
 _FLOAT_RANGES = {
@@ -44,6 +46,7 @@ _FLOAT_RANGES = {
     "layer_norm_eps": (lambda v: 0 < v < math.inf, "> 0"),
     "initializer_range": (lambda v: 0 < v < math.inf, "> 0"),
     "projection_init_std": (lambda v: 0 < v < math.inf, "> 0"),
+    "rope_base": (lambda v: 1 < v < math.inf, "> 1"),
 }
 
 
@@ -109,6 +112,16 @@ class ModelConfig:
     # "embed": once, on the embeddings; "layers": a pre-LN sub-layer before every attention.
     local_mixer: str = "none"
     local_mixer_kernel: int = 3
+    # Local + global attention (Transformer-LS): every non-dense layer's queries also attend
+    # exactly to the keys within local_window / 2 positions on each side (their own document,
+    # never padding), in the same softmax as the layer's projected summaries; 0 = off. The
+    # projection kind "local" is the window alone (no summaries).
+    local_window: int = 0
+    # "learned": a position table added to the embeddings (BERT); "rope": no table, queries and
+    # keys of exact attention (windows, dense layers) rotated by their position (RoFormer);
+    # projected summaries see unrotated keys (E/F columns are positional already)
+    positions: str = "learned"
+    rope_base: float = 10000.0
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2
@@ -160,6 +173,7 @@ class ModelConfig:
                               ("projection", projection_names() + ("hybrid",)),
                               ("projection_init", PROJECTION_INITS),
                               ("position_init", POSITION_INITS),
+                              ("positions", POSITIONS),
                               ("output_bias_init", OUTPUT_BIAS_INITS),
                               ("local_mixer", LOCAL_MIXERS)):  # fmt: skip
             if getattr(self, name) not in choices:
@@ -174,8 +188,39 @@ class ModelConfig:
                 "local_mixer_kernel",
                 f"must be odd (centred on the token), got {self.local_mixer_kernel}",
             )
+        if self.positions == "rope" and self.head_dim % 2:
+            _bad("positions", f"rope rotates pairs of channels: head_dim {self.head_dim} is odd")
         self._validate_schedule()
         self._validate_k()
+        self._validate_window()
+        if self.freeze_projection:
+            for p in self.projection_schedule():
+                if p != "dense" and not get_projection(p).freezable:
+                    _bad(
+                        "freeze_projection",
+                        f"the {p!r} kind computes its summary weights from the input: there "
+                        "is no fixed projection to freeze (set it to false)",
+                    )
+
+    def _validate_window(self) -> None:
+        """``local_window``: even (W/2 positions each side), at most max_seq_len, used by some
+        layer; a ``local`` layer needs one."""
+        schedule = self.projection_schedule()
+        w = self.local_window
+        if w:
+            if w % 2:
+                _bad("local_window", f"must be even (W/2 keys on each side of a query), got {w}")
+            if w > self.max_seq_len:
+                _bad("local_window", f"{w} is wider than max_seq_len={self.max_seq_len}")
+            if all(p == "dense" for p in schedule):
+                _bad(
+                    "local_window",
+                    "applies to non-dense layers and every layer is dense: set it to 0 or "
+                    "make some layers linear/conv/local/dynamic",
+                )
+        elif "local" in schedule:
+            where = "layer_projections" if self.layer_projections is not None else "projection"
+            _bad(where, "the 'local' kind is a sliding window: set model.local_window (e.g. 128)")
 
     def _validate_schedule(self) -> None:
         """The per-layer schedule: hybrid split, explicit ``layer_projections``, ``layer_k``."""
@@ -212,7 +257,7 @@ class ModelConfig:
         kname = "layer_k" if self.layer_k is not None else "k"
         shared_k: dict = {}
         for i, p in enumerate(self.projection_schedule()):
-            if p == "dense":
+            if p == "dense" or not get_projection(p).uses_k:
                 continue
             k = self.k_for_layer(i)
             where = f"{kname}[{i}]" if self.layer_k is not None else "k"

@@ -4,10 +4,12 @@ from collections.abc import Callable
 from typing import Any, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .attention import LocalContext, Window, rotary_tables
 from .config import ModelConfig
-from .documents import Documents, document_block_mask, document_spans
+from .documents import Documents, document_block_mask, document_spans, document_starts
 from .layers import EncoderLayer, LocalMixer, LocalMixing, local_mixer_valid
 from .projections import _make_projection, projection_names, tracing
 
@@ -57,33 +59,38 @@ class LinformerEncoder(nn.Module):
     Activation checkpointing is applied from outside with ``set_activation_checkpointing``.
     """
 
-    position_shard_start = 0  # global position of the table's row 0 (sharded sequence parallel)
-    check_token_ids = True  # False: the caller checked the ids on the host (the trainer does)
-    # document isolation: one product and attention per span (True), batched over chunks
-    # (False), or None: per span on the CPU (measured faster there), chunks on accelerators
-    document_per_span: Optional[bool] = None
-
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # Layout and run-time switches, set from outside:
+        # global position of the position table's row 0 (sharded sequence parallelism)
+        self.position_shard_start = 0
+        # False: the caller checked the token ids on the host (the trainer does)
+        self.check_token_ids = True
+        # document isolation: one product and attention per span (True), batched over chunks
+        # (False), or None: per span on the CPU (measured faster there), chunks on accelerators
+        self.document_per_span: Optional[bool] = None
+        # linformer_ds.parallelize.apply_sequence_parallel
+        self.sequence_parallel: Optional[Any] = None
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
-        # init_weights reads the flag (module-local: any order of initialisation gives the table)
-        self.position_embeddings.sinusoidal_init = config.position_init == "sinusoidal"
+        self.position_embeddings: Optional[nn.Embedding] = None
+        if config.positions == "learned":
+            self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+            # init_weights reads the flag (module-local: any order of initialisation gives it)
+            self.position_embeddings.sinusoidal_init = config.position_init == "sinusoidal"
         self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
+        self.mixer: Optional[LocalMixer] = None
         if config.local_mixer == "embed":
             self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
         schedule = config.projection_schedule()
         # The single owner of each layerwise-shared projection: one per kind in the schedule,
         # ``shared_<kind>`` (shared_linear, shared_conv), in registry order.
-        self.shared_linear: Optional[nn.Module] = None
-        self.shared_conv: Optional[nn.Module] = None
-        if config.sharing == "layerwise":
-            for kind in projection_names():
-                if kind != "dense" and kind in schedule:
-                    shared = _make_projection(config, schedule.index(kind), kind, 1)
-                    setattr(self, f"shared_{kind}", shared)
+        self.shared = {}  # kind -> its module (the same modules as the shared_<kind> attributes)
+        for kind in projection_names()[:-1]:  # every registered kind: a module or None
+            if kind in schedule and config.sharing == "layerwise":
+                self.shared[kind] = _make_projection(config, schedule.index(kind), kind, 1)
+            setattr(self, f"shared_{kind}", self.shared.get(kind))
         self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
         self.final_ln = (
             nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -126,8 +133,10 @@ class LinformerEncoder(nn.Module):
         ``[B, n]`` ids and ``[n]`` (or per token ``[B, n]``) rows of the position table
         -> ``[B, n, D]``."""
         tokens = self.token_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        pe = self.position_embeddings(positions)
-        return self.drop(self.embed_ln(tokens + (pe if pe.dim() == 3 else pe[None])))
+        if self.position_embeddings is not None:
+            pe = self.position_embeddings(positions)
+            tokens = tokens + (pe if pe.dim() == 3 else pe[None])
+        return self.drop(self.embed_ln(tokens))
 
     def _documents(
         self,
@@ -150,11 +159,12 @@ class LinformerEncoder(nn.Module):
             )
         if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
             raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-        if self.position_shard_start or self.position_embeddings.num_embeddings != (
-            self.config.max_seq_len
+        table = self.position_embeddings
+        if self.position_shard_start or (
+            table is not None and table.num_embeddings != self.config.max_seq_len
         ):
             raise ValueError("position_ids need the whole position table (not sharded)")
-        sp = getattr(self, "sequence_parallel", None)
+        sp = self.sequence_parallel
         if sp is None:
             docs = document_spans(
                 position_ids, attention_mask, max_position=self.config.max_seq_len
@@ -179,7 +189,7 @@ class LinformerEncoder(nn.Module):
         mask)`` of :meth:`_documents` (None: one document per row). Under sequence parallelism
         the validity of the whole rows (documents and padding cross slices), sliced."""
         r = self.config.local_mixer_kernel // 2
-        sp = getattr(self, "sequence_parallel", None)
+        sp = self.sequence_parallel
         if sp is not None and n < r:
             raise ValueError(
                 f"local_mixer_kernel {self.config.local_mixer_kernel} reaches {r} positions, "
@@ -197,9 +207,42 @@ class LinformerEncoder(nn.Module):
             return LocalMixing(valid)
         return LocalMixing(valid[:, :, offset : offset + n].contiguous(), sp.halo)
 
+    def _window(
+        self,
+        batch: int,
+        n: int,
+        offset: int,
+        attention_mask: Optional[torch.Tensor],
+        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
+        device: torch.device,
+    ) -> Window:
+        """The windowed layers' shared inputs (:class:`Window`): each token's document number
+        and its keys' (``-1``: padding or outside the row), from the whole rows under sequence
+        parallelism (documents and padding cross slices)."""
+        r = self.config.local_window // 2
+        sp = self.sequence_parallel
+        if sp is not None and n < r:
+            raise ValueError(
+                f"model.local_window {self.config.local_window} reaches {r} positions, past the "
+                f"sequence-parallel slice of {n}: use a window of at most {2 * n} or fewer ranks"
+            )
+        if rows is not None:
+            pos, mask = rows
+        elif sp is None or attention_mask is None:
+            pos, mask = None, attention_mask
+        else:
+            pos, mask = None, sp.gather_mask(attention_mask)
+        length = n if sp is None else n * sp.world_size
+        if pos is None:
+            doc = torch.zeros(batch, length, dtype=torch.long, device=device)
+        else:
+            doc = torch.cumsum(document_starts(pos, mask).long(), dim=1)
+        key_doc = doc if mask is None else doc.masked_fill(~mask.bool(), -1)
+        key_doc = F.pad(key_doc, (r, r), value=-1)[:, offset : offset + n + 2 * r]
+        return Window(r, doc[:, offset : offset + n], key_doc, None if sp is None else sp.halo)
+
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
-        kind = layer.attention.kind
-        return None if kind == "dense" else getattr(self, f"shared_{kind}", None)
+        return self.shared.get(layer.attention.kind)
 
     def forward(
         self,
@@ -225,7 +268,7 @@ class LinformerEncoder(nn.Module):
             raise ValueError("pass input_ids or inputs_embeds, not both")
         else:
             n, device = inputs_embeds.shape[1], inputs_embeds.device
-        sp = getattr(self, "sequence_parallel", None)  # set by parallelize.apply_sequence_parallel
+        sp = self.sequence_parallel
         off = 0 if sp is None else sp.offset(n)  # the slice's global position
         if off + n > self.config.max_seq_len:
             raise ValueError(
@@ -233,7 +276,10 @@ class LinformerEncoder(nn.Module):
                 f"max_seq_len {self.config.max_seq_len}"
             )
         # sharded: the table holds rows [position_shard_start, ...) only
-        start, rows = self.position_shard_start, self.position_embeddings.num_embeddings
+        start = self.position_shard_start
+        rows = self.config.max_seq_len if self.position_embeddings is None else (
+            self.position_embeddings.num_embeddings
+        )
         if start and not start <= off <= off + n <= start + rows:
             raise ValueError(
                 f"sequence-parallel slice [{off}, {off + n}) is outside the position rows this "
@@ -257,14 +303,23 @@ class LinformerEncoder(nn.Module):
         mixing = None
         if self.config.local_mixer != "none":
             mixing = self._mixing(x.shape[0], n, off, attention_mask, rows, device)
-            if self.config.local_mixer == "embed":
+            if self.mixer is not None:
                 x = x + self.mixer(x, mixing)
+        local = None
+        if self.config.local_window or self.config.positions == "rope":
+            window = None
+            if self.config.local_window:
+                window = self._window(x.shape[0], n, off, attention_mask, rows, device)
+            rotary = None
+            if self.config.positions == "rope":
+                rotary = rotary_tables(pos + start, self.config.head_dim, self.config.rope_base)
+            local = LocalContext(window, rotary)
         for i, layer in enumerate(self.layers):
             if hidden_states is not None:
                 hidden_states.append(x)
             args = (attention_mask, self._shared_for(layer))
-            if documents is not None or mixing is not None:
-                args += (documents, mixing)
+            if documents is not None or mixing is not None or local is not None:
+                args += (documents, mixing, local)
             if self._checkpoint_fn is not None and self.training and i in self._checkpoint_layers:
                 if self._checkpoint_granularity == "sublayer":
                     x = self._checkpoint_fn(layer.attention_block, x, *args)

@@ -282,5 +282,7 @@ def flops_per_token(
             fwd += 2 * 2 * n * dm  # Q K^T and A V
         else:  # the kind's own: linear E K, F V + k summaries; conv: kernel taps + c blocks
             fwd += proj(config, i, n)
+        if kind != "dense" and config.local_window:  # the window: scores and weighted sum
+            fwd += 2 * 2 * min(config.local_window + 1, n) * dm
     fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
     return 3.0 * fwd

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LinformerSelfAttention
+from .attention import LinformerSelfAttention, LocalContext
 from .config import ModelConfig
 from .documents import Documents, document_starts
 
@@ -102,6 +102,8 @@ class EncoderLayer(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
+        self.mixer: Optional[LocalMixer] = None
+        self.ln_mix: Optional[nn.LayerNorm] = None
         if config.local_mixer == "layers":
             self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
             self.ln_mix = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -113,9 +115,10 @@ class EncoderLayer(nn.Module):
         shared_projection: Optional[nn.Module] = None,
         documents: Optional[Documents] = None,
         mixing: Optional[LocalMixing] = None,
+        local: Optional[LocalContext] = None,
     ) -> torch.Tensor:
         return self.ffn_block(
-            self.attention_block(x, attention_mask, shared_projection, documents, mixing)
+            self.attention_block(x, attention_mask, shared_projection, documents, mixing, local)
         )
 
     def attention_block(
@@ -125,11 +128,12 @@ class EncoderLayer(nn.Module):
         shared_projection: Optional[nn.Module] = None,
         documents: Optional[Documents] = None,
         mixing: Optional[LocalMixing] = None,
+        local: Optional[LocalContext] = None,
     ) -> torch.Tensor:
         """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``
         (``local_mixer: layers``: the mixing sub-layer first, with its own)."""
-        args = (attention_mask, shared_projection) + (() if documents is None else (documents,))
-        if hasattr(self, "mixer"):
+        args = (attention_mask, shared_projection, documents, local)
+        if self.mixer is not None:
             if mixing is None:
                 raise ValueError("a layer with a local mixer needs `mixing` (local_mixing)")
             if self.pre_ln:

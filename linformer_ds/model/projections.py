@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .documents import Documents
+from .documents import Documents, _nonempty
 
 # A ModelConfig (config.py imports this module for the registry, so not the other way round)
 Config = Any
@@ -32,7 +32,72 @@ def tracing() -> bool:
     return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
-class LinearProjection(nn.Module):
+class Projection(nn.Module):
+    """Base of the built-in projection modules: the questions attention asks a kind, answered by
+    the kind (attention never branches on a kind's name). A registered module that does not
+    derive from it gets these defaults: summaries ``[B, m, h, d]`` (isolated: ``[S, m, h, d]``,
+    one set per span) that padding never reaches.
+
+    Layout, set from outside: ``sequence_parallel`` (linformer_ds.parallelize).
+    """
+
+    sequence_dim: Optional[int] = None  # weight's dim indexed by sequence position, if any
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequence_parallel: Optional[Any] = None
+
+    def summary_mask(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """``mask [B, n]`` bool (this rank's slice) -> ``[B, m]``: the summaries that hold a real
+        token (None: all of them)."""
+        return None
+
+    def span_summaries(self, y: torch.Tensor, documents: Documents) -> "list[torch.Tensor]":
+        """The output of ``forward(x, documents)`` -> each span's summaries ``[m_i, h, d]``."""
+        return list(y.unbind(0))
+
+    def span_summary_mask(self, real: torch.Tensor) -> Optional[torch.Tensor]:
+        """``real [L]`` bool (one span's tokens) -> ``[m_i]``: its summaries that hold a real
+        token (None: all)."""
+        return None
+
+    def chunk_summaries(
+        self,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        documents: Documents,
+        mask: Optional[torch.Tensor],
+        plan: "Any",
+        tokens: int,
+    ) -> "tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]":
+        """Summaries of each query chunk of ``plan`` (:class:`DocumentChunks`): ``[C, m, h, d]``
+        keys and values and a ``[C, 1, 1, m]`` mask (None: all valid)."""
+        return kp.index_select(0, plan.span), vp.index_select(0, plan.span), None
+
+
+def summary_mask(proj: nn.Module, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """:meth:`Projection.summary_mask` of any projection module (a registered one that is not a
+    :class:`Projection` keeps its summaries clear of padding itself)."""
+    return proj.summary_mask(mask) if isinstance(proj, Projection) else None
+
+
+def span_summaries(proj: nn.Module, y: torch.Tensor, documents: Documents) -> list:
+    if isinstance(proj, Projection):
+        return proj.span_summaries(y, documents)
+    return list(y.unbind(0))
+
+
+def span_summary_mask(proj: nn.Module, real: torch.Tensor) -> Optional[torch.Tensor]:
+    return proj.span_summary_mask(real) if isinstance(proj, Projection) else None
+
+
+def chunk_summaries(proj: nn.Module, kp, vp, documents, mask, plan, tokens):  # noqa: ANN001
+    if isinstance(proj, Projection):
+        return proj.chunk_summaries(kp, vp, documents, mask, plan, tokens)
+    return Projection.chunk_summaries(proj, kp, vp, documents, mask, plan, tokens)
+
+
+class LinearProjection(Projection):
     """Learned projection along the sequence axis: ``[B, n, h, d] -> [B, k, h, d]``.
 
     ``weight`` is ``[H, k, N_max]`` with ``H = 1`` (shared by all heads) or ``H = num_heads``.
@@ -43,8 +108,6 @@ class LinearProjection(nn.Module):
     ``shard_start`` on (``[H, k, N_max / P]``), the ones this rank's slice uses.
     """
 
-    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
-    shard_start = 0  # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters)
     sequence_dim = 2  # weight's dim indexed by sequence position (sharded under SP)
     projection_kind = "linear"  # its registered kind (_make_projection sets it on every module)
 
@@ -54,6 +117,8 @@ class LinearProjection(nn.Module):
     ):  # fmt: skip
         super().__init__()
         self.k, self.max_seq_len, self.heads = k, max_seq_len, heads
+        # global column of weight[..., 0] (sequence_parallel.shard_sequence_parameters sets it)
+        self.shard_start = 0
         self.init_std, self.init = init_std, init
         self.weight = nn.Parameter(torch.empty(heads, k, max_seq_len), requires_grad=not frozen)
         self.reset_parameters()
@@ -153,7 +218,7 @@ class LinearProjection(nn.Module):
         return f"heads={self.heads}, k={self.k}, max_seq_len={self.max_seq_len}"
 
 
-class ConvProjection(nn.Module):
+class ConvProjection(Projection):
     """Strided 1-D convolution over the sequence (Conv-Linformer): ``[B, n, h, d] -> [B, c, h, d]``.
 
     kernel = stride = ``r``; ``c = ceil(n / r)`` (the input is zero-padded to a multiple of r).
@@ -162,7 +227,6 @@ class ConvProjection(nn.Module):
     Sequence parallel: the rank's slice (a multiple of r) gives its own blocks, all-gathered.
     """
 
-    sequence_parallel: Any = None  # set by linformer_ds.parallelize.apply_sequence_parallel
     sequence_dim = None  # the kernels are the same for every block: nothing sequence-shaped
     projection_kind = "conv"
 
@@ -229,8 +293,102 @@ class ConvProjection(nn.Module):
                 y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
         return y + self.bias
 
+    def summary_mask(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """Blocks made only of padding are ignored (under sequence parallelism: every block of
+        the sequence, gathered)."""
+        b, n = mask.shape
+        r = self.stride
+        blocks = F.pad(mask, (0, (n + r - 1) // r * r - n)).view(b, -1, r).any(dim=-1)
+        return blocks if self.sequence_parallel is None else self.sequence_parallel.gather_mask(blocks)
+
+    def span_summaries(self, y: torch.Tensor, documents: Documents) -> list:
+        """``[sum c_i, h, d]`` -> span i's ``c_i = ceil(L_i / r)`` windows."""
+        return list(y.split([-(-(s.end - s.start) // self.stride) for s in documents.spans]))
+
+    def span_summary_mask(self, real: torch.Tensor) -> Optional[torch.Tensor]:
+        r = self.stride
+        return F.pad(real, (0, -(-real.shape[0] // r) * r - real.shape[0])).view(-1, r).any(-1)
+
+    def chunk_summaries(self, kp, vp, documents, mask, plan, tokens):  # noqa: ANN001
+        """``[C_w, h, d]`` windows -> each chunk's document's windows ``[C, J, h, d]`` (J: the
+        most of one document), empty and padding-only ones masked."""
+        h, d = kp.shape[-2:]
+        win = documents.chunks(self.stride, tokens, kp.device)
+        valid = win.key_index < win.tokens.shape[0]  # [S, J]
+        if mask is not None:  # windows made only of padding are ignored
+            m = torch.cat([mask.reshape(-1), mask.new_zeros(1)])
+            real = m.index_select(0, win.tokens.reshape(-1)).view(win.tokens.shape).any(-1)
+            real = torch.cat([real, real.new_zeros(1)])
+            valid = real.index_select(0, win.key_index.reshape(-1)).view(valid.shape)
+        kp, vp = (
+            torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
+            .index_select(0, win.key_index.reshape(-1))
+            .view(win.key_index.shape + (h, d))
+            .index_select(0, plan.span)
+            for t in (kp, vp)
+        )
+        return kp, vp, _nonempty(valid).index_select(0, plan.span)[:, None, None, :]
+
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, kernel=stride={self.stride}"
+
+
+class LocalProjection(Projection):
+    """The ``local`` kind: no summaries (``[B, 0, h, d]``); its layers attend through the
+    sliding window (``model.local_window``) alone. No parameters."""
+
+    projection_kind = "local"
+
+    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+        rows = x.shape[0] if documents is None else len(documents.spans)
+        return x.new_zeros((rows, 0) + tuple(x.shape[2:]))
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class DynamicProjection(Projection):
+    """Transformer-LS's dynamic projection (Zhu et al. 2021): ``k`` summaries whose weights are
+    computed from the input: ``P = softmax_n(x w)`` over the positions of each row (each
+    document under isolation; padding never weighs), summaries ``P^T x``:
+    ``[B, n, h, d] -> [B, k, h, d]``. ``weight [H, d, k]`` (``H = 1``: shared by all heads).
+    No ``N_max``-wide parameter: any length. Sequence parallelism: not supported (the softmax
+    over a document split across ranks would need its max and sum from every rank)."""
+
+    projection_kind = "dynamic"
+
+    def __init__(self, k: int, head_dim: int, heads: int):
+        super().__init__()
+        self.k, self.heads, self.head_dim = k, heads, head_dim
+        self.weight = nn.Parameter(torch.empty(heads, head_dim, k))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        documents: Optional[Documents] = None,
+        mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``x [B, n, h, d]`` (``h`` may be ``2 * heads``: keys and values together, each set
+        weighing itself); ``mask [B, n]`` bool; with ``documents``: ``[S, k, h, d]``."""
+        b, n, h, d = x.shape
+        w = self.weight if self.heads == h else self.weight.expand(h, d, self.k)
+        scores = torch.einsum("bnhd,hdk->bnhk", x, w.to(x.dtype)).float()
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, :, None, None], torch.finfo(scores.dtype).min)
+        if documents is None:
+            p = scores.softmax(dim=1).to(x.dtype)
+            return torch.einsum("bnhk,bnhd->bkhd", p, x)
+        ys = []
+        for si, xi in zip(documents.split(scores), documents.split(x)):  # [L, h, k], [L, h, d]
+            ys.append(torch.einsum("lhk,lhd->khd", si.softmax(dim=0).to(x.dtype), xi))
+        return torch.stack(ys)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, k={self.k}"
 
 
 # ============================================================================ projection registry
@@ -261,6 +419,9 @@ class ProjectionKind:
     num_parameters: Optional[Callable[[Config, int], int]] = None
     flops: Optional[Callable[[Config, int, int], float]] = None
     sequence_parallel: bool = False
+    uses_k: bool = True  # the kind makes k summaries (model.k / layer_k); False: local
+    freezable: bool = True  # freeze_projection applies (False: weights computed from the input)
+    masked: bool = False  # forward takes ``mask=`` ([B, n] bool) and keeps padding out itself
 
     def parameters_of(self, config: Config, layer_idx: int) -> int:
         """Parameters of one ``heads=1`` module of layer ``layer_idx``."""
@@ -355,6 +516,11 @@ def _linear_flops(config: Config, i: int, n: int) -> float:
     return 2 * 2 * k * dm + 2 * 2 * k * dm  # E K and F V; scores and weighted sum over k
 
 
+def _dynamic_flops(config: Config, i: int, n: int) -> float:
+    k, dm = config.k_for_layer(i), config.hidden_size  # scores x w, P^T K, P^T V; attention
+    return 2 * k * dm * 3 + 2 * 2 * k * dm
+
+
 def _conv_flops(config: Config, i: int, n: int) -> float:
     # conv: per head a d_h x d_h kernel per tap; a token is one tap of one block, so it costs
     # d_h^2 multiply-adds per head, D * d_h over all heads (for K and for V)
@@ -370,4 +536,13 @@ register_projection(
     "conv", _conv, stride=lambda c, i: c.conv_stride(i), stride_rule="max_seq_len / k",
     check=_conv_check, flops=_conv_flops, sequence_parallel=True,
     num_parameters=lambda c, i: c.head_dim**2 * c.conv_stride(i) + c.head_dim,
+)  # fmt: skip
+register_projection(
+    "local", lambda c, i, h: LocalProjection(), uses_k=False, sequence_parallel=True,
+    num_parameters=lambda c, i: 0, flops=lambda c, i, n: 0.0,
+)  # fmt: skip
+register_projection(
+    "dynamic", lambda c, i, h: DynamicProjection(c.k_for_layer(i), c.head_dim, h),
+    freezable=False, masked=True, flops=_dynamic_flops,
+    num_parameters=lambda c, i: c.head_dim * c.k_for_layer(i),
 )  # fmt: skip
