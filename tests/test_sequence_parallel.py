@@ -64,7 +64,7 @@ CASE_SCHEDULES = {
     **SCHEDULES, "modern": dict(num_layers=3, layer_projections=["local", "local", "dense"]),
 }  # fmt: skip
 MIXER_CASES += [
-    ("linear+window", "layerwise", False, False), ("conv+window", "headwise", False, True),
+    ("linear+window", "layerwise", False, False), ("conv+window", "headwise", False, False),
     ("modern+window", "kv", "sublayer", False), ("mixed+window", "none", "layer", True),
 ]  # fmt: skip
 
