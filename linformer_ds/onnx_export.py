@@ -23,6 +23,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from linformer_ds.outdir import write_error
+from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
+
 # architecture in config.json -> (transformers Auto class, output fields besides the hidden state)
 TASKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "LinformerModel": ("AutoModel", ()),
@@ -30,7 +33,8 @@ TASKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "LinformerForSequenceClassification": ("AutoModelForSequenceClassification", ("logits",)),
     "LinformerForTokenClassification": ("AutoModelForTokenClassification", ("logits",)),
     "LinformerForQuestionAnswering": (
-        "AutoModelForQuestionAnswering", ("start_logits", "end_logits"),
+        "AutoModelForQuestionAnswering",
+        ("start_logits", "end_logits"),
     ),
 }
 INPUT_NAMES = ["input_ids", "attention_mask"]
@@ -78,9 +82,11 @@ def load(model_dir: str, architecture: Optional[str] = None) -> Tuple[nn.Module,
     if problem is not None:
         raise OnnxExportError(f"{model_dir}: its code will not be run: {problem}")
     auto, fields = TASKS[arch]
-    model = getattr(transformers, auto).from_pretrained(
-        model_dir, trust_remote_code=True, dtype=torch.float32
-    ).eval()
+    model = (
+        getattr(transformers, auto)
+        .from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32)
+        .eval()
+    )
     code = sys.modules[type(model.encoder).__module__]
     if not hasattr(code, "tracing"):
         raise OnnxExportError(
@@ -123,11 +129,20 @@ def export_onnx(
     optimize: bool = True,
     check: bool = True,
     lengths: Optional[Sequence[int]] = None,
+    overwrite: bool = False,
 ) -> Dict[str, Any]:
     """Write ``out`` (an ``.onnx`` file) from the export ``model_dir``; with ``check``, compare
     onnxruntime with PyTorch at :data:`CHECK_BATCHES` x ``lengths`` (default: a short length
     and ``max_seq_len``). Returns ``{"outputs", "export_s", "check": [{"batch", "seq",
-    <output>: max abs diff}]}``; raises :class:`OnnxExportError` beyond :data:`TOLERANCE`."""
+    <output>: max abs diff}]}``; raises :class:`OnnxExportError` beyond :data:`TOLERANCE`.
+
+    ``out`` follows the output contract (:mod:`linformer_ds.outpath`): checked before any work
+    (an existing file only with ``overwrite``; never the input directory or inside it), written
+    under a temporary name and renamed into place once the check has passed."""
+    try:
+        check_out_file(out, [("model_dir", model_dir)], overwrite, flag="OUT")
+    except OutPathError as e:
+        raise OnnxExportError(str(e)) from None
     wrapper, names = load(model_dir, architecture)
     cfg = wrapper.model.config
     n_max, vocab = int(cfg.max_seq_len), int(cfg.vocab_size)
@@ -150,14 +165,19 @@ def export_onnx(
     except Exception as e:  # torch.export's and the translator's many error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f"{model_dir}: torch.onnx.export failed: {first}") from e
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    onnx_program.save(out)
-    result: Dict[str, Any] = {
-        "outputs": names, "export_s": round(time.perf_counter() - start, 1), "check": [],
-    }  # fmt: skip
-    if check:
-        lengths = lengths or (max(2, min(n_max, 17)), n_max)
-        result["check"] = check_onnx(wrapper, out, names, vocab, lengths)
+    result: Dict[str, Any] = {"outputs": names, "check": []}
+    with staged(out) as tmp:
+        try:
+            onnx_program.save(tmp)
+        except OSError as e:
+            raise OnnxExportError(write_error(e, out)) from None
+        result["export_s"] = round(time.perf_counter() - start, 1)
+        if check:
+            lengths = lengths or (max(2, min(n_max, 17)), n_max)
+            try:
+                result["check"] = check_onnx(wrapper, tmp, names, vocab, lengths)
+            except OnnxExportError as e:  # named by the output, not its temporary name
+                raise OnnxExportError(str(e).replace(tmp, out)) from None
     return result
 
 
@@ -196,7 +216,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "and sequence axes) and check onnxruntime against PyTorch."
     )
     p.add_argument("model_dir", help="directory written by launch/export.py or finetune")
-    p.add_argument("out", help="the .onnx file to write")
+    p.add_argument("out", help="the .onnx file to write (a new file unless --overwrite; never "
+                   "inside model_dir)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT file")
     p.add_argument("--architecture", default=None, choices=sorted(TASKS),
                    help="model class (default: the directory's config.json)")  # fmt: skip
     p.add_argument("--no-optimize", action="store_true", help="skip onnxscript's graph optimizer")
@@ -204,11 +226,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         result = export_onnx(
-            args.model_dir, args.out, args.architecture, not args.no_optimize, not args.no_check
-        )
-    except OnnxExportError as e:
-        print(f"onnx export failed: {e}", file=sys.stderr)
+            args.model_dir, args.out, args.architecture, not args.no_optimize, not args.no_check,
+            overwrite=args.overwrite,
+        )  # fmt: skip
+    except (OnnxExportError, OSError) as e:
+        print(f"onnx export failed: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted("onnx export", args.out)
     for row in result["check"]:
         diffs = ", ".join(f"{k} {row[k]:.2g}" for k in result["outputs"])
         print(f"  batch {row['batch']}, length {row['seq']}: max |ort - torch| {diffs}")

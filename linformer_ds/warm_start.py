@@ -39,6 +39,7 @@ from linformer_ds.config import _load_yaml
 from linformer_ds.config_fields import ConfigError
 from linformer_ds.model import ModelConfig
 from linformer_ds.outdir import error_line
+from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
 HF_PREFIX = "hf:"
 MODEL_TYPES = ("bert", "roberta")
@@ -569,7 +570,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "job config that starts from it (checkpoint.init_from, the matching model section).",
     )
     p.add_argument("--from", dest="source", required=True, help="hf:PATH (save_pretrained dir)")
-    p.add_argument("--out", help="the job config to write (default: print it)")
+    p.add_argument("--out", help="the job config to write (default: print it); a new file "
+                   "unless --overwrite, never an input or inside one")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--config", help="a job config the written one builds on (its defaults:)")
     p.add_argument("--data", help="a data_prep output: its tokenizer must be the source's")
     p.add_argument("overrides", nargs="*", help="model.KEY=VALUE: the Linformer options "
@@ -609,6 +612,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Exit 0 with the config written (or printed), 2 with one line naming the problem."""
     args = parse_args(argv)
     try:
+        if args.out is not None:  # before any work: the output never destroys what existed
+            inputs = [("--from", args.source[len(HF_PREFIX):] if args.source.startswith(
+                HF_PREFIX) else None), ("--config", args.config), ("--data", args.data)]  # fmt: skip
+            check_out_file(args.out, inputs, args.overwrite)
         spec = HF_PREFIX + os.path.abspath(source_path(args.source))
         hf = read_source_config(source_path(spec))
         wanted = _overrides(args.overrides)
@@ -638,13 +645,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             note = "tokenizer: not compared (no --data)"
         check_weights(hf, read_source_weights(source_path(spec)), spec)
         text = job_config_text(spec, section, args.config, note)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        if args.out is not None:
+            with staged(args.out) as tmp:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
             print(f"wrote {args.out}: launch/pretrain.py --config {args.out} [key=value ...]")
         else:
             print(text, end="")
         return 0
-    except (ConfigError, OSError) as e:
+    except (ConfigError, OSError, OutPathError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted("error", args.out)

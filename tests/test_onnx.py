@@ -63,5 +63,6 @@ def test_onnx_matches_pytorch(tmp_path, sharing):
 
 
 def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path, capsys):
-    assert main([str(tmp_path), str(tmp_path / "m.onnx"), "--no-check"]) == 1
+    (tmp_path / "plain").mkdir()
+    assert main([str(tmp_path / "plain"), str(tmp_path / "m.onnx"), "--no-check"]) == 1
     assert "not an exported model directory" in capsys.readouterr().err
