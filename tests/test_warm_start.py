@@ -171,7 +171,7 @@ def test_model_section_and_data_vocabulary_must_match(tmp_path):
 def test_convert_cli_prints_the_section_and_refuses_in_one_line(tmp_path):
     save_source(tmp_path / "src")
     cmd = [sys.executable, CONVERT, "--from", f"hf:{tmp_path / 'src'}", "--out",
-           str(tmp_path / "warm.yaml"), "model.max_seq_len=256", "model.k=32"]  # fmt: skip
+           str(tmp_path / "warm.yaml"), "--overwrite", "model.max_seq_len=256", "model.k=32"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "warm.yaml").read_text()
