@@ -77,6 +77,12 @@ def special_settings(tok_info: Dict[str, Any]) -> Dict[str, int]:
     return {"cls_id": int(ids["cls"]), "sep_id": int(ids["sep"]), "pad_id": int(ids["pad"])}
 
 
+def special_settings_ids(tok_info: Dict[str, Any]) -> Dict[str, int]:
+    """``{cls, sep, pad}`` ids of a manifest tokenizer entry (see :func:`special_settings`)."""
+    got = special_settings(tok_info)
+    return {"cls": got["cls_id"], "sep": got["sep_id"], "pad": got["pad_id"]}
+
+
 def make_encoder(model: Any) -> Any:
     """The worker's encoder: a SentencePiece model proto (bytes) or an :class:`HFPayload`."""
     if isinstance(model, HFPayload):

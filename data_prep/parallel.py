@@ -45,6 +45,7 @@ import numpy as np
 from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.distributed import PeerFailed, Transport, World, connect, remove_sync_root
+from data_prep.doc_stats import summary_line
 from data_prep.errors import DataPrepError
 from data_prep.shards import fsync_dir, npy_header, shard_name
 from data_prep.sources import Source, SourceStats
@@ -495,6 +496,8 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
         f"valid {va['rows']} rows of {cfg.seq_len} on {ctx.size} ranks; "
         f"padding {tr['padding_fraction']:.4f}; {elapsed:.1f} s total",
     )
+    for s in pk.SPLITS:
+        _log(cfg, summary_line(s, manifest["splits"][s]["documents_in_rows"]))
     if counters["undecodable_bytes"]:
         print(
             f"data_prep: warning: replaced {counters['undecodable_bytes']} bytes that are not "

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from data_prep import packing as pk
 from data_prep.distributed import detect_world
+from data_prep.doc_stats import summary_line
 from data_prep.errors import DataPrepError, EmptySplitError
 from data_prep.parallel import prepare_distributed
 from data_prep.shards import ShardWriter
@@ -231,6 +232,8 @@ def _run(
         f"padding {train['padding_fraction']:.4f}; {tps:,.0f} tokens/s; "
         f"{elapsed:.1f} s total",
     )
+    for s in pk.SPLITS:
+        _log(cfg, summary_line(s, manifest["splits"][s]["documents_in_rows"]))
     st = source.stats
     if st.binary_files:  # always shown: input was left out
         print(

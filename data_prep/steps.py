@@ -19,6 +19,7 @@ import numpy as np
 
 from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
+from data_prep.doc_stats import split_documents
 from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding, source_kind
@@ -531,6 +532,10 @@ def _manifest(
                 "total": total,
             },
             "padding_fraction": c["pad"] / total if total else 0.0,
+            # single-document rows and document lengths, counted from the shards (doc_stats)
+            "documents_in_rows": split_documents(
+                cfg.out, shards, cfg.packing, pk.special_settings_ids(tok_info), cfg.seq_len
+            ),
         }
     # the train split's token counts for the trainer's context meter (unigram_counts.npy)
     special_ids = dict(tok_info.get("special_ids") or SPECIAL_IDS)  # (SentencePiece: fixed)
