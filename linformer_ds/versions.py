@@ -31,6 +31,25 @@ class UntestedVersionError(DistEnvError):
     """An installed dependency is outside the tested range (one line, names the range)."""
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """The boolean environment flag ``name``, one rule for every flag: ``1/true/yes/on`` is
+    on, ``0/false/no/off`` or empty (or unset) is off, case and surrounding blanks ignored;
+    anything else is refused in one line (:class:`DistEnvError`)."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise DistEnvError(f"{name}={raw!r} is not a boolean: use one of {'/'.join(TRUE_WORDS)} or "
+                       f"{'/'.join(FALSE_WORDS[1:])} (or leave it unset)")  # fmt: skip
+
+
 def installed_version(name: str) -> Optional[str]:
     """The installed distribution's version, or None when it is not installed."""
     try:
@@ -62,12 +81,12 @@ def check_versions(
 ) -> None:
     """Raise :class:`UntestedVersionError` (one line) when a dependency is outside its tested
     range; with ``LINFORMER_DS_UNTESTED_DEPS=1`` print the same line as a warning instead."""
+    untested_ok = env_flag(UNTESTED_ENV, env)  # a bad value is refused even in range
     problems = version_problems(versions)
     if not problems:
         return
-    env = os.environ if env is None else env
     line = "; ".join(problems)
-    if env.get(UNTESTED_ENV, "") not in ("", "0"):
+    if untested_ok:
         print(f"[warn] {line}; running anyway ({UNTESTED_ENV} is set)", file=sys.stderr, flush=True)
         return
     raise UntestedVersionError(

@@ -44,9 +44,7 @@ def test_constraints_pin_the_installed_set():
 )
 def test_refusal_outside_the_tested_range(monkeypatch, capsys, name, version):
     real = versions.installed_version
-    monkeypatch.setattr(
-        versions, "installed_version", lambda n: version if n == name else real(n)
-    )
+    monkeypatch.setattr(versions, "installed_version", lambda n: version if n == name else real(n))
     with pytest.raises(UntestedVersionError) as e:
         check_versions(env={})
     msg = str(e.value)
@@ -69,3 +67,41 @@ def test_trainer_refuses_at_start_up(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "error: deepspeed 0.20.0 is outside the tested range >=0.19.8,<0.20" in err
+
+
+# ============================= one boolean rule for environment flags (issue 45 item 7)
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from linformer_ds.dist_env import DistEnvError  # noqa: E402
+from linformer_ds.versions import FALSE_WORDS, TRUE_WORDS, env_flag  # noqa: E402
+
+
+def _spelled(words):
+    """A word of ``words`` in generated case with generated blanks around it."""
+    return st.tuples(st.sampled_from(words), st.lists(st.booleans(), min_size=5, max_size=5),
+                     st.sampled_from(["", " ", "\t"]), st.sampled_from(["", " ", "\n"])).map(
+        lambda t: t[2] + "".join(c.upper() if u else c for c, u in zip(t[0], t[1] * 2)) + t[3]
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(value=st.one_of(_spelled(TRUE_WORDS), _spelled(FALSE_WORDS), st.text(max_size=8)))
+def test_environment_flags_parse_with_one_rule(value):
+    """``false/no/off/0``/empty never turn the guard off (they did: any value but "" and "0"
+    did); ``1/true/yes/on`` do; anything else is refused in one line naming the flag."""
+    out_of_range = {"deepspeed": "0.99.0", "torch": installed_version("torch")}
+    word = value.strip().lower()
+    env = {UNTESTED_ENV: value}
+    if word in TRUE_WORDS:
+        assert env_flag(UNTESTED_ENV, env) is True
+        check_versions(out_of_range, env=env)  # a warning, no refusal
+    elif word in FALSE_WORDS:
+        assert env_flag(UNTESTED_ENV, env) is False
+        with pytest.raises(UntestedVersionError, match="deepspeed 0.99.0 is outside"):
+            check_versions(out_of_range, env=env)
+    else:
+        with pytest.raises(DistEnvError) as e:
+            check_versions(out_of_range, env=env)
+        assert str(e.value).startswith(f"{UNTESTED_ENV}={value!r} is not a boolean: use one of ")
+        assert "\n" not in str(e.value).replace(repr(value), "")

@@ -6,6 +6,7 @@ saved locally with save_pretrained (no Hub); the loading code is the real one.""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -394,3 +395,16 @@ def test_convert_compares_the_pieces_with_the_data(source, tiny_corpus, tmp_path
     rc, out, err = _convert(capsys, *args)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "2 of 2000 ids are other" in err
     assert files == source  # the module's source untouched
+
+
+@pytest.mark.parametrize("value, said", [(97.0, "vocab_size=97.0: sizes must be integers"),
+                                         ("97", "vocab_size='97': sizes must be integers"),
+                                         (True, "vocab_size=True: sizes must be integers"),
+                                         (None, "config.json lacks vocab_size")])  # fmt: skip
+def test_a_size_of_another_type_is_named_as_such(source, tmp_path, value, said):
+    """A float (or string, bool) vocab_size is reported as what it is, not as missing."""
+    cfg = json.loads(source["config.json"])
+    cfg["vocab_size"] = value
+    src = _copy(source, tmp_path / "src", **{"config.json": json.dumps(cfg).encode()})
+    with pytest.raises(WarmStartError, match=re.escape(said)):
+        read_source_config(str(src))
