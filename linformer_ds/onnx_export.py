@@ -73,6 +73,13 @@ def load(model_dir: str, architecture: Optional[str] = None) -> Tuple[nn.Module,
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise OnnxExportError(f"{model_dir}: not an exported model directory ({e})") from None
+    mixer = config.get("local_mixer", "none") if isinstance(config, dict) else "none"
+    if mixer not in (None, "none"):
+        raise OnnxExportError(
+            f"{model_dir}: local_mixer {mixer!r} does not export to ONNX (torch.export cannot "
+            "hold its per-document windows over a dynamic sequence axis: 'Constraints violated "
+            "(seq)'); run it in PyTorch, or export a model trained with local_mixer: none"
+        )
     arch = architecture or (config.get("architectures") or ["LinformerForMaskedLM"])[0]
     if arch not in TASKS:
         raise OnnxExportError(

@@ -66,3 +66,16 @@ def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path, capsys):
     (tmp_path / "plain").mkdir()
     assert main([str(tmp_path / "plain"), str(tmp_path / "m.onnx"), "--no-check"]) == 1
     assert "not an exported model directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mixer", ["conv", "attention"])
+def test_a_local_mixer_is_refused_before_any_work(tmp_path, capsys, mixer):
+    """The local mixer does not export ("Constraints violated (seq)!"): refused in one line
+    naming it, before the model is loaded; nothing written."""
+    model_dir = tmp_path / "export"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(f'{{"local_mixer": "{mixer}"}}')
+    assert main([str(model_dir), str(tmp_path / "m.onnx"), "--no-check"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"local_mixer '{mixer}' does not export" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
