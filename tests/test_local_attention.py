@@ -245,3 +245,44 @@ def test_window_wider_than_a_sequence_parallel_slice_is_refused():
         "dynamic projection does not support" in e
         for e in config_errors(2, model=dyn, seq_len=64, world_size=2)
     )
+
+
+def test_windowed_model_exports_to_onnx_with_equal_outputs(tmp_path):
+    """torch.export (dynamic batch and length) -> ONNX -> onnxruntime equals PyTorch for a
+    ModernBERT-like schedule with a window, summaries and rotary positions (padding included)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from linformer_ds.onnx_export import _size_oblivious
+
+    model = model_of(
+        num_layers=3, layer_projections=["local", "linear", "dense"], local_window=8,
+        positions="rope",
+    )  # fmt: skip
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return (self.m(ids, mask).logits,)
+
+    ids, mask = ids_of(2, 33), torch.ones(2, 33, dtype=torch.long)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=2, max=64)
+    with torch.no_grad(), _size_oblivious():
+        program = torch.export.export(
+            Logits(model), (ids, mask), dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
+            strict=False,
+        )  # fmt: skip
+        onnx = torch.onnx.export(program, (ids, mask), dynamo=True, verbose=False)
+    onnx.save(str(tmp_path / "m.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    for b, n in ((1, 7), (3, 64), (2, 40)):
+        ids, mask = ids_of(b, n, seed=n), torch.ones(b, n, dtype=torch.long)
+        mask[-1, n // 2 :] = 0
+        with torch.no_grad():
+            want = model(ids, mask).logits.numpy()
+        names = [i.name for i in session.get_inputs()]
+        got = session.run(None, dict(zip(names, (ids.numpy(), mask.numpy()))))[0]
+        assert float(np.abs(got - want).max()) < 1e-5, (b, n)

@@ -24,6 +24,7 @@ from .projections import (
     span_summaries,
     span_summary_mask,
     summary_mask,
+    tracing,
 )
 
 
@@ -98,6 +99,7 @@ class LinformerSelfAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.windowed = self.kind != "dense" and config.local_window > 0
         self.masked_projection = self.kind != "dense" and get_projection(self.kind).masked
+        self.summarised = self.kind != "dense" and get_projection(self.kind).summaries
         self.proj_k: Optional[nn.Module] = None
         self.proj_v: Optional[nn.Module] = None
         # layout, set from outside (linformer_ds.parallelize.apply_sequence_parallel)
@@ -138,7 +140,9 @@ class LinformerSelfAttention(nn.Module):
         if mask is not None:  # padded positions contribute nothing to the projected keys/values
             kv = kv * mask[:, :, None, None].to(kv.dtype)
         proj_k = self._projection(shared_projection)
-        kp, vp = self._summaries(proj_k, kv, mask, documents if isolated else None)
+        kp = vp = None  # a kind without summaries (local): the window alone
+        if self.summarised:
+            kp, vp = self._summaries(proj_k, kv, mask, documents if isolated else None)
         if self.windowed:
             k, v = kv.view(b, n, 2, h, d).unbind(2)
             return self._local_global(
@@ -274,8 +278,8 @@ class LinformerSelfAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         proj_k: nn.Module,
-        kp: torch.Tensor,
-        vp: torch.Tensor,
+        kp: Optional[torch.Tensor],
+        vp: Optional[torch.Tensor],
         mask: Optional[torch.Tensor],
         documents: Optional[Documents],
         local: LocalContext,
@@ -290,6 +294,8 @@ class LinformerSelfAttention(nn.Module):
         b, n, h, d = q.shape
         win = local.window
         r = win.radius
+        if tracing():  # export: the same math as one band-masked product (shape-generic)
+            return self._local_global_traced(q, k, v, proj_k, kp, vp, mask, local)
         nb = -(-n // r)  # query blocks
         tail = nb * r - n
         scale = 1.0 / math.sqrt(d)
@@ -310,18 +316,72 @@ class LinformerSelfAttention(nn.Module):
         valid = (query_doc[..., :, None] == key_doc[..., None, :]) & _band(r, q.device)
         neg = torch.finfo(torch.float32).min
         s_win = s_win.masked_fill(~valid[:, :, :, None, :], neg)
-        s_sum, sum_valid = self._summary_scores(qs, proj_k, kp, mask, documents)  # [B, n, h, M]
-        m = s_sum.shape[-1]
-        if sum_valid is not None:
-            s_sum = s_sum.masked_fill(~sum_valid, neg)
-        s_sum = F.pad(s_sum, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, m)
-        p = torch.cat([s_win, s_sum], dim=-1).softmax(dim=-1).to(q.dtype)
+        m = 0
+        scores = s_win
+        if kp is not None:
+            s_sum, sum_valid = self._summary_scores(qs, proj_k, kp, mask, documents)  # [B,n,h,M]
+            m = s_sum.shape[-1]
+            if sum_valid is not None:
+                s_sum = s_sum.masked_fill(~sum_valid, neg)
+            s_sum = F.pad(s_sum, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, m)
+            scores = torch.cat([s_win, s_sum], dim=-1)
+        # a query with no key in reach (padding among padding) gets no attention output, the same
+        # in every path (a softmax over masked keys only would depend on the block layout)
+        p = scores.softmax(dim=-1)
+        p = torch.cat(
+            [p[..., : 3 * r].masked_fill(~valid[:, :, :, None, :], 0.0), p[..., 3 * r :]], -1
+        )
+        p = p.to(q.dtype)
         if dropout_p:
             p = F.dropout(p, dropout_p)
         p_win, p_sum = p.split([3 * r, m], dim=-1)
         y = torch.einsum("bjths,bjhds->bjthd", p_win, vb).reshape(b, nb * r, h, d)[:, :n]
         if m:
-            y = y + self._summary_values(p_sum.reshape(b, nb * r, h, m)[:, :n], vp, proj_k, documents)
+            y = y + self._summary_values(
+                p_sum.reshape(b, nb * r, h, m)[:, :n], vp, proj_k, documents
+            )
+        return self.out(y.reshape(b, n, self.hidden_size))
+
+    def _local_global_traced(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        proj_k: nn.Module,
+        kp: torch.Tensor,
+        vp: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        local: LocalContext,
+    ) -> torch.Tensor:
+        """:meth:`_local_global` for ``torch.export`` (one row = one document, one rank): the
+        window as a band mask over the whole ``[n, n]`` scores, no blocks to size."""
+        b, n, h, d = q.shape
+        win = local.window
+        r = win.radius
+        qs = q * (1.0 / math.sqrt(d))
+        qw, kw = qs, k
+        if local.rotary is not None:
+            qw, kw = rotate(qs, local.rotary), rotate(k, local.rotary)
+        s_win = torch.einsum("bihd,bjhd->bhij", qw, kw).float()
+        pos = torch.arange(n, device=q.device)
+        band = (pos[:, None] - pos[None, :]).abs() <= r
+        key_ok = win.key_doc[:, r : r + n] >= 0  # [B, n]: not padding
+        neg = torch.finfo(torch.float32).min
+        s_win = s_win.masked_fill(~(band[None, None] & key_ok[:, None, None, :]), neg)
+        win_ok = band[None, None] & key_ok[:, None, None, :]
+        if kp is None:
+            p = s_win.softmax(dim=-1).masked_fill(~win_ok, 0.0).to(q.dtype)
+            y = torch.einsum("bhij,bjhd->bihd", p, v)
+            return self.out(y.reshape(b, n, self.hidden_size))
+        s_sum = torch.einsum("bihd,bmhd->bhim", qs, kp).float()
+        if mask is not None:
+            blocks = summary_mask(proj_k, mask)
+            if blocks is not None:
+                s_sum = s_sum.masked_fill(~blocks[:, None, None, :], neg)
+        p = torch.cat([s_win, s_sum], dim=-1).softmax(dim=-1)
+        p_win, p_sum = p.split([n, kp.shape[1]], dim=-1)
+        p_win, p_sum = p_win.masked_fill(~win_ok, 0.0).to(q.dtype), p_sum.to(q.dtype)
+        y = torch.einsum("bhij,bjhd->bihd", p_win, v) + torch.einsum("bhim,bmhd->bihd", p_sum, vp)
         return self.out(y.reshape(b, n, self.hidden_size))
 
     def _summary_scores(

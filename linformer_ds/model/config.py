@@ -9,7 +9,13 @@ from .projections import ModelConfigError, get_projection, projection_names
 
 MODEL_FORMAT_VERSION = 1
 
-PROJECTIONS = ("linear", "conv", "local", "dynamic", "dense")  # the built-in kinds (more: register_projection)
+PROJECTIONS = (
+    "linear",
+    "conv",
+    "local",
+    "dynamic",
+    "dense",
+)  # the built-in kinds (more: register_projection)
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 PROJECTION_INITS = ("normal", "pooling")
@@ -257,7 +263,7 @@ class ModelConfig:
         kname = "layer_k" if self.layer_k is not None else "k"
         shared_k: dict = {}
         for i, p in enumerate(self.projection_schedule()):
-            if p == "dense" or not get_projection(p).uses_k:
+            if p == "dense" or not get_projection(p).summaries:
                 continue
             k = self.k_for_layer(i)
             where = f"{kname}[{i}]" if self.layer_k is not None else "k"

@@ -277,8 +277,10 @@ class LinformerEncoder(nn.Module):
             )
         # sharded: the table holds rows [position_shard_start, ...) only
         start = self.position_shard_start
-        rows = self.config.max_seq_len if self.position_embeddings is None else (
-            self.position_embeddings.num_embeddings
+        rows = (
+            self.config.max_seq_len
+            if self.position_embeddings is None
+            else (self.position_embeddings.num_embeddings)
         )
         if start and not start <= off <= off + n <= start + rows:
             raise ValueError(

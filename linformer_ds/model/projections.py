@@ -299,7 +299,9 @@ class ConvProjection(Projection):
         b, n = mask.shape
         r = self.stride
         blocks = F.pad(mask, (0, (n + r - 1) // r * r - n)).view(b, -1, r).any(dim=-1)
-        return blocks if self.sequence_parallel is None else self.sequence_parallel.gather_mask(blocks)
+        return (
+            blocks if self.sequence_parallel is None else self.sequence_parallel.gather_mask(blocks)
+        )
 
     def span_summaries(self, y: torch.Tensor, documents: Documents) -> list:
         """``[sum c_i, h, d]`` -> span i's ``c_i = ceil(L_i / r)`` windows."""
@@ -419,7 +421,9 @@ class ProjectionKind:
     num_parameters: Optional[Callable[[Config, int], int]] = None
     flops: Optional[Callable[[Config, int, int], float]] = None
     sequence_parallel: bool = False
-    uses_k: bool = True  # the kind makes k summaries (model.k / layer_k); False: local
+    summaries: bool = (
+        True  # False: no summaries, the layer attends through its window alone (local)
+    )
     freezable: bool = True  # freeze_projection applies (False: weights computed from the input)
     masked: bool = False  # forward takes ``mask=`` ([B, n] bool) and keeps padding out itself
 
@@ -538,7 +542,7 @@ register_projection(
     num_parameters=lambda c, i: c.head_dim**2 * c.conv_stride(i) + c.head_dim,
 )  # fmt: skip
 register_projection(
-    "local", lambda c, i, h: LocalProjection(), uses_k=False, sequence_parallel=True,
+    "local", lambda c, i, h: LocalProjection(), summaries=False, sequence_parallel=True,
     num_parameters=lambda c, i: 0, flops=lambda c, i, n: 0.0,
 )  # fmt: skip
 register_projection(
