@@ -333,6 +333,31 @@ class ParallelConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    """Extra figures of every evaluation. ``context_windows``: the context curve
+    (linformer_ds.context_curve) on ``context_rows`` rows of each valid split: the hidden-label
+    loss and accuracy of the same masked positions seen through windows of W tokens
+    (``context_loss_wW``, ``context_accuracy_wW``) and ``long_context_gain`` = loss(512) -
+    loss(longest window); empty: off. Windows longer than the data's rows are left out."""
+
+    key: ClassVar[str] = "eval"
+    context_windows: List[int] = field(default_factory=list)
+    context_rows: int = bounded(8, 1, MAX_COUNT)
+
+    def rules(self, job: "JobConfig") -> None:
+        ws = self.context_windows
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in ws):
+            self.bad("context_windows", f"must be window sizes >= 1 (tokens), got {list(ws)}")
+        if ws and max(ws) > job.model.max_seq_len:
+            self.bad("context_windows", f"{max(ws)} is longer than model.max_seq_len "
+                     f"{job.model.max_seq_len}; use windows up to it")  # fmt: skip
+        if ws and job.parallel.sequence_parallel_size > 1:
+            self.bad("context_windows", "the context curve runs whole windows on each rank, not "
+                     "under sequence parallelism; set eval.context_windows=[] or "
+                     "parallel.sequence_parallel_size=1")  # fmt: skip
+
+
+@dataclass
 class DebugConfig(Section):
     """Test instruments of the trainer (docs/reliability.md), never set in normal runs; null:
     off. Each rank appends to its own file in the directory."""
@@ -378,6 +403,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
@@ -580,7 +606,7 @@ def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
 
 
 SECTIONS = ("data", "optimizer", "scheduler", "train", "deepspeed", "logging", "checkpoint",
-            "parallel", "debug")  # fmt: skip
+            "parallel", "eval", "debug")  # fmt: skip
 
 
 def validate(cfg: JobConfig) -> None:

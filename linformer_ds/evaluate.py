@@ -90,7 +90,31 @@ def evaluate(
         h_loss, h_acc = stats[4] / n_hidden, stats[5] / n_hidden
         result.update({"hidden_loss": h_loss, "hidden_accuracy": h_acc})
         result.update(figures(stats[7], stats[8], stats[6], h_loss, h_acc))
+    if cfg.eval.context_windows:
+        result.update(context_figures(engine, valid_ds, cfg, device, unigram, document_isolation))
     return result
+
+
+def context_figures(engine, valid_ds, cfg: JobConfig, device, unigram, document_isolation: bool
+                    ) -> Dict[str, float]:  # fmt: skip
+    """``eval.context_windows``: the context curve (linformer_ds.context_curve) of the model on
+    ``eval.context_rows`` rows of ``valid_ds``, masked as the evaluation masks (seed
+    ``train.seed + 1``); every rank computes the same figures (under ZeRO-3 the forward passes
+    gather the weights on all ranks alike). Nothing when no document is long enough (said once)."""
+    from linformer_ds.context_curve import ContextCurveError, curve, eval_figures
+
+    model = getattr(engine, "module", engine)
+    model = getattr(model, "_orig_mod", model)  # (torch.compile)
+    try:
+        res = curve(model, valid_ds, cfg.eval.context_windows, cfg.eval.context_rows,
+                    cfg.train.seed + 1, document_isolation, unigram, device,
+                    mlm_probability=cfg.data.mlm_probability)  # fmt: skip
+    except ContextCurveError as e:
+        if not getattr(valid_ds, "_context_curve_said", False):
+            valid_ds._context_curve_said = True
+            print(f"[eval] eval.context_windows: no context curve: {e}", flush=True)
+        return {}
+    return eval_figures(res)
 
 
 def hidden_labels(labels: torch.Tensor, input_ids: torch.Tensor, mask_id: int) -> torch.Tensor:

@@ -157,6 +157,8 @@ POLICY: Dict[str, Policy] = {
     "parallel.shard_sequence_parameters": _a("layout"),
     "parallel.auto_shard": _F,  # derived: why auto chose
     "parallel.init_timeout_s": _F,
+    "eval.context_windows": _F,  # evaluation only (the context curve)
+    "eval.context_rows": _F,
     "debug.sample_log": _F,
     "debug.sync_log": _F,
     "debug.sync_steps": _F,

@@ -225,3 +225,31 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("context_curve: error:"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_trainer_eval_logs_the_same_figures(tmp_path):
+    """``eval.context_windows``: evaluate's context figures are the curve's, on the valid split
+    masked with the evaluation's seed; bad settings are one line naming the key."""
+    from linformer_ds.config import ConfigError, load_config
+    from linformer_ds.context_curve import eval_figures
+    from linformer_ds.evaluate import context_figures
+    from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+
+    rng = np.random.default_rng(5)
+    data = write_data(tmp_path / "data", "pad", {"train": one_doc_rows(rng, 4),
+                                                  "valid": one_doc_rows(rng, 4)})  # fmt: skip
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={data}",
+                                    "eval.context_windows=[16,64]", "eval.context_rows=3"])  # fmt: skip
+    ds = ShardDataset(data, "valid")
+    model = tiny_model()
+    um = meter(ds)
+    got = context_figures(model, ds, cfg, "cpu", um, False)
+    want = eval_figures(curve(model, ds, [16, 64], 3, cfg.train.seed + 1, unigram=um))
+    assert got == want and set(got) == {"context_loss_w16", "context_accuracy_w16",
+                                        "context_loss_w64", "context_accuracy_w64"}  # fmt: skip
+    for bad, key in (("eval.context_windows=[0]", "eval.context_windows"),
+                     ("eval.context_windows=[100000]", "eval.context_windows"),
+                     ("eval.context_rows=0", "eval.context_rows")):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={data}", bad])
+        assert str(e.value).startswith(f"{key}:") and "\n" not in str(e.value)

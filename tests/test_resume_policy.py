@@ -148,6 +148,8 @@ VALUES = {
     "debug.sync_steps": ["debug.sync_steps=[3]"],
     "debug.nan_at_step": ["debug.nan_at_step=50"],
     "debug.nan_rank": ["debug.nan_rank=0"],
+    "eval.context_windows": ["eval.context_windows=[8,16]"],
+    "eval.context_rows": ["eval.context_rows=2"],
     "debug.pause_at": [],  # any value holds the start until a signal (test_startup_signals)
 }  # fmt: skip
 # keys of list items: a mixture of two sources (the same corpus under two names: A and B) in
