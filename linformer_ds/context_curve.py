@@ -536,11 +536,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"unigram      loss {result['unigram_loss']:.4f}  accuracy "
               f"{result['unigram_accuracy']:.4f}")  # fmt: skip
     gain = result["long_context_gain"]
-    print(
-        f"long_context_gain = loss({GAIN_FROM}) - loss({result['longest_window']}) = "
-        + (f"{gain:+.4f} nats" if gain is not None else f"n/a ({result['long_context_gain_note']})")
-        + f"; {result['positions']} positions in {result['rows']} rows"
-    )
+    if gain is None:
+        print(f"long_context_gain: n/a ({result['long_context_gain_note']}); "
+              f"{result['positions']} positions in {result['rows']} rows")  # fmt: skip
+    else:
+        print(f"long_context_gain = loss({GAIN_FROM}) - loss({result['longest_window']}) = "
+              f"{gain:+.4f} nats; {result['positions']} positions in {result['rows']} rows")  # fmt: skip
     for s in result["skipped_windows"]:
         print(f"W={s['window']} not evaluated: {s['why']}")
     if result.get("plot_note"):
