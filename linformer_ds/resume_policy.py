@@ -66,7 +66,8 @@ POLICY: Dict[str, Policy] = {
         "intermediate_size", "dropout", "attention_dropout", "layer_norm_eps", "norm",
         "projection", "hybrid_linear_layers", "layer_projections", "k", "layer_k", "sharing",
         "freeze_projection", "projection_init_std", "projection_init", "position_init",
-        "output_bias_init", "local_mixer", "local_mixer_kernel", "initializer_range",
+        "output_bias_init", "local_mixer", "local_mixer_kernel", "local_window", "positions",
+        "rope_base", "initializer_range",
         "pad_token_id", "num_labels", "classifier_dropout", "tie_word_embeddings")},  # fmt: skip
     "model.format_version": _F,  # the schema version: older formats load (check_model_config)
     "model.extra": _F,  # free-form metadata, ignored by the model
