@@ -1,0 +1,145 @@
+"""The long-context study at N = 4,096 (docs/quality_study.md, "Long context at N = 4,096").
+
+Every attention variant trains under configs/long_cpu.yaml's two-stage schedule (rows of 128,
+then rows of 4,096, the same tokens a step), shortened to ``--short-steps`` + ``--long-steps``
+steps, on the same data, masks, optimizer and seed; then the context curve of its final
+checkpoint (linformer_ds.context_curve: the same hidden labels through windows of 128 ... 4,096
+tokens). One result row per variant: hidden-label loss and gain over the unigram level at the
+end, the curve, long_context_gain = loss(512) - loss(4096), tokens/s and peak memory of the
+4,096 stage, wall-clock.
+
+    DS_ACCELERATOR=cpu python studies/long_study.py --out docs/quality_study/long_4096 \\
+        [--variants dense,local_linear] [--seed 0] [--short-steps 400] [--long-steps 100]
+
+A variant already finished (its result.json) is not run again; --report-only rebuilds the table.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "configs" / "long_cpu.yaml"
+WINDOWS = "128,512,1024,2048,4096"
+# name -> model overrides (on top of long_cpu.yaml's model; k = 128 where a kind has summaries)
+VARIANTS: Dict[str, Dict[str, Any]] = {
+    "dense": {"projection": "dense", "local_window": 0},
+    "linear_mixer": {"projection": "linear", "local_window": 0, "local_mixer": "layers"},
+    "conv_hybrid": {"projection": "hybrid", "sharing": "headwise", "local_window": 0},
+    "local": {"projection": "local", "local_window": 128},
+    "local_linear": {"projection": "linear", "local_window": 128},
+    "local_linear_rope": {"projection": "linear", "local_window": 128, "positions": "rope"},
+    "local_dynamic": {"projection": "dynamic", "sharing": "headwise", "local_window": 128},
+    "modernbert_like": {"layer_projections": ["dense", "local", "local", "dense"],
+                        "local_window": 128},
+}  # fmt: skip
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="docs/quality_study/long_4096", help="results and report")
+    p.add_argument("--runs", default="runs/long_study", help="run directories")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--short-steps", type=int, default=400, help="steps on rows of 128")
+    p.add_argument("--long-steps", type=int, default=100, help="steps on rows of 4,096")
+    p.add_argument("--curve-rows", type=int, default=16, help="valid rows the curve scores")
+    p.add_argument("--report-only", action="store_true")
+    return p.parse_args(argv)
+
+
+def study_config(name: str, args: argparse.Namespace) -> Any:
+    """long_cpu.yaml with the variant's attention and the shortened schedule."""
+    cfg = OmegaConf.load(BASE)
+    for key, value in VARIANTS[name].items():
+        cfg.model[key] = value
+    total = args.short_steps + args.long_steps
+    cfg.name = f"long_study-{name}-s{args.seed}"
+    cfg.train.max_steps = total
+    cfg.train.stages[0].end_step = args.short_steps
+    cfg.train.stages[1].end_step = total
+    cfg.train.eval_interval = args.long_steps if args.long_steps else total
+    cfg.train.seed = args.seed
+    cfg.scheduler.warmup_steps = max(1, total // 20)
+    cfg.checkpoint.save_interval = 0
+    cfg.checkpoint.keep_last = 1
+    return cfg
+
+
+def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
+    run = REPO / args.runs / f"{name}_s{args.seed}"
+    result_path = Path(args.out) / "runs" / f"{name}_s{args.seed}.json"
+    if result_path.is_file():
+        print(f"[skip] {name}: {result_path} exists", flush=True)
+        return json.loads(result_path.read_text())
+    run.mkdir(parents=True, exist_ok=True)
+    cfg_path = run / "study_config.yaml"
+    OmegaConf.save(study_config(name, args), cfg_path)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(REPO / "launch" / "pretrain.py"), "--config", str(cfg_path),
+           f"logging.dir={run}", "checkpoint.resume=never"]  # fmt: skip
+    print(f"[run] {name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(run / "train.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    train = [r for r in records if r.get("split") == "train"]
+    evals = [r for r in records if r.get("split") == "valid" and "hidden_loss" in r]
+    long_train = [r for r in train if r["step"] > args.short_steps]
+    result: Dict[str, Any] = {
+        "variant": name, "seed": args.seed, "model": VARIANTS[name], "returncode": rc,
+        "wall_s": round(wall, 1), "short_steps": args.short_steps, "long_steps": args.long_steps,
+        "tokens": 4096 * (args.short_steps + args.long_steps),
+    }  # fmt: skip
+    if evals:
+        last = evals[-1]
+        for key in ("hidden_loss", "hidden_accuracy", "unigram_loss", "context_gain_nats"):
+            result[key] = last.get(key)
+        result["evals"] = [
+            {k: r.get(k) for k in ("step", "hidden_loss", "context_gain_nats")} for r in evals
+        ]
+    if long_train:
+        tps = sorted(r["tokens_per_s"] for r in long_train[1:] or long_train)
+        result["tokens_per_s_4096"] = tps[len(tps) // 2]
+        result["peak_mem_gb"] = max(r.get("peak_mem_gb", 0.0) for r in long_train)
+    curve_dir = run / "context_curve"
+    curve_cmd = [sys.executable, "-m", "linformer_ds.context_curve", str(run / "checkpoints"),
+                 str(REPO / "data" / "long" / "data"), "--windows", WINDOWS,
+                 "--rows", str(args.curve_rows), "--out", str(curve_dir)]  # fmt: skip
+    t1 = time.perf_counter()
+    c = subprocess.run(curve_cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    result["curve_s"] = round(time.perf_counter() - t1, 1)
+    if c.returncode == 0:
+        curve = json.loads((curve_dir / "context_curve.json").read_text())
+        result["curve"] = curve
+    else:
+        result["curve_error"] = (c.stderr or c.stdout).strip().splitlines()[-1:]
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(result, indent=1))
+    print(f"[done] {name}: rc {rc}, {wall:.0f} s, hidden {result.get('hidden_loss')}", flush=True)
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        print(f"long_study: unknown variant(s) {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        for name in names:
+            run_variant(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
