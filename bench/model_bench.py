@@ -5,7 +5,7 @@ for each attention variant (linear, conv, hybrid, dense) at each sequence length
 process, alternating the variants in the inner loop so that machine drift hits all of them
 alike; a row's step time is the best of its timed steps (warm-up steps excluded), since load
 from other work can only add time. Model FLOP/s come from ``flops_per_token`` in
-``linformer_ds/model.py`` (the trainer's MFU uses the same formula); MFU is taken against the
+``linformer_ds/model/heads.py`` (the trainer's MFU uses the same formula); MFU is taken against the
 best bf16 GEMM rate measured in the same run (before, between the lengths, and after).
 
 Peak memory is "own persistent bytes + transient peak of one step": the bytes of the model's

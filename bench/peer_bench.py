@@ -51,7 +51,7 @@ Precision ``bf16`` (default): bf16 parameters with fp32 master weights updated b
 parameters under bf16 autocast; ``fp32``. The models' timed steps alternate within each round
 (the order rotates every round), so machine drift hits all of them alike; a model's step time is
 the median of its timed steps, and ``speedup`` is the median of the per-round ratios
-lucidrains / ours. Model FLOPs come from ``flops_per_token`` in ``linformer_ds/model.py``; MFU is
+lucidrains / ours. Model FLOPs come from ``flops_per_token`` in ``linformer_ds/model/heads.py``; MFU is
 against the best GEMM rate measured in the run's own precision (bf16 for bf16 and autocast,
 fp32 for fp32), before and after the timed steps. The machine, the load average before and
 after every group and ``--beside`` (what else ran) go into the results.

@@ -12,7 +12,8 @@ writes (JSON, never a pickle). ``OUT`` holds::
     configuration_linformer.py  remote code: LinformerConfig
     modeling_linformer.py       remote code: LinformerModel, ...ForMaskedLM, ...ForSequenceClassification,
                                 ...ForTokenClassification, ...ForQuestionAnswering, ...ForMultipleChoice
-    linformer_model.py          a verbatim copy of linformer_ds/model.py (torch + stdlib only)
+    linformer_model.py, *.py    the package linformer_ds/model/ file for file (its __init__ as
+                                linformer_model.py; torch + stdlib only)
     tokenizer.model             the SentencePiece model (data made with a Hugging Face tokenizer:
                                 that tokenizer's files instead, as save_pretrained writes them)
     tokenizer.json              the same model as a fast tokenizer, post-processor <s> X </s>

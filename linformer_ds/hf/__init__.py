@@ -1,6 +1,6 @@
 """Hugging Face wrappers of the Linformer model (needs ``transformers``; see ``linformer_ds.export``).
 
-The two modules here are copied, with ``model.py``, into every exported model directory as its
+The two modules here are copied, with the ``model/`` package, into every exported model directory as its
 remote code (``from ..model`` becomes ``from .linformer_model``).
 """
 

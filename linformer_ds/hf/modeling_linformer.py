@@ -1,12 +1,12 @@
 """Hugging Face model classes for Linformer encoders (shipped as remote code with every export).
 
-The classes are thin adapters over the plain-PyTorch modules of ``model.py``, under the same
+The classes are thin adapters over the plain-PyTorch modules of ``model/``, under the same
 parameter names as the training model (``encoder.*``, ``lm_head.*``, ``classifier.*``), so a
 consolidated training state dict loads without renaming. ``lm_head.decoder.weight`` is tied to
 ``encoder.token_embeddings.weight`` and is not stored. Task heads follow BERT/RoBERTa's names
 (``classifier``, ``qa_outputs``), the ones PEFT's defaults and users' recipes expect.
 
-What the adapters add to ``model.py``: the HF calling conventions (``return_dict``,
+What the adapters add to ``model/``: the HF calling conventions (``return_dict``,
 ``output_hidden_states``, ``inputs_embeds``), clear refusals of the arguments a Linformer cannot
 honour (``output_attentions``, ``head_mask``, ...), and padding on any side: a
 row whose padding is not all on the right is compacted (real tokens first, in order) before the
