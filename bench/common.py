@@ -48,6 +48,12 @@ class ModelSizes:
             raise BenchError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
 
 
+# local + global variants (docs/long_context.md): a 128-token window (at most N) alone or beside
+# k summaries
+WINDOW = 128
+WINDOWED = {"local": {"projection": "local"}, "local_linear": {"projection": "linear"}}
+
+
 def model_config(sizes: ModelSizes, variant: str, n: int) -> ModelConfig:
     """The benchmarked model: ``sizes``, ``variant``'s projection (hybrid: linear in the first
     half of the layers), layerwise sharing, ``max_seq_len = N``."""
@@ -60,10 +66,11 @@ def model_config(sizes: ModelSizes, variant: str, n: int) -> ModelConfig:
         intermediate_size=sizes.intermediate,
         dropout=sizes.dropout,
         attention_dropout=sizes.attention_dropout,
-        projection=variant,
         hybrid_linear_layers=sizes.layers // 2 if variant == "hybrid" else 6,
         k=sizes.k,
         sharing="layerwise",
+        **WINDOWED.get(variant, {"projection": variant}),
+        local_window=min(WINDOW, n - n % 2) if variant in WINDOWED else 0,
     )
 
 

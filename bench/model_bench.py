@@ -46,7 +46,8 @@ from bench.common import (
 from linformer_ds.model import LinformerForMaskedLMPretraining, flops_per_token, labelled_positions
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
-VARIANTS = ("linear", "conv", "hybrid", "dense")
+VARIANTS = ("linear", "conv", "hybrid", "local", "local_linear", "dense")  # every --variants
+DEFAULT_VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
 DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
@@ -58,7 +59,7 @@ class BenchConfig(ModelSizes):
     (base width by default) come from :class:`bench.common.ModelSizes`."""
 
     seq_lens: List[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
-    variants: List[str] = field(default_factory=lambda: list(VARIANTS))
+    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     batch: int = 1
     tokens: Optional[int] = None  # if set, batch = max(1, tokens // N) at each N
     warmup: int = 1

@@ -27,7 +27,7 @@ def test_writes_json_markdown_and_pngs(tiny_run):
     for name in ("time_per_token.png", "peak_memory.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["variant"], r["n"]): r for r in res["rows"]}
-    assert set(rows) == {(v, n) for v in bench.VARIANTS for n in (64, 128)}
+    assert set(rows) == {(v, n) for v in bench.DEFAULT_VARIANTS for n in (64, 128)}
     assert rows[("dense", 128)]["skipped"] == "N > --max-n dense=64"
     assert rows[("dense", 128)]["step_s"] is None
     md = (out / "results.md").read_text()
