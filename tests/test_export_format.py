@@ -36,3 +36,32 @@ def test_format1_export_loads_with_its_own_code_and_with_todays(tmp_path):
         for model in (hf, ours):
             logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
             torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+
+def test_package_export_of_long_context_kinds_loads_in_transformers(tmp_path):
+    """Today's export ships the model package file for file: a model with every new kind
+    (window, local, dynamic, rotary positions) loads through transformers' remote code with the
+    logits of the training classes."""
+    from transformers import AutoModelForMaskedLM
+
+    from linformer_ds.model_dir import MODEL_FILES, write_model_dir
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=300, max_seq_len=64, hidden_size=16, num_layers=3, num_heads=2,
+        intermediate_size=32, layer_projections=["local", "dynamic", "dense"], k=8,
+        sharing="headwise", local_window=8, positions="rope", dropout=0.0,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    model = LinformerForMaskedLM(cfg).eval()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.decoder.weight"}
+    out = tmp_path / "export"
+    write_model_dir(str(out), cfg, state, str(FORMAT1 / "tokenizer.model"))
+    assert {"linformer_model.py", *MODEL_FILES} <= {p.name for p in out.iterdir()}
+    assert check_remote_code(str(out)) is None
+    hf = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    ref = torch.load(FORMAT1 / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        want = model(ref["input_ids"], ref["attention_mask"]).logits
+        got = hf(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
