@@ -73,6 +73,28 @@ def study_config(name: str, args: argparse.Namespace) -> Any:
     return cfg
 
 
+def run_figures(run: Path, short_steps: int) -> Dict[str, Any]:
+    """The run's last evaluation (hidden-label loss, gain over the unigram level), its
+    evaluations, and the median tokens/s and the peak memory of its 4,096-token stage."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    train = [r for r in records if r.get("split") == "train"]
+    evals = [r for r in records if r.get("split") == "eval" and "hidden_loss" in r]
+    long_train = [r for r in train if r["step"] > short_steps]
+    out: Dict[str, Any] = {}
+    if evals:
+        last = evals[-1]
+        for key in ("hidden_loss", "hidden_accuracy", "unigram_loss", "context_gain_nats"):
+            out[key] = last.get(key)
+        out["evals"] = [
+            {k: r.get(k) for k in ("step", "hidden_loss", "context_gain_nats")} for r in evals
+        ]
+    if long_train:
+        tps = sorted(r["tokens_per_s"] for r in long_train[1:] or long_train)
+        out["tokens_per_s_4096"] = tps[len(tps) // 2]
+        out["peak_mem_gb"] = max(r.get("peak_mem_gb", 0.0) for r in long_train)
+    return out
+
+
 def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
     run = REPO / args.runs / f"{name}_s{args.seed}"
     result_path = Path(args.out) / "runs" / f"{name}_s{args.seed}.json"
@@ -90,26 +112,12 @@ def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
     with open(run / "train.log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
-    train = [r for r in records if r.get("split") == "train"]
-    evals = [r for r in records if r.get("split") == "valid" and "hidden_loss" in r]
-    long_train = [r for r in train if r["step"] > args.short_steps]
     result: Dict[str, Any] = {
         "variant": name, "seed": args.seed, "model": VARIANTS[name], "returncode": rc,
         "wall_s": round(wall, 1), "short_steps": args.short_steps, "long_steps": args.long_steps,
         "tokens": 4096 * (args.short_steps + args.long_steps),
     }  # fmt: skip
-    if evals:
-        last = evals[-1]
-        for key in ("hidden_loss", "hidden_accuracy", "unigram_loss", "context_gain_nats"):
-            result[key] = last.get(key)
-        result["evals"] = [
-            {k: r.get(k) for k in ("step", "hidden_loss", "context_gain_nats")} for r in evals
-        ]
-    if long_train:
-        tps = sorted(r["tokens_per_s"] for r in long_train[1:] or long_train)
-        result["tokens_per_s_4096"] = tps[len(tps) // 2]
-        result["peak_mem_gb"] = max(r.get("peak_mem_gb", 0.0) for r in long_train)
+    result.update(run_figures(run, args.short_steps))
     curve_dir = run / "context_curve"
     curve_cmd = [sys.executable, "-m", "linformer_ds.context_curve", str(run / "checkpoints"),
                  str(REPO / "data" / "long" / "data"), "--windows", WINDOWS,
@@ -128,6 +136,70 @@ def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def _f(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(out: Path, runs: Optional[Path] = None) -> Path:
+    """``out/report.md``, ``results.json`` and ``context_curves.png`` from ``out/runs/*.json``
+    (their run directories' metrics read again where ``runs`` still holds them)."""
+    rows = []
+    for p in sorted((out / "runs").glob("*.json")):
+        r = json.loads(p.read_text())
+        run = None if runs is None else runs / f"{r['variant']}_s{r['seed']}"
+        if run is not None and (run / "metrics.jsonl").is_file():
+            r.update(run_figures(run, r["short_steps"]))
+            p.write_text(json.dumps(r, indent=1))
+        rows.append(r)
+    order = {name: i for i, name in enumerate(VARIANTS)}
+    rows.sort(key=lambda r: (order.get(r["variant"], 99), r["seed"]))
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    windows = sorted({w["window"] for r in rows for w in r.get("curve", {}).get("windows", [])})
+    dense_tps = {r["seed"]: r.get("tokens_per_s_4096") for r in rows if r["variant"] == "dense"}
+    head = ["variant", "seed", "hidden loss", "gain vs unigram (nats)"]
+    head += [f"curve W={w}" for w in windows]
+    head += ["long-context gain 512->N", "tokens/s at 4096", "x dense", "peak mem GB", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        curve = {w["window"]: w["loss"] for w in r.get("curve", {}).get("windows", [])}
+        tps, d = r.get("tokens_per_s_4096"), dense_tps.get(r["seed"])
+        cells = [r["variant"], str(r["seed"]), _f(r.get("hidden_loss"), ".4f"),
+                 _f(r.get("context_gain_nats"), ".4f")]  # fmt: skip
+        cells += [_f(curve.get(w), ".4f") for w in windows]
+        cells += [_f(r.get("curve", {}).get("long_context_gain"), "+.4f"), _f(tps, ".0f"),
+                  _f(tps / d if tps and d else None, ".2f"), _f(r.get("peak_mem_gb"), ".2f"),
+                  _f(r.get("wall_s"), ".0f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    uni = [r["curve"].get("unigram_loss") for r in rows if r.get("curve")]
+    text = "\n".join(lines) + "\n"
+    if uni:
+        text += f"\nUnigram (no context) loss on the curve's positions: {uni[0]:.4f}.\n"
+    (out / "report.md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return out / "report.md"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ws = r.get("curve", {}).get("windows", [])
+        if ws:
+            ax.plot([w["window"] for w in ws], [w["loss"] for w in ws], "o-",
+                    label=f"{r['variant']} s{r['seed']}")  # fmt: skip
+    if uni:
+        ax.axhline(uni[0], color="grey", ls="--", label="unigram (no context)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("window around the scored position (tokens)")
+    ax.set_ylabel("hidden-label loss (nats)")
+    ax.set_title("Context curves at N = 4,096 (same positions and masks)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "context_curves.png", dpi=110)
+    return out / "report.md"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -138,6 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.report_only:
         for name in names:
             run_variant(name, args)
+            report(Path(args.out), REPO / args.runs)
+    print(report(Path(args.out), REPO / args.runs).read_text())
     return 0
 
 
