@@ -195,17 +195,28 @@ class LinformerEncoder(nn.Module):
                 f"local_mixer_kernel {self.config.local_mixer_kernel} reaches {r} positions, "
                 f"past the sequence-parallel slice of {n}"
             )
-        if rows is not None:
-            pos, mask = rows
-        elif sp is None or attention_mask is None:
-            pos, mask = None, attention_mask
-        else:
-            pos, mask = None, sp.gather_mask(attention_mask)
-        length = n if sp is None else n * sp.world_size
+        pos, mask, length = self._whole_rows(n, attention_mask, rows)
         valid = local_mixer_valid(r, length, batch, mask, pos, device)
         if sp is None:
             return LocalMixing(valid)
         return LocalMixing(valid[:, :, offset : offset + n].contiguous(), sp.halo)
+
+    def _whole_rows(
+        self,
+        n: int,
+        attention_mask: Optional[torch.Tensor],
+        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]:
+        """``(position_ids, mask, length)`` of the whole rows this slice belongs to: ``rows``
+        from :meth:`_documents` (None: one document per row; the mask gathered over the
+        sequence-parallel group)."""
+        sp = self.sequence_parallel
+        length = n if sp is None else n * sp.world_size
+        if rows is not None:
+            return rows[0], rows[1], length
+        if sp is None or attention_mask is None:
+            return None, attention_mask, length
+        return None, sp.gather_mask(attention_mask), length
 
     def _window(
         self,
@@ -226,13 +237,7 @@ class LinformerEncoder(nn.Module):
                 f"model.local_window {self.config.local_window} reaches {r} positions, past the "
                 f"sequence-parallel slice of {n}: use a window of at most {2 * n} or fewer ranks"
             )
-        if rows is not None:
-            pos, mask = rows
-        elif sp is None or attention_mask is None:
-            pos, mask = None, attention_mask
-        else:
-            pos, mask = None, sp.gather_mask(attention_mask)
-        length = n if sp is None else n * sp.world_size
+        pos, mask, length = self._whole_rows(n, attention_mask, rows)
         if pos is None:
             doc = torch.zeros(batch, length, dtype=torch.long, device=device)
         else:
