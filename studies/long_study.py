@@ -37,6 +37,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "local_linear": {"projection": "linear", "local_window": 128},
     "local_linear_rope": {"projection": "linear", "local_window": 128, "positions": "rope"},
     "local_dynamic": {"projection": "dynamic", "sharing": "headwise", "local_window": 128},
+    # the window beside the local mixer of the English recipe (every layer reads +-1 directly)
+    "local_linear_mixer": {"projection": "linear", "local_window": 128, "local_mixer": "layers"},
     "modernbert_like": {"layer_projections": ["dense", "local", "local", "dense"],
                         "local_window": 128},
 }  # fmt: skip
