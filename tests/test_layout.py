@@ -1,8 +1,10 @@
 """The layout stays as documented: every module of the two packages imports (so the quick tier
 touches each one), data_prep and linformer_ds.fsio stay torch-free (data_prep's worker
-processes import them), and README's layout table names every module, script and tool."""
+processes import them), docs/development.md's layout table names every module, script and tool,
+and every document is reachable from the README through docs/README.md."""
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -39,8 +41,8 @@ def test_data_prep_and_fsio_do_not_load_torch():
     assert proc.stdout.strip() == "[]"
 
 
-def test_readme_layout_names_every_module_script_and_tool():
-    text = (REPO / "README.md").read_text()
+def test_layout_doc_names_every_module_script_and_tool():
+    text = (REPO / "docs" / "development.md").read_text()
     layout = text[text.index("## Layout") : text.index("\n## ", text.index("## Layout") + 1)]
     missing = []
     for top in DOCUMENTED:
@@ -51,4 +53,24 @@ def test_readme_layout_names_every_module_script_and_tool():
                 continue
             if p.stem not in layout and p.name not in layout:
                 missing.append(str(p.relative_to(REPO)))
-    assert not missing, f"README's layout table does not name: {missing}"
+    assert not missing, f"docs/development.md's layout table does not name: {missing}"
+
+
+def _links(path) -> set:
+    """The local targets of a markdown file's links, resolved (anchors dropped)."""
+    out = set()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if "://" not in target:
+            out.add((path.parent / target).resolve())
+    return out
+
+
+def test_every_doc_is_reachable_from_the_readme():
+    index = REPO / "docs" / "README.md"
+    assert index.resolve() in _links(REPO / "README.md")
+    linked = _links(index)
+    docs = [*sorted((REPO / "docs").glob("*.md")), REPO / "BENCHMARKS.md", REPO / "CHANGELOG.md"]
+    missing = [str(p.relative_to(REPO)) for p in docs if p != index and p.resolve() not in linked]
+    assert not missing, f"docs/README.md does not link: {missing}"
+    broken = [str(p) for p in linked | _links(REPO / "README.md") if not p.exists()]
+    assert not broken, f"links to nothing: {broken}"
