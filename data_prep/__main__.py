@@ -8,7 +8,7 @@ from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES
-from linformer_ds import dirlock, outdir
+from linformer_ds import dirlock, outdir, plugins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,12 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete an existing output first")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (a dotted name or a .py file) on every rank first: it registers "
+        "source kinds or file formats (docs/extending.md); repeatable",
+    )
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m data_prep`` and the ``linformer-data-prep`` script."""
     args = build_parser().parse_args(argv)
+    try:
+        plugins.import_plugins(args.plugin)  # before the sources are read
+    except plugins.PluginError as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 2
     outdir.ignore_file_size_signal()  # a write past `ulimit -f` is an error line, not SIGXFSZ
     if args.overwrite and args.resume:
         print("error: --overwrite and --resume exclude each other", file=sys.stderr)

@@ -282,6 +282,9 @@ class LoggingConfig(Section):
     # the address the endpoints listen on: 0.0.0.0 every interface (a cluster's Prometheus
     # scrapes the nodes), 127.0.0.1 this host only, or one interface's address or name
     prometheus_host: str = nonempty("0.0.0.0")
+    # sinks registered by name (linformer_ds.metrics.register_sink, e.g. in a --plugin module),
+    # built on every rank beside the built-in ones
+    sinks: List[str] = field(default_factory=list)
 
     def rules(self, job: "JobConfig") -> None:
         if not is_host(self.prometheus_host):

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
-from linformer_ds.config import JobConfig
+from linformer_ds.config import ConfigError, JobConfig
 from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
 from linformer_ds.prometheus import PrometheusSink
 
@@ -89,6 +89,41 @@ class Sink:
 
     def close(self) -> None:
         """Flush and release what the sink holds."""
+
+
+# A sink named in ``logging.sinks`` is built by its registered factory on every rank:
+# ``factory(cfg, rank, world_size) -> Sink`` (or None: no sink on this rank).
+SinkFactory = Callable[[JobConfig, int, int], Optional[Sink]]
+_SINK_KINDS: Dict[str, SinkFactory] = {}
+
+
+def register_sink(name: str, factory: SinkFactory, replace: bool = False) -> SinkFactory:
+    """Make ``logging.sinks: [name]`` build a sink with ``factory`` (per process: register it
+    in a ``--plugin`` module, before the trainer starts)."""
+    if not replace and name in _SINK_KINDS:
+        raise ValueError(f"a sink named {name!r} is registered already (replace=True replaces it)")
+    _SINK_KINDS[name] = factory
+    return factory
+
+
+def unregister_sink(name: str) -> None:
+    _SINK_KINDS.pop(name, None)
+
+
+def registered_sinks() -> List[str]:
+    return sorted(_SINK_KINDS)
+
+
+def check_sinks(cfg: JobConfig) -> None:
+    """Every name of ``logging.sinks`` is a registered sink (a config error naming it)."""
+    for name in cfg.logging.sinks:
+        if name not in _SINK_KINDS:
+            known = ", ".join(registered_sinks()) or "none"
+            raise ConfigError(
+                f"logging.sinks: {name!r} is not a registered sink (registered: {known}); "
+                "register it with linformer_ds.metrics.register_sink in a module given as "
+                "launch/pretrain.py --plugin MODULE"
+            )
 
 
 class ConsoleSink(Sink):
@@ -226,7 +261,8 @@ class Metrics:
     against ``peak_tflops`` (per rank; measured at start when the config leaves it unset).
     The loop reports events through :meth:`timed_batch`, :meth:`step_done`,
     :meth:`checkpoint_done` and :meth:`on_resume`; each event goes to every sink (rank 0:
-    console, metrics.jsonl, TensorBoard; every rank: Prometheus when configured).
+    console, metrics.jsonl, TensorBoard; every rank: Prometheus when configured, then the
+    registered sinks ``logging.sinks`` names, in its order).
     """
 
     def __init__(
@@ -266,6 +302,11 @@ class Metrics:
             self.sinks.append(
                 PrometheusSink(cfg, rank, world_size, local_rank, self.memory, self.elapsed)
             )
+        check_sinks(cfg)
+        for name in cfg.logging.sinks:  # built here, so they see every event, resumes included
+            sink = _SINK_KINDS[name](cfg, rank, world_size)
+            if sink is not None:
+                self.sinks.append(sink)
 
     def _measure_peak(self) -> float:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(

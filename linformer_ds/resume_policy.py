@@ -146,6 +146,7 @@ POLICY: Dict[str, Policy] = {
     "logging.tensorboard": _F,
     "logging.prometheus_port": _F,
     "logging.prometheus_host": _F,
+    "logging.sinks": _F,
     "checkpoint.dir": _F,
     "checkpoint.save_interval": _a("loop"),
     "checkpoint.keep_last": _F,

@@ -39,8 +39,16 @@ from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_wat
 from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
 from linformer_ds.evaluate import evaluate
 from linformer_ds.hostsync import StepSyncLog
-from linformer_ds.metrics import NUM_STATS, STAT_NONFINITE, Metrics, StageMeter, step_stats
+from linformer_ds.metrics import (
+    NUM_STATS,
+    STAT_NONFINITE,
+    Metrics,
+    StageMeter,
+    check_sinks,
+    step_stats,
+)
 from linformer_ds.parallelize import LossScaling, parallelize
+from linformer_ds.plugins import PluginError, import_plugins
 from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
 from linformer_ds.sequence_parallel import isolation_errors
@@ -58,6 +66,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--config", help="YAML job config (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (a dotted name or a .py file) on every rank before the config is "
+        "read: it registers sinks, source or projection kinds (docs/extending.md); repeatable",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p.parse_args(argv)
@@ -119,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return _main(argv)
-    except (ConfigError, DataError, DistEnvError, CheckpointError, LockError) as e:
+    except (ConfigError, DataError, DistEnvError, CheckpointError, LockError, PluginError) as e:
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -219,6 +235,7 @@ class Trainer:
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
         self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_lens(cfg))
+        check_sinks(cfg)  # logging.sinks: before any data or engine work
         self._build_data()  # data and checkpoints: checked before any collective starts
         d = cfg.debug  # test hooks: only when configured
         self.debug = DebugHooks(self.rank, d.sample_log, d.nan_at_step, d.nan_rank)
@@ -581,6 +598,7 @@ def release_locks(locks: List[DirLock]) -> None:
 
 def _main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    import_plugins(args.plugin)  # what they register is there when the config names it
     cfg = load_config(args.config, args.overrides)
     resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
     if args.print_config:

@@ -3,8 +3,13 @@
 * a data source kind (``zip:ARCHIVE``, every member a document) through data_prep to shards,
   in one process and on two ranks;
 * a projection kind (``pool``: a learned weighted sum over windows of r = max_seq_len / k
-  tokens) through the model's forward and backward, then a short trainer run;
-* a metrics sink receiving that run's real records.
+  tokens) through the model's forward and backward;
+* a metrics sink receiving a run's real records and every event.
+
+Then all three through the stock commands, as a user runs them: one ``--plugin`` module
+(tests/extending_plugin.py) registers them; ``python -m data_prep --source zip:...`` prepares
+the data, ``launch/pretrain.py --plugin ...`` trains a ``[linear, pool]`` model with
+``logging.sinks: [collect]`` for 4 steps, then resumes it to 6 (the sink sees the resume).
 """
 
 import json
@@ -32,10 +37,10 @@ from linformer_ds.model import (
     unregister_projection,
 )
 from tests.pretrain_utils import (
+    PRETRAIN,
     REPO,
     TEST_OVERRIDES,
     TINY_CONFIG,
-    make_corpus,
     run_ranks_in_threads,
 )
 from tests.test_data_prep import make_docs, shard_hashes, write_text_corpus
@@ -164,11 +169,15 @@ def register_pool() -> None:
         lambda cfg, i, heads: WindowPool(cfg.conv_stride(i), heads, cfg.freeze_projection),
         stride=lambda cfg, i: cfg.conv_stride(i),
         stride_rule="max_seq_len / k",
-        check=lambda cfg, i: None if cfg.max_seq_len % cfg.k_for_layer(i) == 0 else (
-            f"pool layer {i}: k={cfg.k_for_layer(i)} does not divide max_seq_len"
+        check=lambda cfg, i: (
+            None
+            if cfg.max_seq_len % cfg.k_for_layer(i) == 0
+            else (f"pool layer {i}: k={cfg.k_for_layer(i)} does not divide max_seq_len")
         ),
-        flops=lambda cfg, i, n: 2 * 2 * cfg.hidden_size  # the weighted sums of K and V
-        + 2 * 2 * math.ceil(n / cfg.conv_stride(i)) * cfg.hidden_size,  # scores, weighted sum
+        flops=lambda cfg, i, n: (
+            2 * 2 * cfg.hidden_size  # the weighted sums of K and V
+            + 2 * 2 * math.ceil(n / cfg.conv_stride(i)) * cfg.hidden_size
+        ),  # scores, weighted sum
         replace=True,
     )
 
@@ -246,11 +255,18 @@ def test_projection_kind_forward_backward(pool_kind):
 
 # ====================================================================== a sink and a trainer run
 class CollectSink(Sink):
-    """Keeps every record and counts the steps (what a sink sees of a real run)."""
+    """Keeps every record and event; ``path``: appended as one JSON line at close."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Optional[str] = None) -> None:
+        self.path = path
         self.records: List[Dict[str, Any]] = []
         self.steps: List[int] = []
+        self.events: List[List[Any]] = []
+
+    @classmethod
+    def for_rank(cls, cfg, rank: int, world_size: int) -> Optional["CollectSink"]:
+        """The ``collect`` factory of ``logging.sinks``: rank 0 only."""
+        return cls(os.path.join(cfg.logging.dir, "collected.jsonl")) if rank == 0 else None
 
     def record(self, step, split, values, console) -> None:
         self.records.append({"step": step, "split": split, **values})
@@ -258,76 +274,109 @@ class CollectSink(Sink):
     def step_done(self, step, seconds, tokens, skipped, eta) -> None:
         self.steps.append(step)
 
+    def checkpoint_done(self, op, seconds) -> None:
+        self.events.append(["checkpoint_done", op])
+
+    def resumed(self, step, resumes) -> None:
+        self.events.append(["resumed", step, resumes])
+
     def close(self) -> None:
-        self.closed = True
+        self.events.append(["close"])
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"records": self.records, "steps": self.steps,
+                                    "events": self.events}) + "\n")  # fmt: skip
 
 
-DRIVER = """
-import json, os, sys
-sys.path.insert(0, {repo!r})
-from linformer_ds.config import load_config
-from linformer_ds.train import Trainer
-from tests.test_extending import CollectSink, register_pool
-
-register_pool()
-trainer = Trainer(load_config({config!r}, {overrides!r}))
-sink = CollectSink()
-trainer.metrics.sinks.append(sink)
-try:
-    code = trainer.train()
-    kinds = sorted({{type(m).__name__ for m in trainer.engine.module.modules()}})
-finally:
-    trainer.close()
-with open({out!r}, "w") as f:
-    json.dump({{"code": code, "records": sink.records, "steps": sink.steps,
-               "closed": getattr(sink, "closed", False), "modules": kinds}}, f)
-sys.stdout.flush()
-os._exit(0)
-"""
+def _stdlib_zip(path: Path, members: int = 40) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for src in sorted(Path(os.__file__).parent.glob("*.py"))[:members]:
+            z.writestr(src.name, src.read_text(encoding="utf-8", errors="replace"))
+    return path
 
 
 @pytest.fixture(scope="module")
-def pool_run(tmp_path_factory):
-    """4 steps of the real trainer (one rank) on a pool/linear model, with a CollectSink."""
+def plugin_runs(tmp_path_factory):
+    """The stock commands with ``--plugin tests.extending_plugin``: data_prep on a zip archive,
+    4 trainer steps (one process) of a ``[linear, pool]`` model with ``logging.sinks:
+    [collect]``, then the same run resumed to step 6."""
     tmp = tmp_path_factory.mktemp("ext")
-    data = make_corpus(tmp / "data", max_docs=40)
-    run_dir = tmp / "run"
-    overrides = TEST_OVERRIDES + [
-        f"data.path={data}", f"logging.dir={run_dir}", "model.num_layers=2",
-        "model.layer_projections=[linear, pool]", "model.sharing=headwise",
-        "train.max_steps=4", "train.micro_batch_size=2", "checkpoint.save_interval=0",
-        "deepspeed.precision=fp32",
-    ]  # fmt: skip
-    out = tmp / "result.json"
-    script = tmp / "driver.py"
-    script.write_text(
-        DRIVER.format(repo=str(REPO), config=TINY_CONFIG, overrides=overrides, out=str(out))
-    )
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    data, run_dir = tmp / "data", tmp / "run"
+    prep = subprocess.run(
+        [sys.executable, "-m", "data_prep", "--plugin", "tests.extending_plugin", "--source",
+         f"zip:{_stdlib_zip(tmp / 'stdlib.zip')}", "--out", str(data), "--seq-len", "128",
+         "--vocab-size", "2000", "--valid-fraction", "0.05", "--quiet"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr[-4000:]
+    overrides = TEST_OVERRIDES + [
+        f"data.path={data}", f"logging.dir={run_dir}", "model.num_layers=2",
+        "model.layer_projections=[linear, pool]", "model.sharing=headwise",
+        "train.micro_batch_size=2", "checkpoint.save_interval=0", "deepspeed.precision=fp32",
+        "logging.sinks=[collect]",
+    ]  # fmt: skip
+    procs = []
+    for steps in (4, 6):
+        cmd = [sys.executable, PRETRAIN, "--plugin", "tests.extending_plugin",
+               "--config", TINY_CONFIG, *overrides, f"train.max_steps={steps}"]  # fmt: skip
+        procs.append(subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                    timeout=600))  # fmt: skip
+        assert procs[-1].returncode == 0, procs[-1].stdout[-4000:] + procs[-1].stderr[-4000:]
+    with open(run_dir / "collected.jsonl") as f:
+        runs = [json.loads(line) for line in f]
     with open(run_dir / "metrics.jsonl") as f:
-        result["jsonl"] = [json.loads(line) for line in f]
-    return result
+        jsonl = [json.loads(line) for line in f]
+    manifest = json.loads((data / "manifest.json").read_text())
+    return {"runs": runs, "jsonl": jsonl, "manifest": manifest, "stdout": [p.stdout for p in procs]}
 
 
-def test_projection_kind_trains(pool_run):
-    assert pool_run["code"] == 0
-    assert "WindowPool" in pool_run["modules"]
-    losses = [r["loss"] for r in pool_run["records"] if r["split"] == "train"]
+def test_source_kind_through_data_prep_cli(plugin_runs):
+    items = plugin_runs["manifest"]["source"]["items"]
+    assert [i["kind"] for i in items] == ["zip"] and items[0]["members"] == 40
+
+
+def test_projection_kind_trains(plugin_runs):
+    first = plugin_runs["runs"][0]
+    losses = [r["loss"] for r in first["records"] if r["split"] == "train"]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    setup = [ln for ln in plugin_runs["stdout"][0].splitlines() if ln.startswith("[setup]")]
+    assert setup and "pool" in setup[0].split("schedule=")[1]
 
 
-def test_sink_receives_real_metrics(pool_run):
+def test_sink_receives_real_metrics(plugin_runs):
     """The sink saw every optimizer step and the same train records as metrics.jsonl."""
-    assert pool_run["steps"] == [1, 2, 3, 4]
-    assert pool_run["closed"]
-    train = [r for r in pool_run["records"] if r["split"] == "train"]
-    want = [r for r in pool_run["jsonl"] if r["split"] == "train"]
+    first = plugin_runs["runs"][0]
+    assert first["steps"] == [1, 2, 3, 4]
+    train = [r for r in first["records"] if r["split"] == "train"]
+    want = [r for r in plugin_runs["jsonl"] if r["split"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
-    assert [r["loss"] for r in train] == [r["loss"] for r in want]
+    assert [r["loss"] for r in train] == [r["loss"] for r in want[:4]]
     assert {"loss", "mlm_accuracy", "lr", "tokens_per_s"} <= set(train[0])
+    assert first["events"] == [["checkpoint_done", "save"], ["close"]]
+
+
+def test_sink_sees_the_resume(plugin_runs):
+    """Built from logging.sinks inside Metrics, the sink of a resumed run sees the load and the
+    resume, which fire while the trainer is constructed, then steps 5 and 6."""
+    second = plugin_runs["runs"][1]
+    assert second["events"][:2] == [["checkpoint_done", "load"], ["resumed", 4, 1]]
+    assert second["events"][-2:] == [["checkpoint_done", "save"], ["close"]]
+    assert second["steps"] == [5, 6]
+    assert [r["step"] for r in second["records"] if r["split"] == "train"] == [5, 6]
+
+
+def test_unknown_plugin_or_sink_is_one_line(capsys):
+    from linformer_ds import train
+    from linformer_ds.config import ConfigError, load_config
+    from linformer_ds.metrics import check_sinks
+
+    assert train.main(["--plugin", "no_such_module_xyz", "--config", TINY_CONFIG]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --plugin no_such_module_xyz: ModuleNotFoundError: No module named "\
+        "'no_such_module_xyz'"  # fmt: skip
+    cfg = load_config(TINY_CONFIG, ["logging.sinks=[nope]"])
+    with pytest.raises(ConfigError, match="logging.sinks: 'nope' is not a registered sink"):
+        check_sinks(cfg)

@@ -134,6 +134,7 @@ VALUES = {
     "logging.tensorboard": ["logging.tensorboard=true"],
     "logging.prometheus_port": ["logging.prometheus_port=0"],
     "logging.prometheus_host": ["logging.prometheus_host=127.0.0.1"],
+    "logging.sinks": [],  # needs a registered sink: tests/test_extending.py resumes with one
     "checkpoint.dir": [],  # the case's own directory: changed in every case
     "checkpoint.save_interval": ["checkpoint.save_interval=3"],
     "checkpoint.keep_last": ["checkpoint.keep_last=5"],
