@@ -40,7 +40,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from data_prep.errors import DataPrepError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-CSV_SUFFIXES = (".csv", ".tsv")
 PARQUET_SUFFIXES = (".parquet",)
 EXCLUDED_STDLIB_DIRS = ("site-packages", "dist-packages")
 DEFAULT_MAX_DOC_BYTES = 8 << 20
@@ -407,12 +406,6 @@ class Source:
         head = parts[0]  # the header, footer and page indexes: counted by the first unit
         parts[0] = RowGroups(path, head.start, head.end, head.nbytes + size - sum(sizes))
         return parts
-
-    def iter_hf_shard(self, spec: str, num_shards: int, index: int) -> Iterator[str]:
-        """The documents of one contiguous shard of an ``hf:`` spec (the datasets library's own
-        ``shard(num_shards, index, contiguous=True)``): shards 0..num_shards-1 in order are the
-        whole dataset in order."""
-        return self.read(spec, (num_shards, index))
 
     def hf_shards(self, spec: str, unit_bytes: int) -> Tuple[int, int]:
         """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved

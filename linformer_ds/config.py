@@ -550,11 +550,6 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     return cfg
 
 
-# What a job config must set itself: the schema's defaults for these describe no real run (the
-# default model is a 102M-parameter BERT-base; the default data path a README example).
-REQUIRED_KEYS = ("data.path", "model")
-
-
 def _check_required(path: Optional[str], overrides: List[str]) -> None:
     """A config that sets nothing, or leaves ``data.path`` / ``model`` to the schema, is an error
     (the YAML file and the overrides together must set them)."""

@@ -35,7 +35,6 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed as dist
 
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHERS = ("env", "mpi", "slurm", "single")
 PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
 PORT_SPAN = 15000
 LOOPBACK = "127.0.0.1"
