@@ -33,12 +33,10 @@ from linformer_ds.context_meter import set_output_bias, train_meters, with_mixtu
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
-from linformer_ds.debug import DebugHooks
 from linformer_ds.dirlock import LOCK_NAME, DirLock, LockError, run_dir_locks
 from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
 from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
 from linformer_ds.evaluate import evaluate
-from linformer_ds.hostsync import StepSyncLog
 from linformer_ds.metrics import (
     NUM_STATS,
     STAT_NONFINITE,
@@ -52,6 +50,8 @@ from linformer_ds.plugins import PluginError, import_plugins
 from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
 from linformer_ds.sequence_parallel import isolation_errors
+from linformer_ds.testing.debug import DebugHooks
+from linformer_ds.testing.hostsync import StepSyncLog
 from linformer_ds.versions import check_versions
 from linformer_ds.warm_start import WarmStart
 

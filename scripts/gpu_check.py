@@ -883,7 +883,7 @@ def main_metrics(logdir: Path, log: Path) -> Dict[str, Any]:
 
 
 def sync_counts(path: Path) -> Dict[str, Any]:
-    """The trainer's sync-log records of rank 0 (linformer_ds/hostsync.py): per counted step
+    """The trainer's sync-log records of rank 0 (linformer_ds/testing/hostsync.py): per counted step
     its seconds, CUDA's count of synchronizing operations (set_sync_debug_mode("warn"); None
     off CUDA) and the dispatch-mode count by owner, and the seconds of the uncounted step after
     them. ``per_step``: CUDA's count on a GPU, else the dispatch count (never empty); the

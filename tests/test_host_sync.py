@@ -1,4 +1,4 @@
-"""No device->host synchronisation per micro-batch (linformer_ds/hostsync.py counts them).
+"""No device->host synchronisation per micro-batch (linformer_ds/testing/hostsync.py counts them).
 
 A ``TorchDispatchMode`` sees every aten operation, also on the CPU, and counts those that make
 the host wait for an accelerator (scalar reads, ``nonzero``, boolean-mask indexing, copies to
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linformer_ds.hostsync import SyncCounter
 from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, labelled_positions
+from linformer_ds.testing.hostsync import SyncCounter
 from tests.pretrain_utils import start_worker_ranks, wait_worker_ranks
 
 VOCAB, MAX_N = 50, 16
