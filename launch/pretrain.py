@@ -33,6 +33,11 @@ for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # SIGUSR1's handler 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# OpenMP reads OMP_WAIT_POLICY only when torch loads: decided here, before (torch-free module)
+from linformer_ds.cpu_threads import prepare_openmp  # noqa: E402
+
+prepare_openmp()
+
 from linformer_ds.train import run_and_exit  # noqa: E402
 
 if __name__ == "__main__":

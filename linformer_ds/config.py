@@ -30,6 +30,7 @@ from linformer_ds.config_fields import (
     unusable_dir,
 )
 from linformer_ds.config_fields import ConfigError as ConfigError  # re-exported
+from linformer_ds.cpu_threads import MAX_THREADS, WAIT_POLICIES
 from linformer_ds.dist_env import DEFAULT_INIT_TIMEOUT_S, START_UP_PHASES
 from linformer_ds.model import ModelConfig, ModelConfigError
 
@@ -167,8 +168,24 @@ class TrainConfig(Section):
     compile_mode: Optional[str] = one_of(None, COMPILE_MODES, note="or null: inductor's default")
     # null: static shapes first, dynamic after a shape changes (torch's default); true / false
     compile_dynamic: Optional[bool] = None
+    # torch threads per rank. auto: OMP_NUM_THREADS where it is set, else the whole CPUs this
+    # rank has (affinity, cgroup CPU quota, ranks on the node; docs/performance.md). The
+    # [setup] line says which and why.
+    threads: Any = "auto"
+    # how idle OpenMP threads wait: passive (sleep at once) or active (spin); auto: passive
+    # where the rank's CPUs are shared (other ranks, a quota, a busy machine), else OpenMP's
+    # default (spin a while, then sleep). OpenMP reads it when torch loads: an explicit value
+    # that the rank did not start with restarts it once (launch/pretrain.py) with it set.
+    omp_wait_policy: str = one_of(
+        "auto", WAIT_POLICIES, "or auto: passive where the CPUs are shared", also=("auto",)
+    )
 
     def rules(self, job: "JobConfig") -> None:
+        t = self.threads
+        if t != "auto" and not (
+            isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= MAX_THREADS
+        ):
+            self.bad("threads", f"must be auto or a thread count in [1, {MAX_THREADS}], got {t!r}")
         # (nonfinite=skip and the global batch are checked by resolve: precision, world size)
         if self.compile_mode is not None and self.compile_backend != "inductor":
             self.bad(

@@ -116,6 +116,8 @@ POLICY: Dict[str, Policy] = {
     "train.compile_backend": _F,
     "train.compile_mode": _F,
     "train.compile_dynamic": _F,
+    "train.threads": _F,  # speed (the [setup] line says how many)
+    "train.omp_wait_policy": _F,
     # ---- deepspeed: the layout loads through checkpoint.reshard (or is refused there)
     "deepspeed.precision": _a("layout"),
     "deepspeed.auto_precision": _F,  # derived: why auto chose

@@ -30,6 +30,7 @@ from linformer_ds.checkpoint.tags import CheckpointError, latest_tag
 from linformer_ds.compile import compile_engine
 from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
 from linformer_ds.context_meter import set_output_bias, train_meters, with_mixture_meter
+from linformer_ds.cpu_threads import apply_threads, thread_plan, wait_policy_restart
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
@@ -130,11 +131,13 @@ def nonfinite_verdict(
 
 
 # ========================================================================================= main
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason."""
+def main(argv: Optional[List[str]] = None, restart: bool = False) -> int:
+    """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason.
+    ``restart``: the process may restart itself once for an explicit ``train.omp_wait_policy``
+    (the command-line entry point; see linformer_ds.cpu_threads)."""
 
     try:
-        return _main(argv)
+        return _main(argv, restart)
     except (ConfigError, DataError, DistEnvError, CheckpointError, LockError, PluginError) as e:
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
@@ -151,7 +154,7 @@ def run_and_exit(argv: Optional[List[str]] = None) -> None:
     exception", exit 250; 4 % of 2-rank ZeRO-3 runs here) after all work was done.
     Everything this trainer writes is closed and flushed before main returns.
     """
-    code = main(argv)
+    code = main(argv, restart=True)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         if code in (0, EXIT_PREEMPTED, EXIT_NONFINITE):
@@ -221,6 +224,11 @@ class Trainer:
         self.stop = SignalFlag(cfg.train.save_on_signal)
         self.env = setup_distributed_env()
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # threads from the CPUs this rank has (or train.threads); the wait policy it started with
+        self.threads = thread_plan(cfg.train.threads, cfg.train.omp_wait_policy)
+        apply_threads(self.threads)
+        if self.threads.warning:
+            rank0_print(f"[warn] {self.threads.warning}")
         # start-up waits end on a signal at once (one recorded before too: under SLURM another
         # rank may be gone, no step could run); a rank leaves when its launcher dies
         self.watchdog = start_watchdog(
@@ -366,7 +374,7 @@ class Trainer:
             f"params={self.model.num_parameters() / 1e6:.2f}M "
             f"schedule={cfg.model.projection_schedule()} "
             f"train_rows={self._train_rows()} seq_len={self.train_ds.seq_len} "
-            f"isolation={self.isolation_why}"
+            f"isolation={self.isolation_why} {self.threads.setup_text()}"
         )
 
     def _train_rows(self) -> str:
@@ -596,10 +604,12 @@ def release_locks(locks: List[DirLock]) -> None:
         lock.release()
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
+def _main(argv: Optional[List[str]] = None, restart: bool = False) -> int:
     args = parse_args(argv)
     import_plugins(args.plugin)  # what they register is there when the config names it
     cfg = load_config(args.config, args.overrides)
+    if restart:  # OpenMP reads its wait policy only when torch loads: once, before any work
+        wait_policy_restart(cfg.train.omp_wait_policy)
     resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
     if args.print_config:
         return print_config(cfg)

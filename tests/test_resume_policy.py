@@ -103,6 +103,8 @@ VALUES = {
     "train.compile_backend": ["train.compile_backend=aot_eager"],
     "train.compile_mode": ["train.compile_mode=max-autotune"],
     "train.compile_dynamic": ["train.compile_dynamic=true"],
+    "train.threads": ["train.threads=1"],
+    "train.omp_wait_policy": ["train.omp_wait_policy=passive"],  # in-process: a warning only
     "deepspeed.precision": ["deepspeed.precision=fp32"],
     "deepspeed.auto_precision": [],  # derived by resolve
     "deepspeed.zero.stage": ["deepspeed.zero.stage=1"],
