@@ -6,7 +6,7 @@ lucidrains (``PreNorm(LinformerSelfAttention)`` of ``LucidrainsMLM``, E/F tied a
 ties them), the blocks taken from the very models peer_bench times. The rest of a layer
 (FFN, LayerNorms outside the block, embeddings, head, loss, optimizer) is the same code in both
 models, so this is where any equal-work difference between them lives.
-Run: python bench/results/attention_only/attention_only.py [N ...]; median of 7 interleaved
+Run: python bench/probes/attention_only.py [N ...]; median of 7 interleaved
 rounds after 2 warm-ups; prints JSON lines.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.peer_bench import PeerConfig, build, our_config  # noqa: E402
 
 torch.manual_seed(0)
@@ -46,10 +46,16 @@ for n in [int(a) for a in sys.argv[1:]] or [4096, 16384]:
                 if r >= WARMUP:
                     times[name].append(dt)
         ratios = [lu / o for lu, o in zip(times["lucidrains"], times["ours"])]
-        print(json.dumps({
-            "n": n, "sharing": sharing,
-            "ours_s": round(statistics.median(times["ours"]), 4),
-            "lucidrains_s": round(statistics.median(times["lucidrains"]), 4),
-            "ours_vs_lucidrains": round(statistics.median(ratios), 3),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "n": n,
+                    "sharing": sharing,
+                    "ours_s": round(statistics.median(times["ours"]), 4),
+                    "lucidrains_s": round(statistics.median(times["lucidrains"]), 4),
+                    "ours_vs_lucidrains": round(statistics.median(ratios), 3),
+                }
+            ),
+            flush=True,
+        )
         del ours, luc, layer, theirs, blocks

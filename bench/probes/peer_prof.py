@@ -2,7 +2,7 @@
 the full-logits loss (no optimizer), interleaved rounds, then one profiled step of each with the
 top ops by self CPU time (GEMMs and SDPA left out with --no-gemm).
 
-    python bench/results/peer_sharing_quiet/peer_prof.py SHARING N ROUNDS [--no-gemm]
+    python bench/probes/peer_prof.py SHARING N ROUNDS [--no-gemm]
 """
 
 import statistics
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.peer_bench import PeerConfig, build, full_logits_loss, our_config  # noqa: E402
 
 sharing, n, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
