@@ -297,7 +297,7 @@ class ModelConfig:
 
     # -------------------------------------------------------------------------------- counting
     def num_projection_parameters(self) -> int:
-        """Parameters in E/F (or conv kernels), by the sharing-mode formulas in README."""
+        """Parameters in E/F (or conv kernels), by the sharing-mode formulas in docs/model.md."""
         h = self.num_heads
         total = 0
         seen_layerwise: set = set()
