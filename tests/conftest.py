@@ -12,12 +12,22 @@ import functools
 import inspect
 import os
 import re
+import sys
 import types
 from typing import Callable, Iterator
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One torch (OpenMP/MKL) thread in the test process and in the commands it starts (the trainer
+# ranks of tests/pretrain_utils already had it): the tests' models are tiny, and two threads
+# that spin on a 2-core machine, beside another process, stalled them (the isolation property
+# tests: 98-150 s with 2 threads, 5-6 s with 1, same machine, same minute). Set before torch is
+# imported (libgomp reads it once); a value set by the caller is kept.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # imported before this file (by a plugin): set it there too
+        sys.modules["torch"].set_num_threads(1)
 
 # Calls that start ranks in other processes: tests/pretrain_utils.run_pretrain (two ranks
 # unless nproc=1 is passed in the call) and start/run_worker_ranks, a test's rank workers
