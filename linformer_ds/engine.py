@@ -1,5 +1,6 @@
 """The DeepSpeed side of training: process group, accelerator checks, the final DeepSpeed JSON
-and the engine itself (the model's layout is applied before, by linformer_ds.parallelize)."""
+and the engine itself (the model's layout is applied before, by
+linformer_ds.parallel.parallelize)."""
 
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -11,7 +12,7 @@ from linformer_ds.dist_env import disable_deepspeed_shm_allreduce, init_process_
 from linformer_ds.ds_config import deepspeed_config
 from linformer_ds.model import LinformerForMaskedLMPretraining
 from linformer_ds.optim import lr_scheduler, param_groups
-from linformer_ds.sequence_parallel import build_groups
+from linformer_ds.parallel.groups import build_groups
 
 
 @dataclass
@@ -117,7 +118,7 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
     """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine.
 
     ``model`` is already parallelized and ``mpu`` is what
-    :func:`linformer_ds.parallelize.parallelize` returned for it (None: plain data
+    :func:`linformer_ds.parallel.parallelize.parallelize` returned for it (None: plain data
     parallelism)."""
     import deepspeed
 

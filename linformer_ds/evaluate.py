@@ -12,7 +12,7 @@ from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.stream import to_device
 from linformer_ds.engine import all_reduce_sum
 from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
-from linformer_ds.sequence_parallel import shard_batch
+from linformer_ds.parallel.sharding import shard_batch
 
 
 @torch.no_grad()

@@ -72,7 +72,7 @@ from linformer_ds.model_dir import (  # noqa: F401  (re-exported: the export's w
     write_remote_code,
     write_tokenizer,
 )
-from linformer_ds.sequence_parallel import consolidate_sharded
+from linformer_ds.parallel.sharding import consolidate_sharded
 from linformer_ds.special_tokens import SPECIAL_IDS
 
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"

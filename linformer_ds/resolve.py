@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Sequence, Union
 
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
+from linformer_ds.parallel.checks import config_errors, isolation_errors
 from linformer_ds.perf import native_bf16
-from linformer_ds.sequence_parallel import config_errors, isolation_errors
 
 
 def resolve(

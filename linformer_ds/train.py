@@ -46,11 +46,11 @@ from linformer_ds.metrics import (
     check_sinks,
     step_stats,
 )
-from linformer_ds.parallelize import LossScaling, parallelize
+from linformer_ds.parallel.checks import isolation_errors
+from linformer_ds.parallel.parallelize import LossScaling, parallelize
 from linformer_ds.plugins import PluginError, import_plugins
 from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
-from linformer_ds.sequence_parallel import isolation_errors
 from linformer_ds.testing.debug import DebugHooks
 from linformer_ds.testing.hostsync import StepSyncLog
 from linformer_ds.versions import check_versions

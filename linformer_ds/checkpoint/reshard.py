@@ -25,7 +25,7 @@ import torch
 from linformer_ds.checkpoint.io import safe_torch_load, weights_only_torch_load
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError, sharded_sp_size
 from linformer_ds.config import JobConfig
-from linformer_ds.sequence_parallel import (
+from linformer_ds.parallel.sharding import (
     SHARD_ATTR,
     consolidate_sharded,
     mark_universal_sequence_dims,

@@ -10,7 +10,7 @@ from linformer_ds.config import ConfigError
 from linformer_ds.data.sampler import check_weight, normalized_weights
 from linformer_ds.data.shards import ShardDataset, check_same_tokenizer, open_sources
 from linformer_ds.model import get_projection, projection_stride
-from linformer_ds.sequence_parallel import config_errors
+from linformer_ds.parallel.checks import config_errors
 
 
 @dataclass

@@ -12,7 +12,7 @@ from linformer_ds.data.sampler import MixtureSampler
 from linformer_ds.data.shards import ShardDataset
 from linformer_ds.data.stages import Stage
 from linformer_ds.model import labelled_positions
-from linformer_ds.sequence_parallel import shard_batch
+from linformer_ds.parallel.sharding import shard_batch
 
 
 def to_device(batch: Dict[str, torch.Tensor], device: Union[str, torch.device]) -> Dict[str, Any]:

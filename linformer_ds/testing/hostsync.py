@@ -96,7 +96,9 @@ def sync_reason(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
 _SEP = os.sep
 _OURS = f"{_SEP}linformer_ds{_SEP}"
 _MODEL_DIR = f"{_OURS}model{_SEP}"  # the model package
-_MODEL_FILES = ("sequence_parallel.py",)
+_MODEL_FILES = tuple(  # what sequence_parallel.py held
+    f"{_SEP}parallel{_SEP}{m}.py" for m in ("checks", "groups", "collectives", "sharding")
+)
 _DATA_DIR = f"{_OURS}data{_SEP}"  # the data pipeline: the package linformer_ds/data/
 
 
