@@ -36,14 +36,32 @@ def losses(run_dir, steps):
 FP32_RUNS = [(0, ""), (1, ""), (2, ""), (3, ""), (2, "torch"), (3, "torch"), (2, "ds")]
 
 
+# The first halves (and the uninterrupted runs) of the two exact-resume tests below: bf16
+# ZeRO-2 with dropout, and ZeRO-3 (run name -> overrides); resumed together in a second launch
+EXACT_COMMON = ["train.max_steps=8", "model.dropout=0.1", "checkpoint.keep_last=0",
+                "checkpoint.save_interval=4"]  # fmt: skip
+Z3_COMMON = ["deepspeed.zero.stage=3", "train.max_steps=6", "checkpoint.keep_last=0",
+             "checkpoint.save_interval=3"]  # fmt: skip
+RESUMED = {"part": EXACT_COMMON, "z3_part": Z3_COMMON}
+FIRST_HALVES = {"full": EXACT_COMMON, "part": EXACT_COMMON + ["train.stop_at_step=4"],
+                "z3_full": Z3_COMMON, "z3_part": Z3_COMMON + ["train.stop_at_step=3"]}  # fmt: skip
+
+
+def shm_segments() -> set:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
 @pytest.fixture(scope="module")
-def fp32_runs(tiny_corpus, tmp_path_factory):
-    """6-step fp32 runs of FP32_RUNS, all in one 2-rank process group (tests/layout_worker.py:
-    one after the other, the start-up paid once), the ZeRO-3 one printing what each rank holds
-    of the shared projection (``[zero3] rank R holds``). Returns ``get(stage, ac="")``: the
-    run's directory and its stdout (both ranks')."""
-    out = tmp_path_factory.mktemp("fp32")
-    runs = []
+def launches(tiny_corpus, tmp_path_factory):
+    """Two 2-rank process groups (tests/layout_worker.py: runs one after the other, the
+    start-up paid once per launch). The first trains FIRST_HALVES, then the 6-step fp32 runs of
+    FP32_RUNS (the ZeRO-3 one printing what each rank holds of the shared projection,
+    ``[zero3] rank R holds``; DeepSpeed's own checkpointing, module-global, last); the second
+    resumes RESUMED. Returns ``(out, stdout of the first launch, of the second, /dev/shm
+    segments before the launches)``."""
+    out = tmp_path_factory.mktemp("launches")
+    shm_before = shm_segments()
+    runs = [worker_run(name, tiny_corpus, over) for name, over in FIRST_HALVES.items()]
     for stage, ac in FP32_RUNS:
         overrides = [f"deepspeed.zero.stage={stage}", "train.max_steps=6"]
         overrides.append(f"deepspeed.activation_checkpointing.enabled={str(bool(ac)).lower()}")
@@ -54,7 +72,15 @@ def fp32_runs(tiny_corpus, tmp_path_factory):
             ]
         run = worker_run(f"z{stage}{ac}", tiny_corpus, FP32 + overrides)
         runs.append({**run, "zero3_holdings": (stage, ac) == (3, "")})
-    stdout = run_worker_ranks(2, runs, out, "launch")
+    first = run_worker_ranks(2, runs, out, "first")
+    resumed = [worker_run(name, tiny_corpus, over) for name, over in RESUMED.items()]
+    return out, first, run_worker_ranks(2, resumed, out, "resume"), shm_before
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(launches):
+    """``get(stage, ac="")``: the fp32 run's directory and its stdout (both ranks')."""
+    out, stdout, _, _ = launches
 
     def get(stage: int, ac: str = ""):
         return out / f"z{stage}{ac}", stdout[f"z{stage}{ac}"]
@@ -90,19 +116,14 @@ def test_activation_checkpointing_same_gradients(fp32_runs, stage, ac):
         assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=2e-3)
 
 
-def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
+def test_exact_resume_bf16_zero2(launches):
     """Train 8 steps in one go; then 4 steps, stop, resume to 8: identical losses (bf16, with
     dropout on, ZeRO-2)."""
-    common = ["train.max_steps=8", "model.dropout=0.1", "checkpoint.keep_last=0"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    # the uninterrupted run and the first half in one 2-rank process group
-    # (tests/layout_worker.py), the second half resumed in a new one
-    first = [worker_run("full", tiny_corpus, common + ["checkpoint.save_interval=4"]),
-             worker_run("part", tiny_corpus, common + ["train.stop_at_step=4",
-                                                       "checkpoint.save_interval=4"])]  # fmt: skip
-    run_worker_ranks(2, first, tmp_path, "first")
-    resume = [worker_run("part", tiny_corpus, common + ["checkpoint.save_interval=4"])]
-    stdout = run_worker_ranks(2, resume, tmp_path, "resume")["part"]
+    # the uninterrupted run and the first half in one 2-rank process group, the second half
+    # resumed in a new one (the module's two launches)
+    out, _, resumed, _ = launches
+    full, part = out / "full", out / "part"
+    stdout = resumed["part"]
     assert "[resume]" in stdout and "step 4" in stdout
     assert losses(part, range(1, 9)) == losses(full, range(1, 9))  # exact, not approximate
     meta = json.loads((part / "checkpoints" / "step_00000008" / "linformer_meta.json").read_text())
@@ -110,28 +131,20 @@ def test_exact_resume_bf16_zero2(tiny_corpus, tmp_path):
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_00000008"
 
 
-def shm_segments() -> set:
-    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
-
-
-def test_zero3_resume_exact_and_on_one_rank(tiny_corpus, tmp_path):
+def test_zero3_resume_exact_and_on_one_rank(launches, tiny_corpus, tmp_path):
     """ZeRO-3 checkpoints (one model-states file per rank) resume: bit-exact on the same 2 ranks,
     and on 1 rank through DeepSpeed's universal checkpoint with the LR schedule continuing."""
-    common = ["deepspeed.zero.stage=3", "train.max_steps=6", "checkpoint.keep_last=0"]
-    common += ["checkpoint.save_interval=3"]
-    full, part, one = tmp_path / "full", tmp_path / "part", tmp_path / "one"
-    shm_before = shm_segments()
-    run_pretrain(tiny_corpus, full, common)
-    # DeepSpeed's CPU shm all-reduce op is kept off: no /dev/shm segment outlives the run
+    out, _, resumed, shm_before = launches
+    full, part, one = out / "z3_full", out / "z3_part", tmp_path / "one"
+    # DeepSpeed's CPU shm all-reduce op is kept off: no /dev/shm segment outlives the runs
     assert shm_segments() == shm_before
     tag3 = full / "checkpoints" / "step_00000003"
     assert sorted(p.name for p in tag3.glob("zero_pp_rank_*_model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt",
         "zero_pp_rank_1_mp_rank_00_model_states.pt",
     ]
-    run_pretrain(tiny_corpus, part, common + ["train.stop_at_step=3"])
-    proc = run_pretrain(tiny_corpus, part, common)
-    assert "[resume] " in proc.stdout and "step 3, epoch 0, sampler consumed 24" in proc.stdout
+    stdout = resumed["z3_part"]
+    assert "[resume] " in stdout and "step 3, epoch 0, sampler consumed 24" in stdout
     assert sorted(read_metrics(part)) == [1, 2, 3, 4, 5, 6]  # 4-6 from the resumed process
     assert losses(part, range(1, 7)) == losses(full, range(1, 7))  # exact, not approximate
 
@@ -139,7 +152,7 @@ def test_zero3_resume_exact_and_on_one_rank(tiny_corpus, tmp_path):
     shutil.copytree(tag3, one / "checkpoints" / tag3.name)
     (one / "checkpoints" / "latest").write_text(tag3.name)
     proc = run_pretrain(
-        tiny_corpus, one, common + ["train.micro_batch_size=8"], nproc=1, launcher="python"
+        tiny_corpus, one, Z3_COMMON + ["train.micro_batch_size=8"], nproc=1, launcher="python"
     )
     assert "saved by 2 rank(s), this run has 1: converting" in proc.stdout
     ref, got = read_metrics(full), read_metrics(one)
