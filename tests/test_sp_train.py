@@ -4,7 +4,6 @@ DP 2 x SP 2 run on 4 ranks resumes exactly."""
 
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -46,14 +45,32 @@ def _sp2_name(stage, shard, ckpt) -> str:
     return f"sp2_z{stage}_{str(shard).lower()}_{ckpt or 'none'}"
 
 
+# The sharded-export test's runs (2 steps, ZeRO-stage -> P = 2 run name, one-rank twin)
+EXPORT_STAGES = (2, 3)
+# auto with ZeRO-0 bf16, which sharding refuses: trains with E/F and positions whole
+AUTO_WHOLE = SP_MODEL + ["deepspeed.precision=bf16", "deepspeed.zero.stage=0",
+                         "deepspeed.fp32_grad_accum=false", "parallel.sequence_parallel_size=2",
+                         "train.max_steps=1", "train.eval_interval=0"]  # fmt: skip
+
+
+def _export_over(stage: int) -> list:
+    return SP_MODEL + [
+        f"deepspeed.zero.stage={stage}",
+        "train.max_steps=2",
+        "train.eval_interval=0",
+    ]
+
+
 @pytest.fixture(scope="module")
 def sp2_runs(tiny_corpus, tmp_path_factory):
     """Every case of the test below trained in one 2-rank process group (tests/layout_worker.py,
     one run after the other: the start-up paid once), and beside it P = 1 on one rank with the
-    same global batch (4 rows). Returns the output directory, each run's stdout and the
-    reference's train and eval metrics."""
+    same global batch (4 rows). The same two launches train the runs of the export and
+    shard-auto tests further down (``auto_whole`` first: unsharded; ``export_sp2_z2/3`` last:
+    sharded; their one-rank twins ``export_one_z2/3``). Returns the output directory, each run's
+    stdout (2-rank group) and the reference's train and eval metrics."""
     out = tmp_path_factory.mktemp("sp2")
-    runs = []
+    runs = [worker_run("auto_whole", tiny_corpus, AUTO_WHOLE)]
     for stage, shard, ckpt in SP2_CASES:
         over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "parallel.sequence_parallel_size=2"]
         over += [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
@@ -61,11 +78,15 @@ def sp2_runs(tiny_corpus, tmp_path_factory):
             over += ["deepspeed.activation_checkpointing.enabled=true",
                      f"deepspeed.activation_checkpointing.granularity={ckpt}"]  # fmt: skip
         runs.append(worker_run(_sp2_name(stage, shard, ckpt), tiny_corpus, over))
+    runs += [worker_run(f"export_sp2_z{stage}", tiny_corpus,
+                        _export_over(stage) + ["parallel.sequence_parallel_size=2"])
+             for stage in EXPORT_STAGES]  # fmt: skip
     procs = start_worker_ranks(2, runs, out, "launch")
-    ref = out / "sp1"
-    run_pretrain(tiny_corpus, ref, SP_MODEL + ["deepspeed.zero.stage=2"], nproc=1,
-                 launcher="python")  # fmt: skip
-    return out, wait_worker_ranks(procs, out, "launch"), _metrics(ref)
+    one = [worker_run("sp1", tiny_corpus, SP_MODEL + ["deepspeed.zero.stage=2"])]
+    one += [worker_run(f"export_one_z{stage}", tiny_corpus, _export_over(stage))
+            for stage in EXPORT_STAGES]  # fmt: skip
+    run_worker_ranks(1, one, out, "one")
+    return out, wait_worker_ranks(procs, out, "launch"), _metrics(out / "sp1")
 
 
 @pytest.mark.slow  # sp2_runs: 2 ranks
@@ -192,28 +213,23 @@ def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(tiny_corpus, tmp_path)
                 assert math.isclose(got[s][key], want[s][key], rel_tol=1e-4), (name, s, key)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_export_of_sharded_checkpoint_holds_whole_matrices(tiny_corpus, tmp_path, stage):
+@pytest.mark.parametrize("stage", EXPORT_STAGES)
+def test_export_of_sharded_checkpoint_holds_whole_matrices(sp2_runs, tmp_path, stage):
     """A checkpoint whose E/F and positions are sharded over P = 2 exports the whole matrices,
     equal to what one rank trained (same steps) to fp32 rounding carried by Adam."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
-    over = SP_MODEL + [f"deepspeed.zero.stage={stage}", "train.max_steps=2", "train.eval_interval=0"]
+    from linformer_ds.export import main as export_main
+
+    runs = sp2_runs[0]
     exported = {}
-    for name, extra, nproc in (("one", [], 1), ("sp2", ["parallel.sequence_parallel_size=2"], 2)):
-        launcher = "deepspeed" if nproc > 1 else "python"
-        run_pretrain(tiny_corpus, tmp_path / name, over + extra, nproc=nproc, launcher=launcher)
+    for name in ("one", "sp2"):
         out = tmp_path / f"{name}_export"
-        cmd = [sys.executable, "launch/export.py", "--checkpoint", str(tmp_path / name / "checkpoints"),
-               "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        ckpt = runs / f"export_{name}_z{stage}" / "checkpoints"
+        assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
         exported[name] = load_file(str(out / "model.safetensors"))
-    meta = (tmp_path / "sp2" / "checkpoints" / "step_00000002" / "linformer_meta.json").read_text()
-    assert '"shard_sequence_parameters": true' in meta
+    meta = runs / f"export_sp2_z{stage}" / "checkpoints" / "step_00000002" / "linformer_meta.json"
+    assert '"shard_sequence_parameters": true' in meta.read_text()
     one, sp2 = exported["one"], exported["sp2"]
     assert one.keys() == sp2.keys()
     assert sp2["encoder.position_embeddings.weight"].shape == (128, 64)
@@ -223,18 +239,15 @@ def test_export_of_sharded_checkpoint_holds_whole_matrices(tiny_corpus, tmp_path
         assert (one[k] - sp2[k]).abs().max().item() <= 1e-5 * max(1.0, one[k].abs().max()), k
 
 
-def test_shard_auto_holds_whole_where_sharding_is_refused(tiny_corpus, tmp_path):
+def test_shard_auto_holds_whole_where_sharding_is_refused(sp2_runs, tiny_corpus, tmp_path):
     """auto (the default) with ZeRO-0 bf16, which sharding refuses (DeepSpeed's BF16_Optimizer
     norm under the model-parallel mpu): the run trains with E/F and positions whole, the
     [setup] line says why, the checkpoint records whole; ``true`` refuses the same run."""
-    over = SP_MODEL + ["deepspeed.precision=bf16", "deepspeed.zero.stage=0",
-                       "deepspeed.fp32_grad_accum=false", "parallel.sequence_parallel_size=2",
-                       "train.max_steps=1", "train.eval_interval=0"]  # fmt: skip
-    proc = run_pretrain(tiny_corpus, tmp_path / "auto", over, nproc=2)
+    runs, stdout, _ = sp2_runs
     line = "[setup] parallel.shard_sequence_parameters=auto: whole: zero.stage=0 with bf16"
-    assert line in proc.stdout, proc.stdout[-2000:]
-    meta = (tmp_path / "auto" / "checkpoints" / "step_00000001" / "linformer_meta.json")
+    assert line in stdout["auto_whole"], stdout["auto_whole"][-2000:]
+    meta = runs / "auto_whole" / "checkpoints" / "step_00000001" / "linformer_meta.json"
     assert '"shard_sequence_parameters": false' in meta.read_text()
-    refused = run_pretrain(tiny_corpus, tmp_path / "true", over + [
+    refused = run_pretrain(tiny_corpus, tmp_path / "true", AUTO_WHOLE + [
         "parallel.shard_sequence_parameters=true"], nproc=2, check=False)  # fmt: skip
     assert refused.returncode == 2 and "BF16_Optimizer" in refused.stderr
