@@ -63,6 +63,9 @@ SLOW_TESTS = {
     # bench/sp_bench.py's frontier phase spawns its P = 1 and P = 2 ranks (torch
     # multiprocessing inside the tool; 26.5 s, the slowest test of the quick tier under load)
     "tests/test_sp_bench.py::test_frontier_second_step_sharded",
+    # a trainer saving every step beside three export commands (23 s and 43 s under load: the
+    # slowest of the quick tier after the one above)
+    "tests/test_downstream_safety.py::test_export_while_training_saves_and_prunes_every_step",
 }
 
 
