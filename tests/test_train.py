@@ -190,32 +190,45 @@ def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
 
 
 # ============================================================================= config errors
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
-        (["train.max_steps=ten"], "train.max_steps: Value 'ten' of type 'str' could not be"),
-        (["model.k=512"], "model.k: k=512 must be in [1, max_seq_len=256]"),
-        (["model.projection=conv", "model.k=48"], "model.k: conv layer 0: k=48 does not divide"),
-        (["deepspeed.zero.offload_param=true"], "deepspeed.zero.offload_param: needs zero.stage=3"),
-        (["train.global_batch_size=10"], "train.global_batch_size: 10 is not micro_batch_size"),
-        (["train.max_steps"], "override 'train.max_steps' is not of the form key=value"),
-        (
-            [
-                "deepspeed.zero.stage=3",
-                "deepspeed.activation_checkpointing.enabled=true",
-                "deepspeed.activation_checkpointing.cpu_checkpointing=true",
-            ],
-            "deepspeed.activation_checkpointing.cpu_checkpointing: DeepSpeed's own checkpointing",
-        ),
-    ],
-)
-def test_config_errors_fail_before_training(overrides, message, tmp_path):
-    env_cmd = [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *overrides]
-    proc = subprocess.run(env_cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+CONFIG_ERRORS = [
+    (["model.nope=1"], "model.nope: Key 'nope' not in 'ModelConfig'"),
+    (["train.max_steps=ten"], "train.max_steps: Value 'ten' of type 'str' could not be"),
+    (["model.k=512"], "model.k: k=512 must be in [1, max_seq_len=256]"),
+    (["model.projection=conv", "model.k=48"], "model.k: conv layer 0: k=48 does not divide"),
+    (["deepspeed.zero.offload_param=true"], "deepspeed.zero.offload_param: needs zero.stage=3"),
+    (["train.global_batch_size=10"], "train.global_batch_size: 10 is not micro_batch_size"),
+    (["train.max_steps"], "override 'train.max_steps' is not of the form key=value"),
+    (
+        [
+            "deepspeed.zero.stage=3",
+            "deepspeed.activation_checkpointing.enabled=true",
+            "deepspeed.activation_checkpointing.cpu_checkpointing=true",
+        ],
+        "deepspeed.activation_checkpointing.cpu_checkpointing: DeepSpeed's own checkpointing",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def config_error_runs(tmp_path_factory):
+    """launch/pretrain.py with each of CONFIG_ERRORS' overrides, all started at once (one
+    interpreter start-up each, side by side): (exit code, stderr) per case."""
+    out = tmp_path_factory.mktemp("config_errors")
+    procs = []
+    for i, (overrides, _) in enumerate(CONFIG_ERRORS):
+        cmd = [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *overrides]
+        with open(out / f"{i}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err))
+    codes = [p.wait(timeout=300) for p in procs]
+    return [(code, (out / f"{i}.err").read_text()) for i, code in enumerate(codes)]
+
+
+@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS)
+def test_config_errors_fail_before_training(overrides, message, config_error_runs):
+    code, stderr = config_error_runs[CONFIG_ERRORS.index((overrides, message))]
+    assert code == 2, stderr[-2000:]
+    assert message in stderr
+    assert "Traceback" not in stderr
 
 
 def test_print_config_and_derived_deepspeed_json():
