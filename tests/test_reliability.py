@@ -34,6 +34,8 @@ from tests.pretrain_utils import (
     free_port,
     read_metrics,
     run_pretrain,
+    run_worker_ranks,
+    worker_run,
 )
 
 COMMON = ["train.max_steps=8", "checkpoint.save_interval=2", "checkpoint.keep_last=0"]
@@ -280,48 +282,60 @@ def test_logged_metrics_after_resume_equal_uninterrupted(tiny_corpus, tmp_path):
 
 
 # ======================================================== ZeRO stage change on resume (universal)
-def test_resume_under_another_zero_stage_via_universal_checkpoint(reference, tiny_corpus, tmp_path):
+def test_resume_under_another_zero_stage_via_universal_checkpoint(reference, resumed):
     """The reference's ZeRO-2 step 4, resumed on the same 2 ranks under ZeRO-1: converted to a
     universal checkpoint (said on the console), Adam's step counter continues, LR equal, losses
     within bf16 noise of the uninterrupted ZeRO-2 run."""
-    copy_tag(reference, tmp_path, "step_00000004")
-    proc = run_pretrain(tiny_corpus, tmp_path, COMMON + ["deepspeed.zero.stage=1"])
+    run, stdout = resumed["zero1"]
     assert (
         "was saved with another engine config (deepspeed.zero.stage 2 -> 1): loading it "
-        "through a universal checkpoint" in proc.stdout
+        "through a universal checkpoint" in stdout
     )
-    assert "step 4, epoch 0, sampler consumed 32" in proc.stdout
-    assert not (tmp_path / "checkpoints" / "universal").exists()
-    ref, got = read_metrics(reference), read_metrics(tmp_path)
+    assert "step 4, epoch 0, sampler consumed 32" in stdout
+    assert not (run / "checkpoints" / "universal").exists()
+    ref, got = read_metrics(reference), read_metrics(run)
     assert sorted(got) == [5, 6, 7, 8]
     for s in (5, 6, 7, 8):
         assert got[s]["lr"] == ref[s]["lr"]
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=0.02)
-    assert adam_steps(tmp_path / "checkpoints" / "step_00000008") == [8.0] * 4
+    assert adam_steps(run / "checkpoints" / "step_00000008") == [8.0] * 4
 
 
 # ============================================================================ world-size change
 @pytest.fixture(scope="module")
-def resized(reference, tiny_corpus, tmp_path_factory):
-    """2 ranks (reference, step 4) -> 1 rank (to step 8) ; its step 6 -> 2 ranks (to step 8).
-
-    The global batch stays 8 rows (1 x 8 or 2 x 4), so each step sees the same rows.
-    """
-    one = tmp_path_factory.mktemp("resize_2to1")
+def resumed(reference, tiny_corpus, tmp_path_factory):
+    """The reference resumed in other layouts: ``one``: its step 4 on 1 rank (to step 8);
+    then, in one 2-rank process group (tests/layout_worker.py: the start-up paid once),
+    ``two``: one's step 6 back on 2 ranks (to step 8), and ``zero1``: its step 4 on the same 2
+    ranks under ZeRO-1. The global batch stays 8 rows (1 x 8 or 2 x 4), so each step sees the
+    same rows. name -> (run directory, stdout)."""
+    root = tmp_path_factory.mktemp("resumed")
+    one, two, zero1 = root / "resize_2to1", root / "resize_1to2", root / "zero1"
     copy_tag(reference, one, "step_00000004")
     p1 = run_pretrain(tiny_corpus, one, COMMON + ["train.micro_batch_size=8", sample_log(one)],
                       nproc=1, launcher="python")  # fmt: skip
-    two = tmp_path_factory.mktemp("resize_1to2")
     copy_tag(one, two, "step_00000006")
-    p2 = run_pretrain(tiny_corpus, two, COMMON + [sample_log(two)])
-    return one, p1, two, p2
+    copy_tag(reference, zero1, "step_00000004")
+    stdout = run_worker_ranks(2, [
+        worker_run(two.name, tiny_corpus, COMMON + [sample_log(two)]),
+        worker_run(zero1.name, tiny_corpus, COMMON + ["deepspeed.zero.stage=1"]),
+    ], root, "launch")  # fmt: skip
+    return {"one": (one, p1.stdout), "two": (two, stdout[two.name]),
+            "zero1": (zero1, stdout[zero1.name])}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resized(resumed):
+    """2 ranks (reference, step 4) -> 1 rank (to step 8) ; its step 6 -> 2 ranks (to step 8):
+    ``(one, its stdout, two, its stdout)``."""
+    return (*resumed["one"], *resumed["two"])
 
 
 def test_resume_2_ranks_on_1_and_1_on_2_via_universal_checkpoint(reference, resized):
     one, p1, two, p2 = resized
-    for proc, saved, now, step in ((p1, 2, 1, 4), (p2, 1, 2, 6)):
-        assert f"saved by {saved} rank(s), this run has {now}: converting" in proc.stdout
-        assert f"step {step}, epoch 0, sampler consumed {8 * step}" in proc.stdout
+    for stdout, saved, now, step in ((p1, 2, 1, 4), (p2, 1, 2, 6)):
+        assert f"saved by {saved} rank(s), this run has {now}: converting" in stdout
+        assert f"step {step}, epoch 0, sampler consumed {8 * step}" in stdout
     assert not (one / "checkpoints" / "universal").exists()  # derived data removed after load
     ref = read_metrics(reference)
     m1, m2 = read_metrics(one), read_metrics(two)
@@ -371,8 +385,12 @@ def test_nonfinite_stop_keeps_last_good_checkpoint(tiny_corpus, tmp_path):
     proc = _single(
         tiny_corpus,
         tmp_path,
-        ["train.max_steps=6", "checkpoint.save_interval=2", "train.nonfinite=stop",
-         "debug.nan_at_step=3"],
+        [
+            "train.max_steps=6",
+            "checkpoint.save_interval=2",
+            "train.nonfinite=stop",
+            "debug.nan_at_step=3",
+        ],
         {},
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
