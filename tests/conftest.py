@@ -44,10 +44,13 @@ SLOW_FIXTURES = {
     "tests.test_gpu_kit.dry",  # the GPU kit's dry run: every step on the CPU
     "tests.test_sp_bench.tiny_run",  # the sequence-parallel benchmark's ranks
     "tests.test_sweep.swept",  # a three-point quality sweep of real trainer runs
+    "tests.test_bench.tiny_run",  # bench/model_bench.py's tool run on a tiny grid
+    "tests.test_extending.plugin_runs",  # two launch/pretrain.py --plugin trainer processes
 }
 
 # Slow tests the rule cannot see: the heaviest single-process ones (measured with --durations
-# on 2 cores: each alone a fifth to a tenth of the quick tier) and ranks started by hand.
+# on 2 cores: the quick tier's slowest, so that it stays within 3 minutes) and ranks or
+# processes started by hand or inside a tool.
 SLOW_TESTS = {
     "tests/test_reliability.py::test_logged_metrics_after_resume_equal_uninterrupted",  # 4 runs
     "tests/test_hf.py::test_trainer_save_model_keeps_tokenizer_and_accuracy",  # HF Trainer
@@ -66,6 +69,19 @@ SLOW_TESTS = {
     # a trainer saving every step beside three export commands (23 s and 43 s under load: the
     # slowest of the quick tier after the one above)
     "tests/test_downstream_safety.py::test_export_while_training_saves_and_prunes_every_step",
+    # bench/peer_bench.py's tool runs (one process per model)
+    "tests/test_peer_bench.py::test_dense_pair_run_records_speedup_vs_hf_bert",
+    "tests/test_peer_bench.py::test_one_process_per_model",
+    "tests/test_peer_bench.py::test_tiny_run_writes_table",
+    # transformers' Trainer fine-tuning in a fresh process (as test_hf's above)
+    "tests/test_peft.py::test_lora_default_settings_survive_reload",
+    "tests/test_hf_heads.py::test_heads_attention_checkpointing_in_transformers_only_process",
+    # two or three one-rank trainer runs each (7-9 s each under load, 2 cores, 2026-12-04)
+    "tests/test_context_meter.py::test_output_bias_init_starts_the_model_at_the_unigram_level",
+    "tests/test_context_meter.py::test_trainer_eval_records_and_lines_carry_the_meter",
+    "tests/test_isolation.py::test_trainer_isolation_auto_on_full_packing",
+    "tests/test_downstream_safety.py::"
+    "test_metrics_jsonl_once_per_step_after_resume_from_older_tag_and_failed_start_frees_dirs",
 }
 
 
