@@ -61,13 +61,29 @@ def _export_over(stage: int) -> list:
     ]
 
 
+# The universal-resume test's one-rank runs (``uni_ref`` uninterrupted, ``uni_half`` its first
+# two steps) and, from copies of uni_half, its resumes onto P = 2 and DP 2 x SP 2 (2 rows per
+# replica: the same global batch of 4 rows), trained in the launches of the fixtures below
+UNI_OVER = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=4", "train.eval_interval=0"]
+UNI_RESUMES = {
+    "uni_sp2": ["parallel.sequence_parallel_size=2"],
+    "uni_dp2sp2": ["parallel.sequence_parallel_size=2", "train.micro_batch_size=2"],
+}
+
+
+def _uni_resume(sp2_runs, tiny_corpus, out, name: str) -> dict:
+    """A copy of sp2_runs' uni_half as ``out/name`` and the run that resumes it."""
+    shutil.copytree(sp2_runs[0] / "uni_half", out / name)
+    return worker_run(name, tiny_corpus, UNI_OVER + UNI_RESUMES[name])
+
+
 @pytest.fixture(scope="module")
 def sp2_runs(tiny_corpus, tmp_path_factory):
     """Every case of the test below trained in one 2-rank process group (tests/layout_worker.py,
     one run after the other: the start-up paid once), and beside it P = 1 on one rank with the
     same global batch (4 rows). The same two launches train the runs of the export and
     shard-auto tests further down (``auto_whole`` first: unsharded; ``export_sp2_z2/3`` last:
-    sharded; their one-rank twins ``export_one_z2/3``). Returns the output directory, each run's
+    sharded; their one-rank twins ``export_one_z2/3``; and ``uni_ref``, ``uni_half``). Returns the output directory, each run's
     stdout (2-rank group) and the reference's train and eval metrics."""
     out = tmp_path_factory.mktemp("sp2")
     runs = [worker_run("auto_whole", tiny_corpus, AUTO_WHOLE)]
@@ -85,6 +101,8 @@ def sp2_runs(tiny_corpus, tmp_path_factory):
     one = [worker_run("sp1", tiny_corpus, SP_MODEL + ["deepspeed.zero.stage=2"])]
     one += [worker_run(f"export_one_z{stage}", tiny_corpus, _export_over(stage))
             for stage in EXPORT_STAGES]  # fmt: skip
+    one += [worker_run("uni_ref", tiny_corpus, UNI_OVER),
+            worker_run("uni_half", tiny_corpus, UNI_OVER + ["train.stop_at_step=2"])]  # fmt: skip
     run_worker_ranks(1, one, out, "one")
     return out, wait_worker_ranks(procs, out, "launch"), _metrics(out / "sp1")
 
@@ -113,8 +131,13 @@ def test_sequence_parallel_2_matches_one_rank(sp2_runs, stage, shard, ckpt):
     assert train[5]["loss"] < train[1]["loss"]
 
 
-@pytest.mark.slow  # 4 ranks
-def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
+@pytest.fixture(scope="module")
+def four_ranks(tiny_corpus, sp2_runs, tmp_path_factory):
+    """DP 2 x SP 2 on 4 ranks: the uninterrupted run (``full``) and the first half (``part``,
+    stopped at step 3) in one process group (tests/layout_worker.py), the second half resumed
+    in a new one, beside ``uni_dp2sp2`` (the universal-resume test's). Returns the output
+    directory and the second group's stdout per run."""
+    out = tmp_path_factory.mktemp("dp2_sp2")
     over = SP_MODEL + [
         "deepspeed.zero.stage=2",
         "parallel.sequence_parallel_size=2",
@@ -123,14 +146,19 @@ def test_dp2_x_sp2_on_four_ranks_resumes_exactly(tiny_corpus, tmp_path):
         "train.eval_interval=0",
         "checkpoint.save_interval=3",
     ]
-    # the uninterrupted run and the first half in one process group (tests/layout_worker.py),
-    # the second half resumed in a new one
     first = [worker_run("full", tiny_corpus, over),
              worker_run("part", tiny_corpus, over + ["train.stop_at_step=3"])]  # fmt: skip
-    run_worker_ranks(4, first, tmp_path, "first")
-    stdout = run_worker_ranks(4, [worker_run("part", tiny_corpus, over)], tmp_path, "resume")
+    run_worker_ranks(4, first, out, "first")
+    resume = [worker_run("part", tiny_corpus, over),
+              _uni_resume(sp2_runs, tiny_corpus, out, "uni_dp2sp2")]  # fmt: skip
+    return out, run_worker_ranks(4, resume, out, "resume")
+
+
+@pytest.mark.slow  # 4 ranks
+def test_dp2_x_sp2_on_four_ranks_resumes_exactly(four_ranks):
+    out, stdout = four_ranks
     assert "[resume]" in stdout["part"] and "step 3" in stdout["part"]
-    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    a, b = read_metrics(out / "full"), read_metrics(out / "part")
     assert sorted(a) == list(range(1, 7))
     assert [a[s]["loss"] for s in range(1, 7)] == [b[s]["loss"] for s in range(1, 7)]
     assert [a[s]["grad_norm"] for s in range(4, 7)] == [b[s]["grad_norm"] for s in range(4, 7)]
@@ -140,13 +168,14 @@ RESUME_ACROSS = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=6", "trai
 
 
 @pytest.fixture(scope="module")
-def resume_chains(tiny_corpus, tmp_path_factory):
+def resume_chains(tiny_corpus, sp2_runs, tmp_path_factory):
     """Both chains of the test below (E/F and positions sharded, and whole), hop by hop: each
     hop of both in one process group (tests/layout_worker.py; the sharded chain's after the
-    other's), the last hop's with the uninterrupted one-rank run the chains must equal (P = 1,
+    other's; the second hop's also resumes ``uni_sp2``, the universal-resume test's, last), the last hop's with the uninterrupted one-rank run the chains must equal (P = 1,
     so ``parallel.shard_sequence_parameters`` is inert: no SP group, nothing sharded, recorded
     false: one run serves both chains). Returns the output directory and the stdout of every
-    hop and the first hop's checkpoint record (linformer_meta.json), by chain."""
+    hop and the first hop's checkpoint record (linformer_meta.json), by chain, and uni_sp2's
+    stdout."""
     out = tmp_path_factory.mktemp("resume_across")
     hops = [(2, ["parallel.sequence_parallel_size=2", "train.stop_at_step=2"]),
             (2, ["train.micro_batch_size=2", "train.stop_at_step=4"]),
@@ -158,14 +187,18 @@ def resume_chains(tiny_corpus, tmp_path_factory):
         for shard in (False, True):
             over = RESUME_ACROSS + [f"parallel.shard_sequence_parameters={str(shard).lower()}"]
             runs.append(worker_run(f"run_{str(shard).lower()}", tiny_corpus, over + extra))
+        if i == 1:
+            runs.append(_uni_resume(sp2_runs, tiny_corpus, out, "uni_sp2"))
         stdout = run_worker_ranks(ranks, runs, out, f"hop{i}")
+        if i == 1:
+            uni_sp2 = stdout["uni_sp2"]
         for shard in (False, True):
             run = out / f"run_{str(shard).lower()}"
             said[shard].append(stdout[run.name])
             if i == 0:  # the P = 2 checkpoint's record, before later hops save theirs
                 meta = run / "checkpoints" / "step_00000002" / "linformer_meta.json"
                 said[shard].append(meta.read_text())
-    return out, said
+    return out, said, uni_sp2
 
 
 @pytest.mark.slow  # resume_chains: 2 ranks
@@ -176,7 +209,7 @@ def test_resume_across_sequence_parallel_sizes_and_ranks(resume_chains, shard):
     checkpoint) -> one rank (universal checkpoint): every step's loss equals a one-rank run to
     1e-4 (the layouts sum gradients in different orders; Adam carries those last-bit
     differences on: measured 2e-5 at step 5)."""
-    out, said = resume_chains
+    out, said, _ = resume_chains
     _, meta, dp2, one = said[shard]
     assert '"sequence_parallel_size": 2' in meta
     assert f'"shard_sequence_parameters": {str(shard).lower()}' in meta
@@ -188,25 +221,19 @@ def test_resume_across_sequence_parallel_sizes_and_ranks(resume_chains, shard):
         assert math.isclose(a[s]["loss"], b[s]["loss"], rel_tol=1e-4), (s, a[s], b[s])
 
 
-def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(tiny_corpus, tmp_path):
+def test_universal_resume_one_rank_onto_sp2_and_dp2_x_sp2(sp2_runs, resume_chains, four_ranks):
     """A one-rank checkpoint resumes through the universal checkpoint onto P = 2 (2 ranks) and
     onto DP 2 x SP 2 (4 ranks, 2 rows per replica: the same global batch of 4 rows); every
     step's loss equals the uninterrupted one-rank run to fp32 rounding carried by Adam."""
-    over = SP_MODEL + ["deepspeed.zero.stage=2", "train.max_steps=4", "train.eval_interval=0"]
-    ref, half = tmp_path / "ref", tmp_path / "half"
-    run_pretrain(tiny_corpus, ref, over, nproc=1, launcher="python")
-    want = read_metrics(ref)
-    # the first two steps on one rank, once: each resume starts from its own copy
-    run_pretrain(tiny_corpus, half, over + ["train.stop_at_step=2"], nproc=1, launcher="python")
-    for name, extra, nproc in (
-        ("sp2", ["parallel.sequence_parallel_size=2"], 2),
-        ("dp2sp2", ["parallel.sequence_parallel_size=2", "train.micro_batch_size=2"], 4),
+    # the first two steps on one rank, once (sp2_runs' uni_half): each resume starts from its
+    # own copy (uni_sp2 in resume_chains' second launch, uni_dp2sp2 in four_ranks' second)
+    want = read_metrics(sp2_runs[0] / "uni_ref")
+    for name, out, text in (
+        ("uni_sp2", resume_chains[0], resume_chains[2]),
+        ("uni_dp2sp2", four_ranks[0], four_ranks[1]["uni_dp2sp2"]),
     ):
-        run = tmp_path / name
-        shutil.copytree(half, run)
-        proc = run_pretrain(tiny_corpus, run, over + extra, nproc=nproc)
-        assert "universal checkpoint" in proc.stdout and "step 2" in proc.stdout, proc.stdout
-        got = read_metrics(run)
+        assert "universal checkpoint" in text and "step 2" in text, text
+        got = read_metrics(out / name)
         assert sorted(got) == [1, 2, 3, 4]
         for s in (3, 4):
             for key in ("loss", "grad_norm"):
