@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,13 +37,21 @@ SCHEDULES = {
     "mixed": dict(num_layers=3, layer_projections=["linear", "dense", "linear"]),
     # the local mixer reads 2 (1) rows across the slice boundary from the other rank
     "linear+mixer": dict(projection="linear", local_mixer="layers", local_mixer_kernel=5),
-    "mixed+mixer": dict(num_layers=3, layer_projections=["linear", "dense", "linear"],
-                        local_mixer="embed", local_mixer_kernel=3),
+    "mixed+mixer": dict(
+        num_layers=3,
+        layer_projections=["linear", "dense", "linear"],
+        local_mixer="embed",
+        local_mixer_kernel=3,
+    ),
     # windows of W/2 = 4 keys each side reach into the other rank's slice (a halo), within
     # each document; rotary positions are the document positions
     "linear+window": dict(projection="linear", local_window=8, positions="rope"),
-    "modern": dict(num_layers=3, layer_projections=["local", "local", "dense"], local_window=8,
-                   positions="rope"),
+    "modern": dict(
+        num_layers=3,
+        layer_projections=["local", "local", "dense"],
+        local_window=8,
+        positions="rope",
+    ),
     "local+linear": dict(layer_projections=["local", "linear"], local_window=10),
 }
 
@@ -98,7 +107,10 @@ def _equivalence(rank: int, world: int) -> dict:
     cases += [("mixed", "layerwise", "sublayer", True)]
     cases += [("linear+mixer", "layerwise", None, True), ("linear+mixer", "none", None, False)]
     cases += [("mixed+mixer", "kv", "sublayer", True), ("linear+mixer", "headwise", "layer", True)]
-    cases += [("linear+window", "layerwise", None, True), ("linear+window", "kv", "sublayer", False)]
+    cases += [
+        ("linear+window", "layerwise", None, True),
+        ("linear+window", "kv", "sublayer", False),
+    ]
     cases += [("modern", "none", "layer", True), ("local+linear", "headwise", None, True)]
     for sched, sharing, checkpointing, per_span in cases:
         torch.manual_seed(0)
@@ -179,7 +191,12 @@ def _zero(rank: int, world: int, deepspeed) -> dict:
 def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
     deepspeed = init_gloo_rank(rank, world, port)
     torch.set_num_threads(1)
-    res = _equivalence(rank, world) if mode == "equivalence" else _zero(rank, world, deepspeed)
+    # "both": the two tests' work in one launch (the ranks' start-up paid once), each result
+    # under its mode's name
+    modes = ["equivalence", "zero"] if mode == "both" else [mode]
+    res = {m: _equivalence(rank, world) if m == "equivalence" else _zero(rank, world, deepspeed)
+           for m in modes}  # fmt: skip
+    res = res if mode == "both" else res[mode]
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     torch.distributed.barrier()
     os._exit(0)  # skip gloo teardown at interpreter exit
@@ -193,7 +210,11 @@ def _run_ranks(mode: str, world: int, out: Path, timeout: int = 600) -> list:
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, mode, str(r), str(world), str(port), str(out)],
-            env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            cwd=out,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for r in range(world)
     ]
@@ -204,8 +225,14 @@ def _run_ranks(mode: str, world: int, out: Path, timeout: int = 600) -> list:
 
 
 # =========================================================================================== tests
-def test_p2_documents_across_the_boundary_equal_one_rank(tmp_path):
-    results = _run_ranks("equivalence", 2, tmp_path)
+@pytest.fixture(scope="module")
+def p2_ranks(tmp_path_factory) -> list:
+    """Both P = 2 modes (equivalence, then zero) in one 2-rank launch: each rank's results."""
+    return _run_ranks("both", 2, tmp_path_factory.mktemp("p2_ranks"))
+
+
+def test_p2_documents_across_the_boundary_equal_one_rank(p2_ranks):
+    results = [r["equivalence"] for r in p2_ranks]
     worst = {}
     for res in results:
         for case, errs in res.items():
@@ -215,8 +242,8 @@ def test_p2_documents_across_the_boundary_equal_one_rank(tmp_path):
     print("P=2 isolation worst relative deviations:", {k: f"{v:.2e}" for k, v in worst.items()})
 
 
-def test_zero_stages_give_one_ranks_loss(tmp_path):
-    res = _run_ranks("zero", 2, tmp_path)[0]
+def test_zero_stages_give_one_ranks_loss(p2_ranks):
+    res = dict(p2_ranks[0]["zero"])
     ref = res.pop("reference")
     for stage, pair in res.items():
         for got, want in zip(pair, ref):
