@@ -365,12 +365,15 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
 def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
     deepspeed = init_gloo_rank(rank, world, port)
     torch.set_num_threads(1)
-    if mode == "equivalence":
-        res = _equivalence_worker(rank, world, Path(out))
-    elif mode == "exact":
-        res = _exact_scale_worker(rank, world, deepspeed)
-    else:
-        res = _deepspeed_worker(rank, world, Path(out), deepspeed, sp_size=int(mode[-1]))
+    res = {}
+    for m in mode.split("+"):  # "a+b": several tests' work in one launch, by mode name
+        if m == "equivalence":
+            res[m] = _equivalence_worker(rank, world, Path(out))
+        elif m == "exact":
+            res[m] = _exact_scale_worker(rank, world, deepspeed)
+        else:
+            res[m] = _deepspeed_worker(rank, world, Path(out), deepspeed, sp_size=int(m[-1]))
+    res = res if "+" in mode else res[mode]
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     import torch.distributed as dist
 
@@ -488,14 +491,25 @@ def test_loss_scaling_rule():
     assert LossScaling(1, accumulation_steps=2).denominator([labels[1:]] * 2, "cpu").item() == 1
 
 
+# The 2-rank work of the three tests below in one launch: the DP-only DeepSpeed reference
+# first (a fresh process, as alone), the exact-scale cases last (their sharded mpu stays set)
+TWO_RANK_MODES = "ds_sp1+equivalence+exact"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list:
+    """Each rank's results of TWO_RANK_MODES (one 2-rank launch), by mode."""
+    return _run_ranks(TWO_RANK_MODES, 2, tmp_path_factory.mktemp("two_ranks"))
+
+
 @pytest.mark.slow
-def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
+def test_p2_equals_p1_every_schedule_and_sharing(two_ranks):
     """Two ranks, gloo, fp32: losses and the gradient of every parameter (summed over the SP
     group) equal the single-rank full-sequence reference to 1e-5, with right-padded rows.
     Sharded: every E/F (each sharing mode, per-layer and layerwise) and the position table
     hold half their columns/rows per rank, reassemble to the reference exactly, and their
     gradient on each rank equals the reference's half with no reduction over the group."""
-    results = _run_ranks("equivalence", 2, tmp_path)
+    results = [r["equivalence"] for r in two_ranks]
     assert [r["offset"] for r in results] == [0, N // 2]
     for res in results:
         assert len(res["cases"]) == 2 * (len(SCHEDULES) * len(SHARING) + 1) + len(MIXER_CASES)
@@ -529,12 +543,12 @@ def test_p2_equals_p1_every_schedule_and_sharing(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(tmp_path):
+def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(two_ranks, tmp_path):
     """deepspeed.initialize with the SP mpu on 4 ranks (DP 2 x SP 2) vs 2 ranks DP only, same
     global batch: the parameter updates of one SGD step agree to 1e-5 under ZeRO 0, 1, 2, 3.
     Without partition_for_zero3 or LossScaling.backward_scale ZeRO-3 is wrong, as documented."""
     sp_runs = _run_ranks("ds_sp2", 4, tmp_path / "sp")
-    dp_runs = _run_ranks("ds_sp1", 2, tmp_path / "dp")
+    dp_runs = [r["ds_sp1"] for r in two_ranks]
     ref = dp_runs[0]
 
     def worst(run: dict, case: str, ref_case: str, what: str) -> float:
@@ -564,11 +578,11 @@ def test_deepspeed_zero_stages_dp2_sp2_equal_dp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_reduction_scale_exact_fp32_bf16(tmp_path):
+def test_deepspeed_reduction_scale_exact_fp32_bf16(two_ranks):
     """The gradient DeepSpeed applies is the sum over the SP ranks (our loss convention) under
     fp32 and bf16 (with and without fp32 accumulation), ZeRO 0-3, exactly."""
     target = [[1.0 - (0 + 4), 1.0 - (1 + 5), 1.0 - (2 + 6), 1.0 - (3 + 7)]]
-    for res in _run_ranks("exact", 2, tmp_path):
+    for res in [r["exact"] for r in two_ranks]:
         assert len(res) == 2 * len(EXACT_CASES) - 2  # unsharded and sharded mpu
         assert all(w == target for w in res.values()), res
 
