@@ -132,6 +132,7 @@ def test_evaluate_reports_the_meter_on_the_hidden_positions(shards, tmp_path, mo
     valid = ShardDataset(shards, "valid")
     cfg = SimpleNamespace(
         data=SimpleNamespace(mlm_probability=0.15),
+        eval=SimpleNamespace(context_windows=[]),
         train=SimpleNamespace(seed=3, micro_batch_size=2, gradient_accumulation_steps=1,
                               eval_batches=2),
     )  # fmt: skip
@@ -181,6 +182,7 @@ def test_a_model_that_copies_its_input_shows_no_context_gain(shards, tmp_path, m
     for seed in range(4):
         cfg = SimpleNamespace(
             data=SimpleNamespace(mlm_probability=0.5),
+            eval=SimpleNamespace(context_windows=[]),
             train=SimpleNamespace(seed=seed, micro_batch_size=2, gradient_accumulation_steps=1,
                                   eval_batches=2),
         )  # fmt: skip

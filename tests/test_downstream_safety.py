@@ -89,10 +89,12 @@ def _copy(base: dict, tmp_path: Path, name: str = "model") -> Path:
 # ================================================================================ finetune
 def test_export_records_code_sha256_and_untouched_export_passes(base):
     from linformer_ds.export import CODE_SHA_KEY, check_remote_code
+    from linformer_ds.model_dir import MODEL_FILES
 
     config = json.loads((base["model"] / "config.json").read_text())
-    assert sorted(config[CODE_SHA_KEY]) == [
-        "configuration_linformer.py", "linformer_model.py", "modeling_linformer.py"]  # fmt: skip
+    assert sorted(config[CODE_SHA_KEY]) == sorted(
+        ["configuration_linformer.py", "linformer_model.py", "modeling_linformer.py", *MODEL_FILES]
+    )
     assert check_remote_code(str(base["model"])) is None
 
 
