@@ -29,16 +29,40 @@ from .projections import (
 
 
 class Window(NamedTuple):
-    """What every windowed layer of one forward pass shares (built by the encoder): ``radius``
-    ``r = local_window / 2``; ``query_doc [B, n]`` each query's document number (this rank's
-    slice); ``key_doc [B, n + 2r]`` the document number of the keys from ``r`` positions before
-    the slice to ``r`` after it, ``-1`` for padding and positions outside the row; ``halo(x, r)``
-    the neighbouring ranks' ``r`` rows either side (None: zeros, one rank)."""
+    """What every windowed layer of one forward pass shares (built once by the encoder with
+    :func:`make_window`): ``radius`` ``r = local_window / 2``; ``query_doc [B, n]`` each query's
+    document number (this rank's slice); ``key_doc [B, n + 2r]`` the document number of the keys
+    from ``r`` positions before the slice to ``r`` after it, ``-1`` for padding and positions
+    outside the row; ``halo(x, r)`` the neighbouring ranks' ``r`` rows either side (None: zeros,
+    one rank); ``block_mask [B, 1, nb, r, 3r]`` which of the ``3r`` keys around each block of
+    ``r`` queries each query may see (its document, within ``r``, not padding) and ``has_key
+    [B, 1, nb, r, 1]`` whether it sees any (None: built on use)."""
 
     radius: int
     query_doc: torch.Tensor
     key_doc: torch.Tensor
     halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
+    block_mask: Optional[torch.Tensor] = None
+    has_key: Optional[torch.Tensor] = None
+
+
+def make_window(
+    radius: int,
+    query_doc: torch.Tensor,
+    key_doc: torch.Tensor,
+    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
+) -> Window:
+    """A :class:`Window` with its block mask: query block ``j`` (positions ``[j r, j r + r)``)
+    reads the keys ``[j r - r, j r + 2r)``; a query may see a key of its own document within
+    ``r`` positions that is not padding."""
+    r = radius
+    b, n = query_doc.shape
+    nb = -(-n // r)
+    tail = nb * r - n
+    key_blocks = F.pad(key_doc, (0, tail), value=-1).unfold(1, 3 * r, r)  # [B, nb, 3r]
+    query_blocks = F.pad(query_doc, (0, tail), value=-2).view(b, nb, r)
+    valid = (query_blocks[..., :, None] == key_blocks[..., None, :]) & _band(r, query_doc.device)
+    return Window(r, query_doc, key_doc, halo, valid[:, None], valid.any(-1)[:, None, :, :, None])
 
 
 class LocalContext(NamedTuple):
@@ -288,59 +312,82 @@ class LinformerSelfAttention(nn.Module):
         """Each query against the keys within ``r`` positions of it (its document, no padding)
         and its document's summaries, in one softmax (Transformer-LS). ``q, k, v [B, n, h, d]``.
 
-        The window runs in blocks of ``r`` queries against the ``3r`` keys around them (one
-        batched product: memory and work O(n r)); rotary positions turn the window's queries and
-        keys (the summaries' keys stay unrotated)."""
+        The window runs in blocks of ``r`` queries against the ``3r`` keys around them: heads
+        first (``[B, h, nb, r, d]``), so each product is one batched GEMM over contiguous blocks
+        and the keys of a block are three neighbouring blocks side by side (memory and work
+        O(n r)). Scores and softmax stay in the compute dtype, as eager attention does. Rotary
+        positions turn the window's queries and keys (the summaries' keys stay unrotated). A
+        query with no key in reach (padding among padding) gets no attention output, the same in
+        every path."""
         b, n, h, d = q.shape
         win = local.window
         r = win.radius
         if tracing():  # export: the same math as one band-masked product (shape-generic)
             return self._local_global_traced(q, k, v, proj_k, kp, vp, mask, local)
+        if win.block_mask is None:
+            win = make_window(r, win.query_doc, win.key_doc, win.halo)
         nb = -(-n // r)  # query blocks
         tail = nb * r - n
-        scale = 1.0 / math.sqrt(d)
-        qs = q * scale
+        qs = q * (1.0 / math.sqrt(d))
         qw, kw = qs, k
         if local.rotary is not None:
             qw, kw = rotate(qs, local.rotary), rotate(k, local.rotary)
-        # keys and values from r before the slice to r after it, then to a whole block count
-        if win.halo is None:
-            kk, vv = (F.pad(t, (0, 0, 0, 0, r, r + tail)) for t in (kw, v))
-        else:
-            kk, vv = (F.pad(win.halo(t, r), (0, 0, 0, 0, 0, tail)) for t in (kw, v))
-        kb, vb = kk.unfold(1, 3 * r, r), vv.unfold(1, 3 * r, r)  # [B, nb, h, d, 3r]
-        qb = F.pad(qw, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, d)
-        s_win = torch.einsum("bjthd,bjhds->bjths", qb, kb).float()  # [B, nb, r, h, 3r]
-        key_doc = F.pad(win.key_doc, (0, tail), value=-1).unfold(1, 3 * r, r)  # [B, nb, 3r]
-        query_doc = F.pad(win.query_doc, (0, tail), value=-2).view(b, nb, r)
-        valid = (query_doc[..., :, None] == key_doc[..., None, :]) & _band(r, q.device)
-        neg = torch.finfo(torch.float32).min
-        s_win = s_win.masked_fill(~valid[:, :, :, None, :], neg)
+
+        def around(t: torch.Tensor) -> torch.Tensor:
+            """``[B, n, h, d]`` -> ``[B, h, nb, 3r, d]``: the keys from ``r`` before each query
+            block to ``r`` after it (the neighbouring ranks' rows at the slice's edges)."""
+            if win.halo is None:  # heads first and padded in one copy
+                t = F.pad(t.transpose(1, 2), (0, 0, r, r + tail))
+            else:
+                t = F.pad(win.halo(t, r).transpose(1, 2), (0, 0, 0, tail))
+            t = t.view(b, h, nb + 2, r, d)
+            return torch.cat([t[:, :, :-2], t[:, :, 1:-1], t[:, :, 2:]], dim=3)
+
+        def blocks(t: torch.Tensor) -> torch.Tensor:  # [B, n, h, d] -> [B, h, nb r, d]
+            return F.pad(t.transpose(1, 2), (0, 0, 0, tail))
+
+        qb = blocks(qw)
+        vb = around(v)
+        scores = torch.matmul(qb.view(b, h, nb, r, d), around(kw).transpose(-1, -2))
+        neg = torch.finfo(scores.dtype).min  # scores [B, h, nb, r, 3r]
+        scores = scores.masked_fill(~win.block_mask, neg)
+        has_key = win.has_key if mask is not None else None  # no padding: every query has one
         m = 0
-        scores = s_win
         if kp is not None:
-            s_sum, sum_valid = self._summary_scores(qs, proj_k, kp, mask, documents)  # [B,n,h,M]
+            if documents is None:  # every query against the row's summaries: one product
+                qsb = qb if local.rotary is None else blocks(qs)
+                s_sum = torch.matmul(qsb, kp.permute(0, 2, 3, 1))  # [B, h, nb r, M]
+                real = None if mask is None else summary_mask(proj_k, mask)
+                sum_valid = None if real is None else real[:, None, None, :]
+            else:
+                s_sum, sum_valid = self._summary_scores(qs, proj_k, kp, mask, documents)
+                s_sum = F.pad(s_sum, (0, 0, 0, tail))  # [B, h, nb r, M]
+                sum_valid = F.pad(sum_valid, (0, 0, 0, tail))
             m = s_sum.shape[-1]
             if sum_valid is not None:
                 s_sum = s_sum.masked_fill(~sum_valid, neg)
-            s_sum = F.pad(s_sum, (0, 0, 0, 0, 0, tail)).view(b, nb, r, h, m)
-            scores = torch.cat([s_win, s_sum], dim=-1)
-        # a query with no key in reach (padding among padding) gets no attention output, the same
-        # in every path (a softmax over masked keys only would depend on the block layout)
+                if has_key is not None:
+                    reach = sum_valid.any(-1)  # [B, 1, nb r or 1]
+                    reach = reach.view(b, 1, -1, r, 1) if reach.shape[-1] > 1 else reach[..., None, None]
+                    has_key = has_key | reach
+            else:
+                has_key = None  # every query reaches a summary
+            scores = torch.cat([scores, s_sum.view(b, h, nb, r, m)], dim=-1)
         p = scores.softmax(dim=-1)
-        p = torch.cat(
-            [p[..., : 3 * r].masked_fill(~valid[:, :, :, None, :], 0.0), p[..., 3 * r :]], -1
-        )
-        p = p.to(q.dtype)
+        if has_key is not None:
+            p = p.masked_fill(~has_key, 0.0)
         if dropout_p:
             p = F.dropout(p, dropout_p)
         p_win, p_sum = p.split([3 * r, m], dim=-1)
-        y = torch.einsum("bjths,bjhds->bjthd", p_win, vb).reshape(b, nb * r, h, d)[:, :n]
-        if m:
-            y = y + self._summary_values(
-                p_sum.reshape(b, nb * r, h, m)[:, :n], vp, proj_k, documents
-            )
-        return self.out(y.reshape(b, n, self.hidden_size))
+        y = torch.matmul(p_win, vb).view(b, h, nb * r, d)
+        if m:  # the split's rows stay strided views: no copy of the weights
+            p_sum = p_sum.view(b, h, nb * r, m)
+            if documents is None:
+                y = y + torch.matmul(p_sum, vp.transpose(1, 2))
+            else:
+                y = y[:, :, :n] + self._summary_values(p_sum[:, :, :n], vp, proj_k, documents)
+        y = y[:, :, :n]
+        return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
     def _local_global_traced(
         self,
@@ -374,11 +421,15 @@ class LinformerSelfAttention(nn.Module):
             y = torch.einsum("bhij,bjhd->bihd", p, v)
             return self.out(y.reshape(b, n, self.hidden_size))
         s_sum = torch.einsum("bihd,bmhd->bhim", qs, kp).float()
+        blocks = None
         if mask is not None:
             blocks = summary_mask(proj_k, mask)
             if blocks is not None:
                 s_sum = s_sum.masked_fill(~blocks[:, None, None, :], neg)
         p = torch.cat([s_win, s_sum], dim=-1).softmax(dim=-1)
+        if blocks is not None:  # no key in reach (padding among padding): no output
+            reach = win_ok.any(-1, keepdim=True) | blocks.any(-1)[:, None, None, None]
+            p = p.masked_fill(~reach, 0.0)
         p_win, p_sum = p.split([n, kp.shape[1]], dim=-1)
         p_win, p_sum = p_win.masked_fill(~win_ok, 0.0).to(q.dtype), p_sum.to(q.dtype)
         y = torch.einsum("bhij,bjhd->bihd", p_win, v) + torch.einsum("bhim,bmhd->bihd", p_sum, vp)
@@ -392,12 +443,12 @@ class LinformerSelfAttention(nn.Module):
         mask: Optional[torch.Tensor],
         documents: Optional[Documents],
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Scores of ``qs [B, n, h, d]`` against each query's summaries ``[B, n, h, M]`` (fp32)
-        and which are valid (``[B, n or 1, 1, M]`` bool, None: all); isolated: each span's
-        against its own (padded to the most of one span)."""
+        """Scores of ``qs [B, n, h, d]`` against each query's summaries ``[B, h, n, M]`` and
+        which are valid (``[B, 1, n or 1, M]`` bool, None: all); isolated: each span's against
+        its own (padded to the most of one span)."""
         b, n, h, d = qs.shape
         if documents is None:
-            s = torch.einsum("bnhd,bmhd->bnhm", qs, kp).float()
+            s = torch.matmul(qs.transpose(1, 2), kp.permute(0, 2, 3, 1))
             blocks = None if mask is None else summary_mask(proj_k, mask)
             return s, None if blocks is None else blocks[:, None, None, :]
         ks = span_summaries(proj_k, kp, documents)
@@ -405,7 +456,7 @@ class LinformerSelfAttention(nn.Module):
         scores: List[torch.Tensor] = []
         valid: List[torch.Tensor] = []
         for s, qi, ki in zip(documents.spans, documents.split(qs), ks):
-            si = torch.einsum("lhd,mhd->lhm", qi, ki).float()
+            si = torch.einsum("lhd,mhd->lhm", qi, ki)
             ok = torch.ones(ki.shape[0], dtype=torch.bool, device=qs.device)
             if s.padded and mask is not None:
                 real = span_summary_mask(proj_k, mask[s.row, s.start : s.end])
@@ -413,8 +464,8 @@ class LinformerSelfAttention(nn.Module):
             scores.append(F.pad(si, (0, most - ki.shape[0])))
             valid.append(F.pad(ok, (0, most - ki.shape[0])).expand(qi.shape[0], most))
         return (
-            torch.cat(scores).view(b, n, h, most),
-            torch.cat(valid).view(b, n, 1, most),
+            torch.cat(scores).view(b, n, h, most).transpose(1, 2),
+            torch.cat(valid).view(b, 1, n, most),
         )
 
     def _summary_values(
@@ -424,13 +475,14 @@ class LinformerSelfAttention(nn.Module):
         proj_k: nn.Module,
         documents: Optional[Documents],
     ) -> torch.Tensor:
-        """``p [B, n, h, M]`` weights of the summaries -> ``[B, n, h, d]``."""
+        """``p [B, h, n, M]`` weights of the summaries -> ``[B, h, n, d]``."""
         if documents is None:
-            return torch.einsum("bnhm,bmhd->bnhd", p, vp)
+            return torch.matmul(p, vp.transpose(1, 2))
         vs = span_summaries(proj_k, vp, documents)
-        h, d = vp.shape[-2:]
+        b, h, n, _ = p.shape
+        d = vp.shape[-1]
         ys = [
             torch.einsum("lhm,mhd->lhd", pi[..., : vi.shape[0]], vi)
-            for pi, vi in zip(documents.split(p), vs)
+            for pi, vi in zip(documents.split(p.transpose(1, 2)), vs)
         ]
-        return torch.cat(ys).view(p.shape[:3] + (d,))
+        return torch.cat(ys).view(b, n, h, d).transpose(1, 2)

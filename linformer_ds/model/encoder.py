@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LocalContext, Window, rotary_tables
+from .attention import LocalContext, Window, make_window, rotary_tables
 from .config import ModelConfig
 from .documents import Documents, document_block_mask, document_spans, document_starts
 from .layers import EncoderLayer, LocalMixer, LocalMixing, local_mixer_valid
@@ -244,7 +244,10 @@ class LinformerEncoder(nn.Module):
             doc = torch.cumsum(document_starts(pos, mask).long(), dim=1)
         key_doc = doc if mask is None else doc.masked_fill(~mask.bool(), -1)
         key_doc = F.pad(key_doc, (r, r), value=-1)[:, offset : offset + n + 2 * r]
-        return Window(r, doc[:, offset : offset + n], key_doc, None if sp is None else sp.halo)
+        halo = None if sp is None else sp.halo
+        if tracing():  # export: one band-masked product, no blocks to size
+            return Window(r, doc[:, offset : offset + n], key_doc, halo)
+        return make_window(r, doc[:, offset : offset + n], key_doc, halo)
 
     def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
         return self.shared.get(layer.attention.kind)
