@@ -368,7 +368,11 @@ class LinformerSelfAttention(nn.Module):
                 s_sum = s_sum.masked_fill(~sum_valid, neg)
                 if has_key is not None:
                     reach = sum_valid.any(-1)  # [B, 1, nb r or 1]
-                    reach = reach.view(b, 1, -1, r, 1) if reach.shape[-1] > 1 else reach[..., None, None]
+                    reach = (
+                        reach.view(b, 1, -1, r, 1)
+                        if reach.shape[-1] > 1
+                        else reach[..., None, None]
+                    )
                     has_key = has_key | reach
             else:
                 has_key = None  # every query reaches a summary
