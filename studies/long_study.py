@@ -12,6 +12,16 @@ end, the curve, long_context_gain = loss(512) - loss(4096), tokens/s and peak me
         [--variants dense,local_linear] [--seed 0] [--short-steps 400] [--long-steps 100]
 
 A variant already finished (its result.json) is not run again; --report-only rebuilds the table.
+
+``--equal-time``: the same comparison at equal wall-clock instead of equal tokens. First a
+side-by-side probe (:func:`probe_step_seconds`, in this process, the variants' training steps
+interleaved, one torch thread, CPU time: other load on the machine does not move it) times one
+bf16 training step of each
+variant on a batch of each stage (32 rows of 128, one row of 4,096); then each variant trains
+``--short-steps x t_ref / t_variant`` and ``--long-steps x t_ref / t_variant`` steps (stage by
+stage), ``t_ref`` the reference variant's (``--time-ref``, default dense) step, so every
+variant gets the machine time the reference gets for the equal-token schedule. The probe is
+kept in ``OUT/equal_time_probe.json`` and reused; run directories and results carry ``_time``.
 """
 
 import argparse
@@ -21,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -54,14 +64,91 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--long-steps", type=int, default=100, help="steps on rows of 4,096")
     p.add_argument("--curve-rows", type=int, default=16, help="valid rows the curve scores")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument(
+        "--equal-time",
+        action="store_true",
+        help="equal wall-clock per stage (the probe's step times), not equal tokens",
+    )
+    p.add_argument(
+        "--time-ref",
+        default="dense",
+        help="--equal-time: the variant whose --short-steps/--long-steps set the budget",
+    )
+    p.add_argument("--probe-rounds", type=int, default=7, help="--equal-time: timed rounds")
     return p.parse_args(argv)
+
+
+def variant_config(name: str) -> Any:
+    """long_cpu.yaml with the variant's attention."""
+    cfg = OmegaConf.load(BASE)
+    for key, value in VARIANTS[name].items():
+        cfg.model[key] = value
+    return cfg
+
+
+def probe_step_seconds(names: List[str], rounds: int, seed: int = 0) -> Dict[str, Dict[str, float]]:
+    """Seconds of one training step of each variant on each stage's batch (``short``: 32 x 128,
+    ``long``: 1 x 4,096): bf16 weights with fp32 AdamW master copies (DeepSpeed's bf16 mode),
+    the labelled positions known on the host, as the trainer runs it. One warm-up step, then
+    ``rounds`` rounds that step every variant in turn; the best round counts. Timed as this
+    thread's CPU time with one torch thread, so other work on a shared machine (which only
+    delays a step) does not move the ratios."""
+    import torch
+
+    sys.path.insert(0, str(REPO))  # bench/ beside linformer_ds/
+    from bench.common import mlm_batch
+    from bench.model_bench import MasterWeightAdamW
+    from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, labelled_positions
+
+    shapes = {"short": (32, 128), "long": (1, 4096)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    steps = {}
+    for name in names:
+        model_cfg = ModelConfig(**OmegaConf.to_container(variant_config(name).model))
+        torch.manual_seed(seed)
+        model = LinformerForMaskedLMPretraining(model_cfg).to(torch.bfloat16).train()
+        model.encoder.check_token_ids = False
+        opt = MasterWeightAdamW(list(model.parameters()), lr=1e-4)
+        for stage, (b, n) in shapes.items():
+            rows = mlm_batch(model_cfg.vocab_size, b, n, 0.4, seed=seed + n)
+            ids, labels = rows["input_ids"], rows["labels"]
+            index = labelled_positions(labels)
+
+            def step(model=model, opt=opt, ids=ids, labels=labels, index=index) -> None:
+                model(ids, labels=labels, labelled_index=index).loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+            steps[(name, stage)] = step
+    times: Dict[Any, List[float]] = {key: [] for key in steps}
+    for step in steps.values():
+        step()  # warm-up
+    for r in range(rounds):
+        for key, step in steps.items():
+            t0 = time.thread_time()
+            step()
+            times[key].append(time.thread_time() - t0)
+        print(f"[probe] round {r + 1}/{rounds}", flush=True)
+    torch.set_num_threads(threads)
+    out: Dict[str, Dict[str, float]] = {name: {} for name in names}
+    for (name, stage), ts in times.items():
+        out[name][stage] = min(ts)
+    return out
+
+
+def equal_time_steps(
+    probe: Dict[str, Dict[str, float]], name: str, ref: str, short: int, long: int
+) -> Tuple[int, int]:
+    """The steps ``name`` takes in the reference's time for ``short`` + ``long`` steps."""
+    s = round(short * probe[ref]["short"] / probe[name]["short"])
+    n = round(long * probe[ref]["long"] / probe[name]["long"])
+    return max(1, s), max(1, n)
 
 
 def study_config(name: str, args: argparse.Namespace) -> Any:
     """long_cpu.yaml with the variant's attention and the shortened schedule."""
-    cfg = OmegaConf.load(BASE)
-    for key, value in VARIANTS[name].items():
-        cfg.model[key] = value
+    cfg = variant_config(name)
     total = args.short_steps + args.long_steps
     cfg.name = f"long_study-{name}-s{args.seed}"
     cfg.train.max_steps = total
@@ -97,9 +184,25 @@ def run_figures(run: Path, short_steps: int) -> Dict[str, Any]:
     return out
 
 
-def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
-    run = REPO / args.runs / f"{name}_s{args.seed}"
-    result_path = Path(args.out) / "runs" / f"{name}_s{args.seed}.json"
+def run_variant(
+    name: str, args: argparse.Namespace, probe: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """Train one variant (``probe``: at equal time, :func:`equal_time_steps`), then its curve."""
+    tag = f"{name}_s{args.seed}" + ("_time" if probe is not None else "")
+    run = REPO / args.runs / tag
+    result_path = Path(args.out) / "runs" / f"{tag}.json"
+    if probe is not None:
+        short, long = equal_time_steps(
+            probe["step_seconds"], name, probe["ref"], probe["short_steps"], probe["long_steps"]
+        )
+        args = argparse.Namespace(**{**vars(args), "short_steps": short, "long_steps": long})
+        same = Path(args.out) / "runs" / f"{name}_s{args.seed}.json"
+        if not result_path.is_file() and same.is_file():  # the reference: its equal-token run
+            earlier = json.loads(same.read_text())
+            if (earlier["short_steps"], earlier["long_steps"]) == (short, long):
+                earlier.update(arm="equal_time", probe_step_seconds=probe["step_seconds"][name])
+                earlier["same_run_as"] = same.name
+                result_path.write_text(json.dumps(earlier, indent=1))
     if result_path.is_file():
         print(f"[skip] {name}: {result_path} exists", flush=True)
         return json.loads(result_path.read_text())
@@ -118,7 +221,10 @@ def run_variant(name: str, args: argparse.Namespace) -> Dict[str, Any]:
         "variant": name, "seed": args.seed, "model": VARIANTS[name], "returncode": rc,
         "wall_s": round(wall, 1), "short_steps": args.short_steps, "long_steps": args.long_steps,
         "tokens": 4096 * (args.short_steps + args.long_steps),
+        "arm": "equal_time" if probe is not None else "equal_tokens",
     }  # fmt: skip
+    if probe is not None:
+        result["probe_step_seconds"] = probe["step_seconds"][name]
     result.update(run_figures(run, args.short_steps))
     curve_dir = run / "context_curve"
     curve_cmd = [sys.executable, "-m", "linformer_ds.context_curve", str(run / "checkpoints"),
@@ -142,13 +248,40 @@ def _f(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _table(rows: List[Dict[str, Any]], windows: List[int], equal_time: bool) -> List[str]:
+    dense_tps = {r["seed"]: r.get("tokens_per_s_4096") for r in rows if r["variant"] == "dense"}
+    head = ["variant", "seed"]
+    if equal_time:
+        head += ["steps 128 + 4096", "probe s/step 128", "probe s/step 4096"]
+    head += ["hidden loss", "gain vs unigram (nats)"]
+    head += [f"curve W={w}" for w in windows]
+    head += ["long-context gain 512->N", "tokens/s at 4096", "x dense", "peak mem GB", "wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        curve = {w["window"]: w["loss"] for w in r.get("curve", {}).get("windows", [])}
+        tps, d = r.get("tokens_per_s_4096"), dense_tps.get(r["seed"])
+        cells = [r["variant"], str(r["seed"])]
+        if equal_time:
+            probe = r.get("probe_step_seconds", {})
+            cells += [f"{r['short_steps']} + {r['long_steps']}", _f(probe.get("short"), ".4f"),
+                      _f(probe.get("long"), ".4f")]  # fmt: skip
+        cells += [_f(r.get("hidden_loss"), ".4f"), _f(r.get("context_gain_nats"), ".4f")]
+        cells += [_f(curve.get(w), ".4f") for w in windows]
+        cells += [_f(r.get("curve", {}).get("long_context_gain"), "+.4f"), _f(tps, ".0f"),
+                  _f(tps / d if tps and d else None, ".2f"), _f(r.get("peak_mem_gb"), ".2f"),
+                  _f(r.get("wall_s"), ".0f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(out: Path, runs: Optional[Path] = None) -> Path:
     """``out/report.md``, ``results.json`` and ``context_curves.png`` from ``out/runs/*.json``
-    (their run directories' metrics read again where ``runs`` still holds them)."""
+    (their run directories' metrics read again where ``runs`` still holds them): one table at
+    equal tokens, one at equal time where ``--equal-time`` ran."""
     rows = []
     for p in sorted((out / "runs").glob("*.json")):
         r = json.loads(p.read_text())
-        run = None if runs is None else runs / f"{r['variant']}_s{r['seed']}"
+        run = None if runs is None else runs / p.stem
         if run is not None and (run / "metrics.jsonl").is_file():
             r.update(run_figures(run, r["short_steps"]))
             p.write_text(json.dumps(r, indent=1))
@@ -157,21 +290,12 @@ def report(out: Path, runs: Optional[Path] = None) -> Path:
     rows.sort(key=lambda r: (order.get(r["variant"], 99), r["seed"]))
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     windows = sorted({w["window"] for r in rows for w in r.get("curve", {}).get("windows", [])})
-    dense_tps = {r["seed"]: r.get("tokens_per_s_4096") for r in rows if r["variant"] == "dense"}
-    head = ["variant", "seed", "hidden loss", "gain vs unigram (nats)"]
-    head += [f"curve W={w}" for w in windows]
-    head += ["long-context gain 512->N", "tokens/s at 4096", "x dense", "peak mem GB", "wall s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        curve = {w["window"]: w["loss"] for w in r.get("curve", {}).get("windows", [])}
-        tps, d = r.get("tokens_per_s_4096"), dense_tps.get(r["seed"])
-        cells = [r["variant"], str(r["seed"]), _f(r.get("hidden_loss"), ".4f"),
-                 _f(r.get("context_gain_nats"), ".4f")]  # fmt: skip
-        cells += [_f(curve.get(w), ".4f") for w in windows]
-        cells += [_f(r.get("curve", {}).get("long_context_gain"), "+.4f"), _f(tps, ".0f"),
-                  _f(tps / d if tps and d else None, ".2f"), _f(r.get("peak_mem_gb"), ".2f"),
-                  _f(r.get("wall_s"), ".0f")]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+    tokens = [r for r in rows if r.get("arm", "equal_tokens") == "equal_tokens"]
+    timed = [r for r in rows if r.get("arm") == "equal_time"]
+    lines = ["Equal tokens:", ""] + _table(tokens, windows, False)
+    if timed:
+        lines += ["", "Equal wall-clock (steps from the side-by-side probe):", ""]
+        lines += _table(timed, windows, True)
     uni = [r["curve"].get("unigram_loss") for r in rows if r.get("curve")]
     text = "\n".join(lines) + "\n"
     if uni:
@@ -188,8 +312,9 @@ def report(out: Path, runs: Optional[Path] = None) -> Path:
     for r in rows:
         ws = r.get("curve", {}).get("windows", [])
         if ws:
-            ax.plot([w["window"] for w in ws], [w["loss"] for w in ws], "o-",
-                    label=f"{r['variant']} s{r['seed']}")  # fmt: skip
+            timed_run = r.get("arm") == "equal_time"
+            ax.plot([w["window"] for w in ws], [w["loss"] for w in ws], "s--" if timed_run else "o-",
+                    label=f"{r['variant']} s{r['seed']}" + (" (equal time)" if timed_run else ""))  # fmt: skip
     if uni:
         ax.axhline(uni[0], color="grey", ls="--", label="unigram (no context)")
     ax.set_xscale("log", base=2)
@@ -202,6 +327,25 @@ def report(out: Path, runs: Optional[Path] = None) -> Path:
     return out / "report.md"
 
 
+def load_or_probe(out: Path, names: List[str], args: argparse.Namespace) -> Dict[str, Any]:
+    """``out/equal_time_probe.json`` (made by :func:`probe_step_seconds` when missing or when
+    it lacks one of ``names``): the step times and the reference budget."""
+    path = out / "equal_time_probe.json"
+    if path.is_file():
+        probe = json.loads(path.read_text())
+        if all(n in probe["step_seconds"] for n in names + [probe["ref"]]):
+            print(f"[probe] reusing {path}", flush=True)
+            return probe
+    probed = list(dict.fromkeys([args.time_ref] + names))
+    probe = {
+        "ref": args.time_ref, "short_steps": args.short_steps, "long_steps": args.long_steps,
+        "rounds": args.probe_rounds, "step_seconds": probe_step_seconds(probed, args.probe_rounds),
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(probe, indent=1))
+    return probe
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -210,8 +354,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"long_study: unknown variant(s) {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
         return 2
     if not args.report_only:
+        probe = None
+        if args.equal_time:
+            probe = load_or_probe(Path(args.out), names, args)
         for name in names:
-            run_variant(name, args)
+            run_variant(name, args, probe)
             report(Path(args.out), REPO / args.runs)
     print(report(Path(args.out), REPO / args.runs).read_text())
     return 0
