@@ -409,6 +409,8 @@ class Resolved:
     world_size: int
     data_parallel_size: int  # model replicas: world_size / parallel.sequence_parallel_size
     seq_len: int
+    document_isolation: bool = False  # data.document_isolation decided for the data
+    isolation_why: str = ""  # how it was decided (the [setup] line)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from linformer_ds.prometheus import PrometheusSink
 # tokens, correct predictions, labelled tokens, non-finite micro-batches.
 STAT_LOSS, STAT_CORRECT, STAT_COUNT, STAT_NONFINITE = range(4)
 NUM_STATS = 4
+STAT_STOP = NUM_STATS  # the trainer's reduced step record: the statistics, then the stop flag
 
 T = TypeVar("T")
 
@@ -292,6 +293,7 @@ class Metrics:
         self._rate_from: Optional[Tuple[int, float]] = None  # (step, time) after the 1st step
         self._first_step_seconds = float("nan")
         self.sinks: List[Sink] = []
+        self.stage: Optional[StageMeter] = None  # the current stage's meter (enter_stage)
         if rank == 0:
             self.sinks += [ConsoleSink(), JsonlSink(cfg)]
             if cfg.logging.tensorboard:
@@ -315,6 +317,16 @@ class Metrics:
         size = 2048 if self.device.type == "cpu" else 8192
         # in the run's precision, within ~3 s (bf16 without native support is ~1000x slower)
         return measure_matmul_peak_tflops(dtype, str(self.device), size, repeats=5, budget_s=3.0)
+
+    def enter_stage(self, index: int, flops_per_token: float, tokens_per_step: int) -> None:
+        """A new stage of ``train.stages`` (or the run's one): throughput and MFU follow its N
+        and batch from here on; its own meter (:attr:`stage`, also a sink) starts counting."""
+        self.flops_per_token = flops_per_token
+        self.tokens_per_step = tokens_per_step
+        if self.stage is None:
+            self.stage = StageMeter(self.device)
+            self.sinks.append(self.stage)  # counts the stage's step times
+        self.stage.start(index, tokens_per_step, flops_per_token)
 
     def elapsed(self) -> float:
         """Training wall seconds: the resumed checkpoint's figure plus this process's time."""

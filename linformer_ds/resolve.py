@@ -2,14 +2,15 @@
 this world, the checks that need the world size or the data's N, and the frozen result.
 
 ``load_config`` checks every field once (``config.validate``); :func:`resolve` then decides
-``deepspeed.precision: auto``, ``parallel.shard_sequence_parameters: auto`` (with the reason
-for the ``[setup]`` line) and the data-parallel size, once, before any component that holds the
-config is built, and returns a frozen copy: nothing changes it afterwards.
+``deepspeed.precision: auto``, ``parallel.shard_sequence_parameters: auto``,
+``data.document_isolation: auto`` (each with the reason for the ``[setup]`` line) and the
+data-parallel size, once, before any component that holds the config is built, and returns a
+frozen copy: nothing changes it afterwards.
 """
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
@@ -18,12 +19,17 @@ from linformer_ds.perf import native_bf16
 
 
 def resolve(
-    cfg: JobConfig, world_size: int, seq_len: Union[None, int, Sequence[int]] = None
+    cfg: JobConfig,
+    world_size: int,
+    seq_len: Union[None, int, Sequence[int]] = None,
+    packings: Optional[Sequence[str]] = None,
 ) -> JobConfig:
     """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len`` (the
     N of every stage in order, or one N; None: ``model.max_seq_len``), frozen; ``cfg`` itself is
-    left as it was. The first problem is a :class:`ConfigError` naming its key (the data layer
-    checks the later stages' N). ``result.resolved`` holds the world's figures."""
+    left as it was. ``packings``: the ``packing`` of every training source's manifest, which
+    decides ``data.document_isolation`` into ``result.resolved`` (:func:`decide_isolation`;
+    None: the data is not known here, isolation off). The first problem is a :class:`ConfigError` naming its key (the
+    data layer checks the later stages' N). ``result.resolved`` holds the world's figures."""
     job = thawed_copy(cfg)
     if not cfg.__dict__.get("_validated"):  # built by from_dict or by hand, not load_config
         validate(job)
@@ -39,8 +45,34 @@ def resolve(
         errors = _sp_errors(job, world_size, n, job.parallel.shard_sequence_parameters)
         if errors:
             raise ConfigError(errors[0])
-    job.__dict__["_resolved"] = Resolved(world_size, data_parallel_size(job, world_size), n)
+    isolated, why = False, ""
+    if packings is not None:  # the setting stays as written (resume compares it as written)
+        isolated, why = decide_isolation(job, packings)
+    job.__dict__["_resolved"] = Resolved(
+        world_size, data_parallel_size(job, world_size), n, isolated, why
+    )
     return freeze(job)
+
+
+def decide_isolation(job: JobConfig, packings: Sequence[str]) -> Tuple[bool, str]:
+    """``data.document_isolation`` decided and why: ``auto`` is on when every training source
+    is packed ``full``; a combination the model cannot run (:func:`isolation_errors`) is refused
+    (``true``) or turns ``auto`` off."""
+    setting = job.data.document_isolation
+    if setting is False:
+        return False, "off"
+    if setting == "auto":
+        kinds = sorted({str(p) for p in packings})
+        if kinds != ["full"]:
+            return False, f"off (auto: packing {'/'.join(kinds)})"
+    errors = isolation_errors(
+        job.parallel.sequence_parallel_size, job.model, job.parallel.shard_sequence_parameters
+    )
+    if errors and setting is True:
+        raise ConfigError(errors[0])
+    if errors:
+        return False, f"off (auto: {errors[0].split(': ', 1)[1].split(';')[0]})"
+    return True, "on" if setting is True else "on (auto: full packing)"
 
 
 # ================================================================================ resolutions
@@ -71,7 +103,7 @@ def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]
         shard=shard,
         precision=job.deepspeed.precision,
     )
-    if job.data.document_isolation is True:  # auto is decided with the data (Trainer)
+    if job.data.document_isolation is True:  # auto is decided with the data (decide_isolation)
         errors += isolation_errors(job.parallel.sequence_parallel_size, job.model, shard)
     return errors
 

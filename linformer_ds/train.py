@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,12 +41,11 @@ from linformer_ds.evaluate import evaluate
 from linformer_ds.metrics import (
     NUM_STATS,
     STAT_NONFINITE,
+    STAT_STOP,
     Metrics,
-    StageMeter,
     check_sinks,
     step_stats,
 )
-from linformer_ds.parallel.checks import isolation_errors
 from linformer_ds.parallel.parallelize import LossScaling, parallelize
 from linformer_ds.plugins import PluginError, import_plugins
 from linformer_ds.resolve import resolve
@@ -188,15 +187,20 @@ def print_config(cfg: JobConfig) -> int:
     return 0
 
 
-def data_seq_lens(cfg: JobConfig) -> List[int]:
-    """N of every stage of the run (its first source's train split), read before the data is
-    opened so the config is resolved first; empty when one cannot be read (opening the data
-    then says why)."""
+def data_facts(cfg: JobConfig) -> Tuple[List[int], Optional[List[str]]]:
+    """N of every stage of the run (its first source's train split) and the packing of every
+    training source, read from the manifests before the data is opened so the config is
+    resolved first; empty and None when one cannot be read (opening the data then says why)."""
     try:
-        return [ShardDataset(s.paths[0], cfg.data.train_split).seq_len
-                for s in resolve_stages(cfg)]  # fmt: skip
+        stages = resolve_stages(cfg)
+        seq_lens = [ShardDataset(s.paths[0], cfg.data.train_split).seq_len for s in stages]
+        paths = dict.fromkeys(p for s in stages for p in s.paths)
+        packings = [
+            str(ShardDataset(p, cfg.data.train_split).manifest.get("packing")) for p in paths
+        ]
+        return seq_lens, packings
     except (ConfigError, DataError, OSError):
-        return []
+        return [], None
 
 
 class Trainer:
@@ -242,7 +246,8 @@ class Trainer:
         self.watchdog.set_phase("data loading")
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
-        self.cfg = cfg = resolve(cfg, self.world, seq_len=data_seq_lens(cfg))
+        seq_lens, packings = data_facts(cfg)
+        self.cfg = cfg = resolve(cfg, self.world, seq_len=seq_lens, packings=packings)
         check_sinks(cfg)  # logging.sinks: before any data or engine work
         self._build_data()  # data and checkpoints: checked before any collective starts
         d = cfg.debug  # test hooks: only when configured
@@ -280,7 +285,7 @@ class Trainer:
         evaluating = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
         self.stages, self.train_sets, self.valid_sets = open_stages(cfg, self.world, evaluating)
         self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
-        self.isolation, self.isolation_why = self._document_isolation()
+        self.isolation = cfg.resolved.document_isolation  # decided by resolve()
         self.run_locks = hold_run_dirs(cfg, self.rank)  # one owner per directory, run's life
         self.checkpoints = CheckpointManager(cfg, self.rank, self.world, self.train_ds)
         if self.rank == 0:
@@ -288,27 +293,6 @@ class Trainer:
         self.checkpoints.prepare()
         self.warm = WarmStart.for_run(cfg, self.checkpoints.tag, self.train_ds)  # checked here
         self.unigram = self._context_meters() if evaluating else {}
-
-    def _document_isolation(self) -> "tuple[bool, str]":
-        """``data.document_isolation`` decided (auto: on when every source is packed ``full``,
-        from its manifest) and why; a combination the model cannot run is refused (true) or
-        turns auto off."""
-
-        cfg, setting = self.cfg, self.cfg.data.document_isolation
-        if setting is False:
-            return False, "off"
-        if setting == "auto":
-            packings = sorted({str(ds.manifest.get("packing")) for ds in self.train_sets.values()})
-            if packings != ["full"]:
-                return False, f"off (auto: packing {'/'.join(packings)})"
-        errors = isolation_errors(
-            cfg.parallel.sequence_parallel_size, cfg.model, cfg.parallel.shard_sequence_parameters
-        )
-        if errors and setting is True:
-            raise ConfigError(errors[0])
-        if errors:
-            return False, f"off (auto: {errors[0].split(': ', 1)[1].split(';')[0]})"
-        return True, "on" if setting is True else "on (auto: full packing)"
 
     def _context_meters(self) -> Dict[str, Any]:
         """The context meter of each source (linformer_ds.context_meter): its train split's
@@ -374,7 +358,7 @@ class Trainer:
             f"params={self.model.num_parameters() / 1e6:.2f}M "
             f"schedule={cfg.model.projection_schedule()} "
             f"train_rows={self._train_rows()} seq_len={self.train_ds.seq_len} "
-            f"isolation={self.isolation_why} {self.threads.setup_text()}"
+            f"isolation={self.cfg.resolved.isolation_why} {self.threads.setup_text()}"
         )
 
     def _train_rows(self) -> str:
@@ -417,8 +401,10 @@ class Trainer:
         why = nonfinite_verdict(cfg, step, nonfinite, applied=applied)
         if why:
             raise StopTraining(EXIT_NONFINITE, why)
-        self.stop_requested = bool(agreed[-1])
-        self.metrics.step_done(step, agreed[:-1], time.perf_counter() - t0, skipped=not applied)
+        self.stop_requested = bool(agreed[STAT_STOP])
+        self.metrics.step_done(
+            step, agreed[:STAT_STOP], time.perf_counter() - t0, skipped=not applied
+        )
 
     def _forward_backward(
         self, batch: Dict[str, torch.Tensor], step: int, denom: Optional[torch.Tensor]
@@ -476,13 +462,12 @@ class Trainer:
         """Move the data to the stage of ``step``; throughput and MFU follow its N and batch;
         the ``[stage]`` line says what it trains on."""
         self.batches.begin_step(step)
-        cfg, m, n = self.cfg, self.metrics, self.batches.seq_len
-        m.flops_per_token = self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability)
-        m.tokens_per_step = self.batches.tokens_per_step(cfg.train.gradient_accumulation_steps)
-        if getattr(self, "stage_meter", None) is None:
-            self.stage_meter = StageMeter(self.device)
-            m.sinks.append(self.stage_meter)  # counts the stage's step times
-        self.stage_meter.start(self.batches.stage_index, m.tokens_per_step, m.flops_per_token)
+        cfg, n = self.cfg, self.batches.seq_len
+        self.metrics.enter_stage(
+            self.batches.stage_index,
+            self.model.flops_per_token(n, mlm_fraction=cfg.data.mlm_probability),
+            self.batches.tokens_per_step(cfg.train.gradient_accumulation_steps),
+        )
         if len(self.stages) > 1 or not self.batches.legacy:
             rank0_print(self.batches.describe())
 
@@ -490,11 +475,12 @@ class Trainer:
         """At the end of a stage (or of this process): its ``[stage]`` summary; then the next."""
         stage_end = step == self.batches.stage.end_step
         if len(self.stages) > 1 and (stage_end or step == self.end):
-            f = self.stage_meter.figures(self.world, self.metrics.peak_tflops)
+            meter = self.metrics.stage
+            f = meter.figures(self.world, self.metrics.peak_tflops)
             rank0_print(
                 f"[stage] {self.batches.stage_index} {'done' if stage_end else 'so far'} at "
                 f"step {step}: "
-                f"steps={self.stage_meter.steps} N={self.batches.seq_len} "
+                f"steps={meter.steps} N={self.batches.seq_len} "
                 f"tokens_per_s={f['tokens_per_s']:.1f} mfu={f['mfu']:.4f} "
                 f"peak_mem_gb={f['peak_mem_gb']:.3f}"
             )
@@ -504,7 +490,6 @@ class Trainer:
     def _evaluate_sources(self, evaluate) -> Dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
         the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
-
 
         stage, cfg = self.batches.stage, self.cfg
         if stage.micro_batch_size != cfg.train.micro_batch_size:
@@ -551,7 +536,9 @@ class Trainer:
         """The ``[done]`` line of a run resumed at or after its last step (``self.end``)."""
         t = self.cfg.train
         stop = t.stop_at_step is not None and t.stop_at_step < t.max_steps
-        key, end = ("train.stop_at_step", t.stop_at_step) if stop else ("train.max_steps", t.max_steps)
+        key, end = (
+            ("train.stop_at_step", t.stop_at_step) if stop else ("train.max_steps", t.max_steps)
+        )
         where = "at" if self.step == end else "past"
         return (
             f"[done] step {self.step}: nothing trained: the checkpoint {self.checkpoints.tag} is "
