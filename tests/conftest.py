@@ -42,7 +42,7 @@ LAUNCHES = re.compile(
 # module.name of the fixture function.
 SLOW_FIXTURES = {
     "tests.test_gpu_kit.dry",  # the GPU kit's dry run: every step on the CPU
-    "tests.test_sp_bench.tiny_run",  # the sequence-parallel benchmark's ranks
+    "tests.test_sp_bench.tool_runs",  # the sequence-parallel benchmark's ranks (both runs)
     "tests.test_sweep.swept",  # a three-point quality sweep of real trainer runs
     "tests.test_bench.tiny_run",  # bench/model_bench.py's tool run on a tiny grid
     "tests.test_extending.plugin_runs",  # two launch/pretrain.py --plugin trainer processes
@@ -63,9 +63,6 @@ SLOW_TESTS = {
     "tests/test_resume_policy.py::test_generated_resumes_are_refused_or_take_effect",
     "tests/test_resume_policy.py::test_generated_resumes_of_mixture_and_stage_keys",
     "tests/test_resume_policy.py::test_lr_change_on_resume_is_used_and_a_refusal_writes_nothing",
-    # bench/sp_bench.py's frontier phase spawns its P = 1 and P = 2 ranks (torch
-    # multiprocessing inside the tool; 26.5 s, the slowest test of the quick tier under load)
-    "tests/test_sp_bench.py::test_frontier_second_step_sharded",
     # a trainer saving every step beside three export commands (23 s and 43 s under load: the
     # slowest of the quick tier after the one above)
     "tests/test_downstream_safety.py::test_export_while_training_saves_and_prunes_every_step",

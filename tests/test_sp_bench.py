@@ -4,6 +4,9 @@ loss, ZeRO-3 partition sizes)."""
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 
@@ -18,17 +21,36 @@ TINY = [
 ]  # fmt: skip
 
 
+def _tool(out: Path, argv: List[str]) -> Tuple[Path, dict]:
+    """``python -m bench.sp_bench ... --out OUT`` (in this process): OUT and its results.json."""
+    assert sp_bench.main(argv + ["--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_corpus):
-    out = tmp_path_factory.mktemp("sp_bench")
-    argv = TINY + [
+def tool_runs(tmp_path_factory, tiny_corpus):
+    """The tool's two runs of this module at once (the frontier phase in a second thread: their
+    one-rank cases and start-ups leave a core free): the comm, memory and trainer phases, and
+    the frontier phase. Each case still runs in its own fresh rank processes."""
+    phases = TINY + [
         "--phases", "comm", "memory", "trainer", "--seq-lens", str(N), "--sp", "2",
         "--memory-seq-len", str(N), "--memory-sp", "1", "--zero-sweep", "3",
-        "--trainer-data", str(tiny_corpus), "--trainer-sp", "2", "--out", str(out),
+        "--trainer-data", str(tiny_corpus), "--trainer-sp", "2",
         "--no-shard",  # E/F and positions whole on every rank (the sharded rows: frontier)
     ]  # fmt: skip
-    assert sp_bench.main(argv) == 0
-    res = json.loads((out / "results.json").read_text())
+    frontier = TINY + [
+        "--phases", "frontier", "--frontier-seq-lens", str(N), "--frontier-sp", "1", "2",
+        "--frontier-ac", "0", "1",
+    ]  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(_tool, tmp_path_factory.mktemp("sp_bench_frontier"), frontier)
+        first = _tool(tmp_path_factory.mktemp("sp_bench"), phases)
+        return first, second.result()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tool_runs):
+    out, res = tool_runs[0]
     return out, res, {(r["phase"], r.get("variant"), r["p"], r["zero"]): r for r in res["rows"]}
 
 
@@ -119,19 +141,14 @@ def test_bad_options_are_one_line_errors(capsys):
     assert "divisible by P=3" in capsys.readouterr().err
 
 
-def test_frontier_second_step_sharded(tmp_path):
+def test_frontier_second_step_sharded(tool_runs):
     """The frontier phase: the second step at P = 1 and 2 (sharded), activation checkpointing
     off and on: its time and per-rank peak RSS; P = 2 holds half of E and the positions, its
     loss equals one rank's, and the layers' exchange still equals the formula."""
-    argv = TINY + [
-        "--phases", "frontier", "--frontier-seq-lens", str(N), "--frontier-sp", "1", "2",
-        "--frontier-ac", "0", "1", "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert sp_bench.main(argv) == 0
-    res = json.loads((tmp_path / "results.json").read_text())
+    out, res = tool_runs[1]
     rows = {(r["p"], r["ac"]): r for r in res["rows"]}
     assert set(rows) == {(1, False), (1, True), (2, False), (2, True)}
-    md = (tmp_path / "results.md").read_text()
+    md = (out / "results.md").read_text()
     assert "| 128 | 2 | sublayer | sharded |" in md and "| 128 | 1 | off | whole |" in md
     one = rows[(1, False)]
     for (p, _ac), r in rows.items():
