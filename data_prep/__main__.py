@@ -8,6 +8,7 @@ from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES
+from data_prep.steps import source_roots
 from linformer_ds import dirlock, outdir, plugins
 
 
@@ -154,6 +155,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     if args.workers is not None:
         kwargs["workers"] = args.workers
+    try:  # the output contract before the lock file is made beside --out (again once locked)
+        inputs = [("--source", p) for p in source_roots(args.source)]
+        outdir.check_out(args.out, "data_prep", inputs + [("--tokenizer", args.tokenizer)],
+                         args.overwrite, args.resume)  # fmt: skip
+    except (outdir.OutDirError, DataPrepError) as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 2
     world = detect_world()
     lock = dirlock.output_lock(args.out, "data_prep")  # one data_prep per --out (rank 0 holds it)
     try:

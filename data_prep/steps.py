@@ -235,7 +235,7 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
     elif entries and cfg.resume:
         if has_manifest:
             raise DataPrepError(
-                f"output directory {out!r} already holds a finished run ({MANIFEST}); "
+                f"--out {out!r} already holds a finished run ({MANIFEST}); "
                 "nothing to resume (use --overwrite to rebuild)"
             )
         if not has_progress:
@@ -265,7 +265,7 @@ def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
             why = "holds an interrupted data_prep run (pass --resume to continue it)"
         else:
             why = "exists and is not empty"
-        raise DataPrepError(f"output directory {out!r} {why}; pass --overwrite to start over")
+        raise DataPrepError(f"--out {out!r} {why}; pass --overwrite to start over")
     elif cfg.resume:
         raise DataPrepError(f"cannot --resume: {out!r} holds no interrupted run")
     created = not os.path.exists(out)
@@ -412,7 +412,6 @@ class _Encoder:
         self.workers = workers
         self.pool: Optional[Any] = None
         if workers > 0:
-
             self.pool = ProcessPoolExecutor(
                 workers,
                 mp_context=mp.get_context("spawn"),

@@ -77,6 +77,7 @@ from linformer_ds.special_tokens import SPECIAL_IDS
 
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
 
+
 # ==================================================================================== checkpoint
 def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
     """``(checkpoint_dir, tag)``, validated by the checkpoint manager's rules."""
@@ -122,7 +123,6 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     except CheckpointError:
         p = 1
     if p > 1:
-
         return consolidate_sharded(checkpoint_dir, tag, p, _consolidate_one)
     return _consolidate_one(checkpoint_dir, tag)
 
@@ -318,6 +318,10 @@ def export_checkpoint(
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if provenance not in PROVENANCE:
         raise ExportError(f"--provenance must be one of {PROVENANCE}, got {provenance!r}")
+    try:  # the output contract before the lock file is made beside it (again once locked)
+        outdir.check_out(out, "export", _inputs(checkpoint, tokenizer), overwrite)
+    except outdir.OutDirError as e:
+        raise ExportError(str(e)) from None
     with contextlib.ExitStack() as held:  # --out locked, the tag pinned: released at the end
         try:
             lock = held.enter_context(dirlock.output_lock(out, "export"))
@@ -328,6 +332,10 @@ def export_checkpoint(
         except OSError:  # no lock file can be made there: the --out checks below say why
             pass
         return _export(checkpoint, out, tag, dtype, tokenizer, overwrite, provenance, held)
+
+
+def _inputs(checkpoint: str, tokenizer: Optional[str]) -> List[Tuple[str, Optional[str]]]:
+    return [("--checkpoint", checkpoint), ("--tokenizer", tokenizer)]
 
 
 def _export(
@@ -342,9 +350,7 @@ def _export(
 ) -> str:
     """:func:`export_checkpoint` once ``out`` is locked; ``held`` keeps the tag pinned."""
     try:  # before anything else: --out never replaces what export did not create
-        state = outdir.check_out(
-            out, "export", [("--checkpoint", checkpoint), ("--tokenizer", tokenizer)], overwrite
-        )
+        state = outdir.check_out(out, "export", _inputs(checkpoint, tokenizer), overwrite)
     except outdir.OutDirError as e:
         raise ExportError(str(e)) from None
     if state == "exists":

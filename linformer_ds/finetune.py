@@ -76,9 +76,7 @@ def _load(
             return datasets.DatasetDict({"train": _load_txt(source, columns)})
         kwargs = {"delimiter": "\t"} if ext == ".tsv" else {}
         try:
-            return datasets.load_dataset(
-                LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs
-            )
+            return datasets.load_dataset(LOCAL_FORMATS[ext], data_files={"train": source}, **kwargs)
         except Exception as e:  # noqa: BLE001  (an empty, truncated or malformed file)
             raise FinetuneError(
                 f"{source}: cannot be read as {ext} data ({outdir.error_line(e)}); "
@@ -313,6 +311,10 @@ def _short(items: List[str], n: int = 4) -> str:
 def finetune(args: argparse.Namespace) -> Dict[str, Any]:
     """Run fine-tuning as configured by ``args``; returns the results written to the output.
     ``--out`` is locked and ``--model`` pinned (shared) for the whole run."""
+    try:  # the output contract before the lock file is made beside it (again once locked)
+        outdir.check_out(args.out, "finetune", _inputs(args), args.overwrite)
+    except outdir.OutDirError as e:
+        raise FinetuneError(str(e)) from None
     with contextlib.ExitStack() as held:
         try:
             lock = held.enter_context(dirlock.output_lock(args.out, "finetune"))
@@ -335,14 +337,17 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         return _finetune(args)
 
 
+def _inputs(args: argparse.Namespace) -> List[Tuple[str, Optional[str]]]:
+    return [("--model", args.model), ("--train", args.train), ("--dataset", args.dataset),
+            ("--validation", args.validation)]  # fmt: skip
+
+
 def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
     """:func:`finetune` with ``--out`` locked."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    inputs = [("--model", args.model), ("--train", args.train), ("--dataset", args.dataset),
-              ("--validation", args.validation)]  # fmt: skip
     try:  # before anything else: --out never replaces what finetune did not create
-        state = outdir.check_out(args.out, "finetune", inputs, args.overwrite)
+        state = outdir.check_out(args.out, "finetune", _inputs(args), args.overwrite)
     except outdir.OutDirError as e:
         raise FinetuneError(str(e)) from None
     if state == "exists":

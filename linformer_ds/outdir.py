@@ -12,10 +12,21 @@ work. ``--out`` is refused (:class:`OutDirError`, one line) when it
   output of the command holds it): ``--overwrite`` replaces only a directory that carries the
   same command's record, and never one that contains any of the above.
 
+These rules and those of a command that writes one file (:mod:`linformer_ds.outpath`) are one
+contract: :func:`check_path` holds what they share (an empty path or a NUL byte; the wrong kind
+of thing already there; an input, a path inside one or a directory holding one, compared after
+resolving links; a directory another tool owns above it; a path under a regular file; a nearest
+existing parent that is not a writable directory), and each command calls it before any work,
+before it takes its lock.
+
 Replacing goes through a sibling temporary directory and renames (:func:`swap_in`), so a failed
-write leaves the previous output whole. The commands' one-line failures come from here too
-(:func:`error_line`, :func:`write_error`, :func:`fail`). Standard library only (data_prep
-imports it).
+write leaves the previous output whole. data_prep is the exception: its ``--out`` is its own
+staging area (``progress.json`` from the first moment, ``manifest.json`` written last marks it
+finished, and a reader refuses a directory without it), so that an interrupted run can be
+continued with ``--resume``; its ``--overwrite`` deletes the previous output first.
+
+The commands' one-line failures come from here too (:func:`error_line`, :func:`write_error`,
+:func:`fail`). Standard library only (data_prep imports it).
 """
 
 import contextlib
@@ -78,6 +89,71 @@ def _under(path: str, root: str) -> bool:
     return path != root and path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def check_path(
+    out: str,
+    inputs: Sequence[Tuple[str, Optional[str]]] = (),
+    flag: str = "--out",
+    directory: bool = True,
+    error: type = OutDirError,
+) -> None:
+    """The rules every command's output shares (the module docstring), checked before any
+    work; raises ``error`` (one line naming ``out`` and what to do). ``directory``: the command
+    writes a directory (``out`` may be one, never anything else) or a file (``out`` must not
+    be a directory or name one). ``inputs``: the ``(flag, path)`` pairs the command reads (None
+    entries are skipped)."""
+    what = "directory" if directory else "file"
+    if not isinstance(out, str) or not out.strip():
+        raise error(f"{flag}: an empty path; name the {what} to write")
+    if "\0" in out:
+        raise error(f"{flag} {out!r}: a path cannot hold a NUL byte")
+    if directory:
+        if os.path.lexists(out) and not os.path.isdir(out):
+            raise error(f"{flag} {out} exists and is not a directory; choose a new directory")
+    else:
+        if out.endswith(os.sep) or os.path.basename(out) in (".", ".."):
+            raise error(f"{flag} {out} names a directory; name the file to write")
+        if os.path.isdir(out):
+            raise error(f"{flag} {out} is a directory; name a file (inside it or elsewhere)")
+    real = os.path.realpath(out)
+    for label, path in inputs:
+        if not path or not os.path.lexists(path):
+            continue
+        p = os.path.realpath(path)
+        if real == p:
+            relation = "is"
+        elif _under(p, real):
+            relation = "contains"
+        elif _under(real, p):
+            relation = "lies inside"
+        else:
+            continue
+        raise error(f"{flag} {out} {relation} the input {label} {path}: write the output "
+                    "outside the inputs")  # fmt: skip
+    parent = os.path.dirname(real)
+    while True:
+        found = identify(parent)
+        if found is not None:
+            raise error(f"{flag} {out} lies inside {found[0]} {parent}: write the output "
+                        "outside it")  # fmt: skip
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    near = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(near):
+        near = os.path.dirname(near)
+    if not os.path.isdir(near):
+        raise error(f"{flag} {out}: {near} is not a directory")
+    if not os.access(near, os.W_OK | os.X_OK):
+        try:
+            read_only = bool(os.statvfs(near).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        reason = "Read-only file system" if read_only else "Permission denied"
+        raise error(f"{flag} {out}: cannot write there: {reason} ({near}); choose a writable "
+                    f"{flag}")  # fmt: skip
+
+
 def check_out(
     out: str,
     command: str,
@@ -92,37 +168,8 @@ def check_out(
     ``inputs``: ``(flag, path)`` pairs the command reads (None entries are skipped).
     """
     flag = "--out"
+    check_path(out, inputs, flag, directory=True)
     real = os.path.realpath(out)
-    if os.path.lexists(out) and not os.path.isdir(out):
-        raise OutDirError(f"{flag} {out} exists and is not a directory; choose a new directory")
-    for label, path in inputs:
-        if not path or not os.path.exists(path):
-            continue
-        p = os.path.realpath(path)
-        if real == p:
-            relation = "is"
-        elif _under(p, real):
-            relation = "contains"
-        elif _under(real, p):
-            relation = "lies inside"
-        else:
-            continue
-        raise OutDirError(
-            f"{flag} {out} {relation} the input {label} {path}: write the output to a new "
-            "directory outside the inputs"
-        )
-    parent = os.path.dirname(real)
-    while True:
-        found = identify(parent)
-        if found is not None:
-            raise OutDirError(
-                f"{flag} {out} lies inside {found[0]} {parent}: write the output to a new "
-                "directory outside it"
-            )
-        up = os.path.dirname(parent)
-        if up == parent:
-            break
-        parent = up
     if not os.path.isdir(real):
         return "new"
     if not _names(real):

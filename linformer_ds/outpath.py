@@ -14,8 +14,9 @@ export's ``OUT.onnx``): nothing that existed before is destroyed.
   one with its name as prefix (ONNX external data, ``OUT.onnx.data``) move with it.
 * :func:`interrupted`: the one line and exit status 130 of a command stopped by Ctrl-C.
 
-The output directories of data_prep, export and finetune follow the same rules in
-:mod:`linformer_ds.outdir`. Standard library only.
+The checks before the existing-file rule are :func:`linformer_ds.outdir.check_path`, the same
+for the output directories of data_prep, export and finetune (:mod:`linformer_ds.outdir`): one
+contract for every command that writes an output path. Standard library only.
 """
 
 import contextlib
@@ -34,10 +35,6 @@ class OutPathError(ValueError):
     """The output path cannot be used; the message names it and what to do."""
 
 
-def _under(path: str, root: str) -> bool:
-    return path != root and path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 def check_out_file(
     out: str,
     inputs: Sequence[Tuple[str, Optional[str]]] = (),
@@ -48,46 +45,8 @@ def check_out_file(
     """Check the output file ``out`` (see the module docstring) before any work; returns
     ``"new"`` or ``"replace"`` (it exists and ``overwrite`` is given). ``inputs``: the
     ``(flag, path)`` pairs the command reads (None entries skipped)."""
-    if not isinstance(out, str) or not out.strip():
-        raise OutPathError(f"{flag}: an empty path; name the file to write")
-    if "\0" in out:
-        raise OutPathError(f"{flag} {out!r}: a path cannot hold a NUL byte")
-    if out.endswith(os.sep) or os.path.basename(out) in (".", ".."):
-        raise OutPathError(f"{flag} {out} names a directory; name the file to write")
+    outdir.check_path(out, inputs, flag, directory=False, error=OutPathError)
     exists = os.path.lexists(out)
-    if os.path.isdir(out):
-        raise OutPathError(f"{flag} {out} is a directory; name a file (inside it or elsewhere)")
-    real = os.path.realpath(out)
-    for label, path in inputs:
-        if not path or not os.path.lexists(path):
-            continue
-        p = os.path.realpath(path)
-        if real == p:
-            relation = "is"
-        elif _under(real, p):
-            relation = "lies inside"
-        else:
-            continue
-        raise OutPathError(f"{flag} {out} {relation} the input {label} {path}: write the output "
-                           "outside the inputs")  # fmt: skip
-    parent = os.path.dirname(real)
-    while True:
-        if os.path.isdir(parent):
-            found = outdir.identify(parent)
-            if found is not None:
-                raise OutPathError(f"{flag} {out} lies inside {found[0]} {parent}: write the "
-                                   "output outside it")  # fmt: skip
-        up = os.path.dirname(parent)
-        if up == parent:
-            break
-        parent = up
-    near = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(near):
-        near = os.path.dirname(near)
-    if not os.path.isdir(near):
-        raise OutPathError(f"{flag} {out} lies under {near}, which is a file, not a directory")
-    if not os.access(near, os.W_OK | os.X_OK):
-        raise OutPathError(f"{flag} {out}: the directory {near} is not writable")
     if exists and not overwrite:
         raise OutPathError(f"{flag} {out} exists; nothing is replaced: choose a new name, or pass "
                            f"{overwrite_flag} to replace it")  # fmt: skip

@@ -1,15 +1,26 @@
-"""The output contract (linformer_ds.outpath, issue 45 item 1) of the commands that write one
-file: ``launch/convert.py --out`` and the ONNX export's ``OUT``. Every command runs against the
-same generated table of bad outputs (an input or a file inside one, the input directory, a link
-to an input, an existing file without ``--overwrite``, a directory, a path under a file, a
-checkpoint's ``latest`` or a new name inside a checkpoint directory, a read-only directory, an
-empty path, a directory name), each with a generated file name and ``--overwrite`` on or off
-where it stays bad: one stderr line, a non-zero exit, and every file that existed before byte
-for byte (no temporary file left). Ctrl-C during the work exits 130 with one line and leaves
-no partial output; a replaced file is swapped in whole."""
+"""The output contract (linformer_ds.outdir.check_path, issue 45 item 1) of every command that
+writes an output path: ``python -m data_prep``, ``launch/export.py`` and ``launch/finetune.py``
+(a directory), ``launch/convert.py --out`` and the ONNX export's ``OUT`` (a file). Every command
+runs against the same table of bad outputs (BAD: an input's file, the input directory, a new
+name inside it, links to either, a directory holding the inputs, an existing file, a link to
+one, a dangling link, a user's directory, an empty directory or a directory name where a file
+is written, paths under a regular file, a checkpoint's ``latest``, a checkpoint directory, tag
+or training run and new names inside them, another command's earlier output (export, data_prep,
+fine-tuned model) and new names inside them, an empty path, a NUL byte, a read-only directory),
+with generated file names and ``--overwrite`` drawn on or off wherever it leaves the output bad:
+one stderr line that names the output flag, a non-zero exit, and every file that existed before
+byte for byte with nothing added (no temporary name or lock file left). Ctrl-C during the work
+exits 130 with one line and leaves no partial output (a real SIGINT to launch/finetune.py); a
+replaced file is swapped in whole."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 import types
 
 import pytest
@@ -17,19 +28,34 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data_prep.__main__ import main as data_prep_main
 from linformer_ds import onnx_export, warm_start
+from linformer_ds.export import main as export_main
+from linformer_ds.finetune import main as finetune_main
 from linformer_ds.outpath import EXIT_INTERRUPTED, OutPathError, check_out_file, staged
+from tests.pretrain_utils import REPO
 
 transformers = pytest.importorskip("transformers")
 
-ROOT_USER = os.geteuid() == 0  # root writes into read-only directories: that case is moot
+ROOT_USER = os.geteuid() == 0  # root writes into a chmod 555 directory: an immutable one then
+
+
+def _read_only(path) -> None:
+    """Make the directory ``path`` unwritable: chmod 555, and as root (who writes there all
+    the same) ``chattr +i`` where the file system has it (the read-only cases are skipped
+    where ``path`` stays writable)."""
+    os.chmod(path, 0o555)
+    if ROOT_USER and shutil.which("chattr"):
+        subprocess.run(["chattr", "+i", str(path)], capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
-    """A warm-start source (a saved BERT), a job config, an export directory (its files only:
-    the bad outputs are refused before it is read), a checkpoint directory, a plain file, a
-    link to it, a link to an input, and a read-only directory."""
+    """The inputs of every command and what a user has around them: a warm-start source (a
+    saved BERT), a job config, an export directory (its files only: the bad outputs are refused
+    before it is read), a checkpoint directory, a data_prep source and tokenizer file, a
+    fine-tuning CSV, a training run, earlier outputs of export, data_prep and finetune, plain
+    files, links, directories and a read-only directory."""
     root = tmp_path_factory.mktemp("outputs")
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
@@ -37,49 +63,93 @@ def tree(tmp_path_factory):
                                   max_position_embeddings=32)  # fmt: skip
     transformers.BertForMaskedLM(cfg).save_pretrained(str(root / "src"))
     (root / "base.yaml").write_text("model:\n  k: 8\n")
-    export = root / "export"
-    export.mkdir()
-    (export / "config.json").write_text(json.dumps({"architectures": ["LinformerForMaskedLM"]}))
-    (export / "model.safetensors").write_bytes(b"weights" * 100)
-    (export / "linformer_export.json").write_text("{}")
-    ckpt = root / "ckpt"
-    (ckpt / "step_00000002").mkdir(parents=True)
-    (ckpt / "step_00000002" / "COMPLETE").write_text("")
-    (ckpt / "latest").write_text("step_00000002")
-    (root / "notes.txt").write_text("precious notes\n")
-    os.symlink(root / "notes.txt", root / "link_to_notes")
-    os.symlink(root / "src" / "config.json", root / "link_to_src")
-    os.symlink(root / "export" / "model.safetensors", root / "link_to_export")
+    files = {
+        "export/config.json": json.dumps({"architectures": ["LinformerForMaskedLM"]}),
+        "export/model.safetensors": "weights" * 100,
+        "export/linformer_export.json": "{}",
+        "ckpt/step_00000002/COMPLETE": "",
+        "ckpt/latest": "step_00000002",
+        "corpus/doc0.txt": "alpha beta gamma\ndelta epsilon\n",
+        "sp.model": "a tokenizer file",
+        "ft/train.csv": "text,label\nalpha beta,a\ngamma delta,b\n",
+        "run/metrics.jsonl": '{"step": 1}\n',
+        "prev_export/linformer_export.json": "{}",
+        "prev_export/config.json": "{}",
+        "prev_data/manifest.json": "{}",
+        "prev_data/tokenizer.model": "sp",
+        "prev_ft/finetune_results.json": "{}",
+        "prev_ft/linformer_export.json": "{}",
+        "notes.txt": "precious notes\n",
+        "adir/thesis.tex": "my thesis\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    links = {"link_to_notes": "notes.txt", "link_to_src": "src/config.json",
+             "link_to_srcdir": "src", "link_to_export": "export/model.safetensors",
+             "link_to_exportdir": "export", "link_to_doc": "corpus/doc0.txt",
+             "link_to_corpus": "corpus", "link_to_sp": "sp.model", "link_to_ckpt": "ckpt",
+             "link_to_train": "ft/train.csv", "dangling": "nowhere"}  # fmt: skip
+    for name, target in links.items():
+        os.symlink(root / target, root / name)
+    (root / "empty_dir").mkdir()
     (root / "ro").mkdir()
-    os.chmod(root / "ro", 0o555)
-    (root / "adir").mkdir()
-    return root
+    _read_only(root / "ro")
+    yield root
+    if ROOT_USER:
+        subprocess.run(["chattr", "-i", str(root / "ro")], capture_output=True, timeout=30)
+    os.chmod(root / "ro", 0o755)
 
 
-# name -> (path under the tree ({n}: a generated file name), bad even with --overwrite)
-BAD = {
-    "an input's own file": ("{input_file}", True),
-    "the input directory": ("{input_dir}", True),
-    "a new name inside the input": ("{input_dir}/{n}", True),
-    "the job config read by --config": ("base.yaml", False),
-    "a link to an input file": ("{input_link}", True),
-    "an existing file": ("notes.txt", False),
-    "a link to an existing file": ("link_to_notes", False),
-    "a directory": ("adir", True),
-    "a path under a regular file": ("notes.txt/{n}", True),
-    "a checkpoint's latest": ("ckpt/latest", True),
-    "a new name inside a checkpoint directory": ("ckpt/{n}", True),
-    "a new name inside a checkpoint tag": ("ckpt/step_00000002/{n}", True),
-    "a directory name": ("{n}/", True),
-    "an empty path": ("", True),
+FILE, DIR = "file", "directory"
+# command -> (what it writes, its inputs: file, link to it, directory, link to it)
+COMMANDS = {
+    "data_prep": (DIR, "corpus/doc0.txt", "link_to_doc", "corpus", "link_to_corpus"),
+    "export": (DIR, "sp.model", "link_to_sp", "ckpt", "link_to_ckpt"),
+    "finetune": (DIR, "ft/train.csv", "link_to_train", "export", "link_to_exportdir"),
+    "convert": (FILE, "src/config.json", "link_to_src", "src", "link_to_srcdir"),
+    "onnx": (FILE, "export/model.safetensors", "link_to_export", "export", "link_to_exportdir"),
 }
-if not ROOT_USER:
-    BAD["a read-only directory"] = ("ro/{n}", True)
-INPUT = {"convert": ("src", "src/config.json", "link_to_src"),
-         "onnx": ("export", "export/model.safetensors", "link_to_export")}  # fmt: skip
-NAMES = st.text(alphabet=st.sampled_from("abcxyz_-.é0"), min_size=1, max_size=10).filter(
-    lambda n: n.strip(".") == n
+BOTH = (FILE, DIR)
+# name -> (path under the tree ({n}: a generated name), the kinds of command it is bad for,
+#          the commands (or kinds) for which --overwrite makes it a legitimate output)
+BAD = {
+    "an input's own file": ("{input_file}", BOTH, ()),
+    "a link to an input file": ("{input_link}", BOTH, ()),
+    "the input directory": ("{input_dir}", BOTH, ()),
+    "a link to the input directory": ("{input_dir_link}", BOTH, ()),
+    "a new name inside the input directory": ("{input_dir}/{n}", BOTH, ()),
+    "a new name under a link to the input directory": ("{input_dir_link}/{n}", BOTH, ()),
+    "a directory holding the inputs": (".", BOTH, ()),
+    "an existing file": ("notes.txt", BOTH, (FILE,)),
+    "a link to an existing file": ("link_to_notes", BOTH, (FILE,)),
+    "a dangling link": ("dangling", BOTH, (FILE,)),
+    "a user's directory": ("adir", BOTH, ()),
+    "an empty directory": ("empty_dir", (FILE,), ()),  # a new directory's legitimate place
+    "a directory name": ("{n}/", (FILE,), ()),
+    "a path under a regular file": ("notes.txt/{n}", BOTH, ()),
+    "a path two levels under a regular file": ("notes.txt/{n}/{n}", BOTH, ()),
+    "a checkpoint's latest": ("ckpt/latest", BOTH, ()),
+    "a checkpoint directory": ("ckpt", BOTH, ()),
+    "a new name inside a checkpoint directory": ("ckpt/{n}", BOTH, ()),
+    "a new name inside a checkpoint tag": ("ckpt/step_00000002/{n}", BOTH, ()),
+    "a training run": ("run", BOTH, ()),
+    "a new name inside a training run": ("run/{n}", BOTH, ()),
+    "an earlier export": ("prev_export", BOTH, ("export",)),
+    "a new name inside an export": ("prev_export/{n}", BOTH, ()),
+    "an earlier data_prep output": ("prev_data", BOTH, ("data_prep",)),
+    "a new name inside a data_prep output": ("prev_data/{n}", BOTH, ()),
+    "an earlier fine-tuned model": ("prev_ft", BOTH, ("finetune",)),
+    "a new name inside a fine-tuned model": ("prev_ft/{n}", BOTH, ()),
+    "an empty path": ("", BOTH, ()),
+    "a path with a NUL byte": ("{n}\0{n}", BOTH, ()),
+    "a read-only directory": ("ro/{n}", BOTH, ()),
+    "two levels under a read-only directory": ("ro/{n}/{n}", BOTH, ()),
+}
+NAMES = st.text(alphabet=st.sampled_from("abcxyz_-.é0 "), min_size=1, max_size=10).filter(
+    lambda n: n.strip(". ") == n
 )
+EXAMPLES = 25  # per command; each example runs the whole table
 
 
 def snapshot(root):
@@ -98,39 +168,75 @@ def snapshot(root):
     return out
 
 
+def argv_of(command, root, out, overwrite):
+    """The command line of ``command`` on the tree's inputs, writing ``out``."""
+    argv = {
+        "data_prep": ["--source", f"{root}/corpus", "--tokenizer", f"{root}/sp.model",
+                      "--seq-len", "16", "--quiet", "--workers", "0", "--out", out],
+        "export": ["--checkpoint", f"{root}/ckpt", "--tokenizer", f"{root}/sp.model",
+                   "--out", out],
+        "finetune": ["--model", f"{root}/export", "--train", f"{root}/ft/train.csv",
+                     "--out", out],
+        "convert": ["--from", f"hf:{root / 'src'}", "--config", str(root / "base.yaml"),
+                    "--out", out, "model.max_seq_len=32", "model.k=8"],
+        "onnx": [str(root / "export"), out, "--no-check"],
+    }[command]  # fmt: skip
+    return argv + (["--overwrite"] if overwrite else [])
+
+
+MAINS = {"data_prep": data_prep_main, "export": export_main, "finetune": finetune_main,
+         "convert": warm_start.main, "onnx": onnx_export.main}  # fmt: skip
+
+
 def run_command(command, root, out, overwrite, capsys):
     """The command's main() on ``out``; returns (exit status, stdout, stderr)."""
     capsys.readouterr()
-    if command == "convert":
-        argv = ["--from", f"hf:{root / 'src'}", "--config", str(root / "base.yaml"),
-                "--out", out, "model.max_seq_len=32", "model.k=8"]  # fmt: skip
-        rc = warm_start.main(argv + (["--overwrite"] if overwrite else []))
-    else:
-        argv = [str(root / "export"), out, "--no-check"]
-        rc = onnx_export.main(argv + (["--overwrite"] if overwrite else []))
+    try:
+        rc = MAINS[command](argv_of(command, root, out, overwrite))
+    except SystemExit as e:  # argparse
+        rc = e.code
     got = capsys.readouterr()
     return rc, got.out, got.err
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+def bad_out(tree, case, command, name):
+    """The path of the table's ``case`` for ``command``."""
+    _kind, input_file, input_link, input_dir, input_dir_link = COMMANDS[command]
+    rel = BAD[case][0].format(n=name, input_dir=input_dir, input_file=input_file,
+                              input_link=input_link, input_dir_link=input_dir_link)  # fmt: skip
+    if not rel:
+        return ""
+    return str(tree / rel) + ("/" if rel.endswith("/") else "")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(case=st.sampled_from(sorted(BAD)), command=st.sampled_from(sorted(INPUT)),
-       name=NAMES, overwrite=st.booleans())  # fmt: skip
-def test_every_command_refuses_every_bad_output(tree, capsys, case, command, name, overwrite):
-    template, always = BAD[case]
-    overwrite = overwrite and always  # --overwrite makes the others legitimate
-    input_dir, input_file, input_link = INPUT[command]
-    rel = template.format(n=name, input_dir=input_dir, input_file=input_file,
-                          input_link=input_link)  # fmt: skip
-    out = str(tree / rel) if rel else ""
-    if rel.endswith("/"):
-        out += "/"
-    before = snapshot(tree)
-    rc, stdout, err = run_command(command, tree, out, overwrite, capsys)
-    assert rc != 0, (case, command, out, stdout, err)
-    assert len(err.strip().splitlines()) == 1, (case, command, err)
-    assert "Traceback" not in err and stdout == ""
-    assert snapshot(tree) == before, (case, command, out)
+@given(name=NAMES, overwrite=st.lists(st.booleans(), min_size=len(BAD), max_size=len(BAD)))
+def test_every_command_refuses_every_bad_output(tree, capsys, command, name, overwrite):
+    """Each example runs the whole table (with one generated name, --overwrite drawn per
+    case) against ``command``: one line naming the output flag, a non-zero exit, the tree as
+    it was."""
+    kind = COMMANDS[command][0]
+    flag = "OUT" if command == "onnx" else "--out"
+    read_only = not os.access(tree / "ro", os.W_OK)
+    ran = 0
+    for (case, (_, kinds, legit)), over in zip(sorted(BAD.items()), overwrite):
+        if kind not in kinds or (case.startswith(("a read-only", "two levels under a read-only"))
+                                 and not read_only):  # fmt: skip
+            continue
+        over = over and kind not in legit and command not in legit
+        out = bad_out(tree, case, command, name)
+        before = snapshot(tree)
+        rc, stdout, err = run_command(command, tree, out, over, capsys)
+        where = (case, command, out, over, err)
+        assert rc not in (0, None), where
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, where
+        assert (flag in err or out in err) and stdout == "", where  # the output named
+        assert snapshot(tree) == before, where
+        ran += 1
+    mine = [c for c, (_, kinds, _) in BAD.items() if kind in kinds]
+    assert ran == len(mine) - (0 if read_only else 2)  # read-only: where this user cannot
 
 
 def test_a_good_output_is_written_and_replaced_only_with_overwrite(tree, tmp_path, capsys):
@@ -188,6 +294,107 @@ def test_ctrl_c_during_the_onnx_export_exits_130_and_leaves_no_partial_output(
     monkeypatch.setattr(warm_start, "check_weights", interrupt)
     rc, stdout, err = run_command("convert", tree, str(tmp_path / "w.yaml"), False, capsys)
     assert rc == EXIT_INTERRUPTED and len(err.strip().splitlines()) == 1, err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    """A real export of a tiny untrained model (launch/export.py's main on a checkpoint written
+    here, with a SentencePiece model trained by data_prep's trainer)."""
+    import contextlib
+    import io
+
+    from data_prep.tokenizer import train_tokenizer
+    from linformer_ds.checkpoint.tags import COMPLETE_FILE, META_FILE, MODEL_STATES
+    from linformer_ds.config import load_config
+    from linformer_ds.model import LinformerForMaskedLM
+    from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
+
+    root = tmp_path_factory.mktemp("sigint_in")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    lines = [" ".join(words[(i + k) % len(words)] for k in range(7)) for i in range(60)]
+    tag = root / "ckpt" / "step_00000002"
+    tag.mkdir(parents=True)
+    train_tokenizer(lines, str(tag / "tokenizer.model"), 30, num_threads=1)
+    cfg = load_config(TINY_CONFIG, TEST_OVERRIDES + [
+        "model.hidden_size=16", "model.num_heads=2", "model.num_layers=1",
+        "model.intermediate_size=32", "model.k=8", "model.max_seq_len=32"])  # fmt: skip
+    torch.manual_seed(0)
+    torch.save({"module": LinformerForMaskedLM(cfg.model).state_dict()}, tag / "x")
+    os.replace(tag / "x", tag / MODEL_STATES)
+    meta = {"format_version": 1, "step": 2, "epoch": 0, "sampler": {"epoch": 0, "consumed": 8},
+            "world_size": 1, "zero_stage": 0, "precision": "fp32", "model": cfg.model.to_dict(),
+            "tokenizer": "tokenizer.model"}  # fmt: skip
+    (tag / META_FILE).write_text(json.dumps(meta))
+    sizes = {p.name: p.stat().st_size for p in tag.iterdir()}
+    (tag / COMPLETE_FILE).write_text(json.dumps({"files": sizes}))
+    (tag.parent / "latest").write_text(tag.name)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert export_main(["--checkpoint", str(tag.parent), "--out", str(root / "exp")]) == 0
+    rows = [(" ".join(words[i % 12 : i % 12 + 4]), "ab"[i % 2]) for i in range(8)]
+    (root / "train.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    return root / "exp"
+
+
+def _interrupt_when_training(proc, deadline):
+    """Send SIGINT once ``proc`` (launch/finetune.py) prints its ``[finetune] train=`` line and
+    a second has passed (inside the training loop); returns (exit status, stderr)."""
+    import queue
+
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and proc.poll() is None, f"no training line; {proc.stderr.read()}"
+            try:
+                if lines.get(timeout=min(left, 1.0)).startswith("[finetune] train="):
+                    break
+            except queue.Empty:
+                continue
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=60), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_sigint_during_finetune_exits_130_in_one_line_and_writes_nothing(tiny_export, tmp_path):
+    """A real SIGINT to launch/finetune.py while it trains, replacing an earlier fine-tuned
+    model with --overwrite: exit 130, one stderr line, and the tree as it was (the earlier
+    model byte for byte, no staging directory, no lock file, nothing new). Every wait has a
+    deadline. (One process: a second, writing a new --out, cost 14 s more on 2 cores.)"""
+    model = tiny_export
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("precious\n")
+    earlier = work / "earlier"  # its record files: replaced only once the new one is written
+    earlier.mkdir()
+    (earlier / "finetune_results.json").write_text('{"val_accuracy": 0.5}')
+    (earlier / "linformer_export.json").write_text("{}")
+    (earlier / "model.safetensors").write_bytes(b"the earlier weights" * 50)
+    before = snapshot(tmp_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    procs = {}
+    for out, extra in ((earlier, ["--overwrite"]),):
+        cmd = [sys.executable, str(REPO / "launch" / "finetune.py"), "--model", str(model),
+               "--train", str(model.parent / "train.csv"), "--out", str(out), "--epochs",
+               "100000", "--batch-size", "2", "--validation-fraction", "0.25", *extra]  # fmt: skip
+        procs[out] = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180  # start-up (torch, transformers) on a loaded machine
+    try:
+        for out, proc in procs.items():
+            rc, err = _interrupt_when_training(proc, deadline)
+            assert rc == EXIT_INTERRUPTED, err
+            assert err.strip() == f"finetune interrupted: nothing written to --out {out}", err
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
     assert snapshot(tmp_path) == before
 
 

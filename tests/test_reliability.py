@@ -488,13 +488,14 @@ def test_data_prep_and_export_to_read_only_out(reference, tiny_corpus, tmp_path,
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         f"data_prep: error: --out {tmpfs}/data: cannot write there: Read-only file system "
-        f"({tmpfs}/data); choose a writable --out"
+        f"({tmpfs}); choose a writable --out"
     )
     before = sorted(os.listdir(reference / "checkpoints" / "step_00000008"))
     rc = export.main(["--checkpoint", str(reference / "checkpoints"), "--out", str(tmpfs / "hf")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == (
-        f"export failed: --out {tmpfs}/hf: cannot write there: Read-only file system"
+        f"export failed: --out {tmpfs}/hf: cannot write there: Read-only file system "
+        f"({tmpfs}); choose a writable --out"
     ), err
     assert sorted(os.listdir(reference / "checkpoints" / "step_00000008")) == before
 
