@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,16 +34,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # data_prep's one table (a checkpoint's metadata records the ids it was trained with).
 _HF_NAMES = {"pad": "pad_token", "unk": "unk_token", "cls": "bos_token", "sep": "eos_token",
              "mask": "mask_token"}  # fmt: skip
-SPECIAL_TOKENS = {
-    _HF_NAMES[key]: (SPECIAL_PIECES[key], SPECIAL_IDS[key]) for key in _HF_NAMES
-}
+SPECIAL_TOKENS = {_HF_NAMES[key]: (SPECIAL_PIECES[key], SPECIAL_IDS[key]) for key in _HF_NAMES}
 CLS_SEP = {"cls_token": "<s>", "sep_token": "</s>"}
 
 _PKG = Path(__file__).resolve().parent
 # exported file name -> (source file, import rewrites that make it a flat remote-code module)
 # The model package ships file for file (its files import each other relatively, so they work
 # unchanged as a flat remote-code directory); its __init__ is linformer_model.py.
-MODEL_FILES = tuple(sorted(p.name for p in (_PKG / "model").glob("*.py") if p.name != "__init__.py"))
+MODEL_FILES = tuple(
+    sorted(p.name for p in (_PKG / "model").glob("*.py") if p.name != "__init__.py")
+)
 REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
     "linformer_model.py": (_PKG / "model" / "__init__.py", ()),
     **{name: (_PKG / "model" / name, ()) for name in MODEL_FILES},
@@ -164,6 +165,7 @@ def write_tokenizer(out: str, sp_model_path: str, model_max_length: int) -> None
     if is_hf_tokenizer(sp_model_path):
         tok = load_hf_tokenizer(sp_model_path, model_max_length=int(model_max_length),
                                 model_input_names=["input_ids", "attention_mask"])  # fmt: skip
+        _mask_takes_left_space(tok)
         tok.save_pretrained(out)
         return
     shutil.copyfile(sp_model_path, os.path.join(out, "tokenizer.model"))
@@ -177,6 +179,61 @@ _CHECK_TEXTS = (
     "  JSON (JavaScript Object Notation) is a subset of JavaScript  ",
     "unicode: caf\u00e9 \u2603 tabs\tand   spaces, numbers 12,345.67e-8",
 )
+
+
+def _mask_takes_left_space(tok: Any) -> None:
+    """A Hugging Face tokenizer's mask token strips the spaces on its left, as RoBERTa's: in
+    ``be <mask>`` the space is the masked word's (byte-level BPE's ``Ġ``), not a token of its
+    own before the mask (the training data's ids, issue 45 item 6). WordPiece drops the space
+    either way."""
+    from tokenizers import AddedToken
+
+    mask = getattr(tok, "mask_token", None)
+    if mask is None or tok.mask_token_id is None:
+        return
+    before = tok.mask_token_id
+    tok.add_special_tokens({"mask_token": AddedToken(str(mask), lstrip=True, rstrip=False,
+                                                     normalized=False, special=True)})  # fmt: skip
+    if tok.mask_token_id != before:
+        raise ExportError(f"the tokenizer's mask token {mask!r} changed its id when made to "
+                          "strip the spaces on its left")  # fmt: skip
+
+
+def _literal_mask_pipeline(backend: Any, proto: Any) -> bool:
+    """Make ``backend`` (the converted SentencePiece tokenizer) encode a text that holds the
+    literal mask token as the training data placed it: the text's own ids with the masked
+    piece's id replaced by the mask id (issue 45 item 6). Returns whether it did (then the mask
+    token must strip the spaces on its left: a word-initial piece's ``▁`` is the mask's).
+
+    transformers' converter normalizes (strips) and prefixes ``▁`` (``prepend_scheme:
+    always``) each chunk between added tokens, so ``be <mask>: and`` became ``▁be <mask> ▁ :
+    ▁and``: a stray ``▁`` the model never saw after a mask. Here only the text's start gets
+    SentencePiece's dummy prefix (``first``), spaces after a mask stay the next word's ``▁``,
+    and only the text's end loses its spaces (before a mask, the mask takes them). Done for the
+    normalizer settings data_prep trains with (dummy prefix, extra-whitespace removal and
+    whitespace escaping all on); another SentencePiece model keeps the converter's pipeline."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    spec = proto.normalizer_spec
+    if not (spec.add_dummy_prefix and spec.remove_extra_whitespaces and spec.escape_whitespaces):
+        return False
+    steps = (
+        [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    )
+    steps += [
+        normalizers.Replace(Regex("\\A\u2581"), "\u2581\u2581"),  # a literal ▁ first: prefixed
+        normalizers.Replace(Regex(" +\\z"), ""),
+        normalizers.Replace(Regex(" {2,}"), " "),
+        normalizers.Replace(" ", "\u2581"),
+    ]
+    backend.normalizer = normalizers.Sequence(steps)
+    pre = [pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)]
+    user_defined = [p.piece for p in proto.pieces if p.type == 4]  # emitted whole (converter)
+    if user_defined:
+        pattern = "|".join(re.escape(u) for u in sorted(user_defined, key=len, reverse=True))
+        pre.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    return True
 
 
 def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
@@ -194,10 +251,12 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
         raise ExportError(f"{sp_model_path}: only unigram and bpe SentencePiece models convert")
     vocab = pieces if kind == 1 else {piece: i for i, (piece, _) in enumerate(pieces)}
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    mask_text = _literal_mask_pipeline(backend, proto)
     names = {name: piece for name, (piece, _) in SPECIAL_TOKENS.items()}
-    backend.add_special_tokens(
-        [AddedToken(piece, special=True, normalized=False) for piece in names.values()]
-    )
+    added = {name: AddedToken(piece, special=True, normalized=False,
+                              lstrip=mask_text and name == "mask_token")
+             for name, piece in names.items()}  # fmt: skip
+    backend.add_special_tokens(list(added.values()))
     bos, eos = SPECIAL_TOKENS["bos_token"], SPECIAL_TOKENS["eos_token"]
     backend.post_processor = processors.TemplateProcessing(
         single=f"{bos[0]} $A {eos[0]}",
@@ -210,7 +269,7 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
         padding_side="right",
         model_input_names=["input_ids", "attention_mask"],  # no token_type_ids: none in the model
         clean_up_tokenization_spaces=False,
-        **names,
+        **added,
         **CLS_SEP,
     )
     sp = spm.SentencePieceProcessor(model_file=sp_model_path)
@@ -305,7 +364,6 @@ def write_model_dir(
     ``config_extra`` adds ``PretrainedConfig`` options (``id2label``, ...).
     """
     from safetensors.torch import save_file
-
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
