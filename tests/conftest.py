@@ -46,6 +46,7 @@ SLOW_FIXTURES = {
     "tests.test_sweep.swept",  # a three-point quality sweep of real trainer runs
     "tests.test_bench.tiny_run",  # bench/model_bench.py's tool run on a tiny grid
     "tests.test_extending.plugin_runs",  # two launch/pretrain.py --plugin trainer processes
+    "tests.conftest.layout_chains",  # the resume and frozen chains' 7 launches
 }
 
 # Slow tests the rule cannot see: the heaviest single-process ones (measured with --durations
@@ -157,3 +158,40 @@ def tiny_corpus(tmp_path_factory):
     from tests.pretrain_utils import make_corpus
 
     return make_corpus(tmp_path_factory.mktemp("corpus") / "stdlib_128")
+
+
+@pytest.fixture(scope="session")
+def layout_chains(tiny_corpus, tmp_path_factory) -> dict:
+    """tests/test_resume_layout.py's chains and tests/test_frozen_resume.py's frozen chains,
+    trained in shared process-group launches (tests/layout_worker.py; each launch's start-up
+    paid once): each frozen launch joins the first launch of the resume chains, after the one
+    it joined last, that has its world size (its runs after the resume runs: their unsharded
+    hops first), or runs after them all. 7 launches instead of 6 + 4. Returns the two output
+    folders (``resume``, ``frozen``) and rank 0's log of every launch (``logs``)."""
+    from tests.test_frozen_resume import frozen_chain_launches
+    from tests.test_resume_layout import _launch, chain_launches
+
+    root = tmp_path_factory.mktemp("layout_chains")
+    out = {"resume": root / "resume", "frozen": root / "frozen"}
+    for d in out.values():
+        d.mkdir()
+    launches = [
+        {"ranks": ranks, "runs": runs, "before": []}
+        for ranks, runs in chain_launches(tiny_corpus, out["resume"], "resume")
+    ]
+    at = 0
+    for fl in frozen_chain_launches(tiny_corpus, out["frozen"], "frozen"):
+        later = range(at, len(launches))
+        hit = next((i for i in later if launches[i]["ranks"] == fl["ranks"]), None)
+        if hit is None:
+            launches.append({"ranks": fl["ranks"], "runs": [], "before": []})
+            hit = len(launches) - 1
+        launches[hit]["runs"] += fl["runs"]
+        launches[hit]["before"] += [fl["before"]] if fl["before"] else []
+        at = hit + 1
+    logs = []
+    for j, launch in enumerate(launches):
+        for before in launch["before"]:
+            before()
+        logs.append(_launch(launch["ranks"], launch["runs"], root, f"launch{j}"))
+    return {**out, "logs": logs}

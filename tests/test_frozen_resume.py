@@ -9,7 +9,9 @@ DP = 2 under ZeRO-2 and ZeRO-3; an engine change (ZeRO-2 bf16 -> ZeRO-1 fp32); a
 chain per ZeRO stage (0, 2 and 3) through 1 rank -> P = 2 sharded -> DP 2 x P = 2 sharded ->
 DP 2, every resumed hop starting from other frozen values, equal to an uninterrupted one-rank
 run, with the frozen E/F bit-equal to their initial values. Every multi-rank run of the module
-is one of four process-group launches (``frozen_launches``: start-up paid once per launch)."""
+is one of four process-group launches (``frozen_chain_launches``: start-up paid once per launch),
+three of them shared with tests/test_resume_layout.py's chains (tests/conftest.py's
+``layout_chains``)."""
 
 import shutil
 from pathlib import Path
@@ -22,7 +24,7 @@ from linformer_ds.checkpoint.reshard import convert_to_universal
 from linformer_ds.checkpoint.tags import UNIVERSAL_DIR, CheckpointError
 from tests.layout_worker import perturbed_frozen
 from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, read_metrics
-from tests.test_resume_layout import COMMON, HOP, RTOL, _launch, _overrides, _rel, read_chain
+from tests.test_resume_layout import COMMON, HOP, RTOL, _overrides, _rel, read_chain
 
 FROZEN_SHARDED = [
     "model.freeze_projection=true",
@@ -233,18 +235,16 @@ def _zero3_last(runs: List[dict]) -> List[dict]:
     return sorted(runs, key=lambda run: "deepspeed.zero.stage=3" in run["overrides"])
 
 
-@pytest.fixture(scope="module")
-def frozen_launches(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[str]]]:
-    """Every multi-rank run of this module, in 4 process-group launches of 1, 2, 4 and 2 ranks
-    (tests/layout_worker.py: each launch's start-up paid once): the reference (one rank,
-    ZeRO-0, uninterrupted, E/F frozen) and one frozen chain per ZeRO stage, each resumed hop's
-    model built with other frozen values; in the P = 2 sharded launch also ``frozen2`` and
-    ``frozen3`` (FROZEN_SHARDED under ZeRO-2 and ZeRO-3: 2 steps, checkpoint step_00000002),
-    and in the last (DP = 2) launch their resumes on DP = 2, P = 1 to step 3 from copies of
-    their checkpoints (``frozen{2,3}_dp2_ckpt``). Returns the output directory and, per stage,
-    rank 0's lines that name the stage's chain checkpoint directory."""
-    out = tmp_path_factory.mktemp("frozen_chain")
-    ref_over = _overrides(tiny_corpus, out / "ref_ckpt", 0, 1, 1, False) + FROZEN_MORE
+def frozen_chain_launches(data: Path, out: Path, prefix: str) -> List[dict]:
+    """Every multi-rank run of this module as 4 process-group launches of 1, 2, 4 and 2 ranks
+    (``{"ranks", "runs", "before"}``, in order; run ``NAME`` logs to ``out/NAME`` and is named
+    ``prefix/NAME``): the reference (one rank, ZeRO-0, uninterrupted, E/F frozen) and one frozen
+    chain per ZeRO stage, each resumed hop's model built with other frozen values; in the P = 2
+    sharded launch also ``frozen2`` and ``frozen3`` (FROZEN_SHARDED under ZeRO-2 and ZeRO-3: 2
+    steps, checkpoint step_00000002), and in the last (DP = 2) launch their resumes on DP = 2,
+    P = 1 to step 3 from copies of their checkpoints (``frozen{2,3}_dp2_ckpt``, copied by its
+    ``before``). In each launch the ZeRO-3 runs come last."""
+    ref_over = _overrides(data, out / "ref_ckpt", 0, 1, 1, False) + FROZEN_MORE
     launches: List[Tuple[int, List[dict]]] = [
         (1, [{"name": "ref", "overrides": ref_over + ["checkpoint.save_final=false"]}])
     ]
@@ -252,28 +252,39 @@ def frozen_launches(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List
         if launches[-1][0] != ranks:
             launches.append((ranks, []))
         for stage in FROZEN_STAGES:
-            over = _overrides(tiny_corpus, out / f"z{stage}_ckpt", stage, ranks, p, shard)
+            over = _overrides(data, out / f"z{stage}_ckpt", stage, ranks, p, shard)
             over += [*FROZEN_MORE, f"train.stop_at_step={HOP * (i + 1)}"]
             launches[-1][1].append({"name": f"z{stage}_hop{i}", "overrides": over,
                                     "perturb_frozen": i > 0})  # fmt: skip
     assert [ranks for ranks, _ in launches] == [1, 2, 4, 2]
-    data = f"data.path={tiny_corpus}"
     zero = [o for o in FROZEN_SHARDED if not o.startswith("deepspeed.zero.stage")]
     for stage in (2, 3):  # saved sharded at P = 2 (the chains' 2-rank launch is all P = 2 sharded)
         launches[1][1].append({"name": f"frozen{stage}", "overrides": [
-            data, *zero, f"deepspeed.zero.stage={stage}"]})  # fmt: skip
+            f"data.path={data}", *zero, f"deepspeed.zero.stage={stage}"]})  # fmt: skip
         launches[3][1].append({"name": f"frozen{stage}_dp2", "overrides": [  # all DP 2, P = 1
-            data, "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
+            f"data.path={data}", "model.freeze_projection=true", f"deepspeed.zero.stage={stage}",
             "train.max_steps=3", "checkpoint.save_interval=0",
             f"checkpoint.dir={out / f'frozen{stage}_dp2_ckpt'}"]})  # fmt: skip
-    logs = []
-    for j, (ranks, runs) in enumerate(launches):
-        if j == 3:  # the DP = 2 resumes start from copies: frozen{2,3} stay at step 2
-            for stage in (2, 3):
-                shutil.copytree(out / f"frozen{stage}" / "checkpoints",
-                                out / f"frozen{stage}_dp2_ckpt")  # fmt: skip
-        logs.append(_launch(ranks, _zero3_last(runs), out, f"launch{j}"))
-    said = {s: [ln for log in logs for ln in log.splitlines() if f"z{s}_ckpt" in ln]
+
+    def copy_checkpoints() -> None:  # the DP = 2 resumes start from copies: frozen{2,3} stay
+        for stage in (2, 3):
+            shutil.copytree(out / f"frozen{stage}" / "checkpoints",
+                            out / f"frozen{stage}_dp2_ckpt")  # fmt: skip
+
+    named = [[{**r, "name": f"{prefix}/{r['name']}"} for r in _zero3_last(runs)]
+             for _, runs in launches]  # fmt: skip
+    return [{"ranks": ranks, "runs": runs, "before": copy_checkpoints if j == 3 else None}
+            for j, ((ranks, _), runs) in enumerate(zip(launches, named))]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def frozen_launches(layout_chains) -> Tuple[Path, Dict[int, List[str]]]:
+    """The runs of :func:`frozen_chain_launches`, trained in launches shared with
+    tests/test_resume_layout.py's chains (tests/conftest.py's ``layout_chains``). Returns the
+    output directory and, per stage, rank 0's lines that name the stage's chain checkpoint
+    directory."""
+    out, logs = layout_chains["frozen"], layout_chains["logs"]
+    said = {s: [ln for log in logs for ln in log.splitlines() if str(out / f"z{s}_ckpt") in ln]
             for s in FROZEN_STAGES}  # fmt: skip
     return out, said
 

@@ -8,7 +8,8 @@ nothing changes on disk). Invariant: every step's loss and gradient norm equal a
 uninterrupted one-rank run's within the layout-invariance tolerance (fp32), and so do the final
 parameters; a loaded weight or Adam moment that was wrong would show within the hop's two
 steps. Each world size's hops of both chains run in one process-group launch
-(tests/layout_worker.py): 6 launches in all.
+(tests/layout_worker.py): 6 launches in all, which also train tests/test_frozen_resume.py's
+frozen chains (tests/conftest.py's ``layout_chains``: 7 launches for both modules, not 10).
 """
 
 import os
@@ -72,24 +73,33 @@ def _launch(ranks: int, runs: List[dict], out: Path, name: str) -> str:
     return (out / f"{name}.rank0").read_text()
 
 
-@pytest.fixture(scope="module")
-def chains(tiny_corpus, tmp_path_factory) -> Tuple[Path, Dict[int, List[str]]]:
-    """The reference (one rank, ZeRO-0, uninterrupted) and one chain per ZeRO stage. Returns
-    the output directory and, per stage, the resume lines of each hop after the first."""
-    out = tmp_path_factory.mktemp("resume_layout")
-    ref = {"name": "ref", "overrides": _overrides(tiny_corpus, out / "ref_ckpt", 0, 1, 1, False)}
+def chain_launches(data: Path, out: Path, prefix: str) -> List[Tuple[int, List[dict]]]:
+    """The reference (one rank, ZeRO-0, uninterrupted) and one chain per ZeRO stage as
+    process-group launches ``(ranks, runs)`` in order; run ``NAME`` logs to ``out/NAME`` and
+    is named ``prefix/NAME`` (``out`` is ``prefix`` under the launches' folder)."""
+    ref = {"name": f"{prefix}/ref", "overrides": _overrides(data, out / "ref_ckpt", 0, 1, 1, False)}
     ref["overrides"] += ["checkpoint.save_final=false"]
     launches: List[Tuple[int, List[dict]]] = [(1, [ref])]
     for i, (ranks, p, shard) in enumerate(CHAIN):
         if launches[-1][0] != ranks:
             launches.append((ranks, []))
         for stage in STAGES:
-            over = _overrides(tiny_corpus, out / f"z{stage}_ckpt", stage, ranks, p, shard)
+            over = _overrides(data, out / f"z{stage}_ckpt", stage, ranks, p, shard)
             over.append(f"train.stop_at_step={HOP * (i + 1)}")
-            launches[-1][1].append({"name": f"z{stage}_hop{i}", "overrides": over})
-    logs = [_launch(ranks, runs, out, f"launch{j}") for j, (ranks, runs) in enumerate(launches)]
+            launches[-1][1].append({"name": f"{prefix}/z{stage}_hop{i}", "overrides": over})
+    return launches
+
+
+@pytest.fixture(scope="module")
+def chains(layout_chains) -> Tuple[Path, Dict[int, List[str]]]:
+    """The reference and the chains (:func:`chain_launches`, trained in launches shared with
+    tests/test_frozen_resume.py's chains: tests/conftest.py's ``layout_chains``). Returns the
+    output directory and, per stage, rank 0's lines that name the stage's chain checkpoint
+    directory (each hop's resume line among them)."""
+    out, logs = layout_chains["resume"], layout_chains["logs"]
     resumes = {
-        s: [ln for log in logs for ln in log.splitlines() if f"z{s}_ckpt" in ln] for s in STAGES
+        s: [ln for log in logs for ln in log.splitlines() if str(out / f"z{s}_ckpt") in ln]
+        for s in STAGES
     }
     return out, resumes
 
