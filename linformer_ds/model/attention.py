@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .documents import Documents, _nonempty
+from .kernels import short_attention
 from .projections import (
     _make_projection,
     chunk_summaries,
@@ -180,9 +181,8 @@ class LinformerSelfAttention(nn.Module):
         if mask is not None:
             blocks = summary_mask(proj_k, mask)  # the kind says which summaries are padding
             attn_mask = None if blocks is None else _nonempty(blocks)[:, None, None, :]
-        y = F.scaled_dot_product_attention(
-            q, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask, dropout_p=dropout_p
-        )
+        # SDPA or the explicit product, by the measured rule for (n, m, dtype) (kernels.py)
+        y = short_attention(q, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask, dropout_p)
         return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
     # ------------------------------------------------------------------------------- pieces
@@ -270,7 +270,7 @@ class LinformerSelfAttention(nn.Module):
         over chunks of k document positions (:class:`DocumentChunks`)."""
         b, n, _ = q.shape
         h, d = self.num_heads, self.head_dim
-        sdpa = F.scaled_dot_product_attention
+        sdpa = short_attention  # SDPA or the explicit product per span/chunk (kernels.py)
         spans = documents.spans
         if documents.per_span:  # each span's queries (a view) against its own summaries
             ks, vs = span_summaries(proj_k, kp, documents), span_summaries(proj_k, vp, documents)
