@@ -38,19 +38,23 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "long_cpu.yaml"
 WINDOWS = "128,512,1024,2048,4096"
-# name -> model overrides (on top of long_cpu.yaml's model; k = 128 where a kind has summaries)
+# name -> model overrides (on top of long_cpu.yaml's model; k = 128 where a kind has summaries;
+# the attention and the mixer always named, so a change of long_cpu.yaml cannot move a variant)
 VARIANTS: Dict[str, Dict[str, Any]] = {
-    "dense": {"projection": "dense", "local_window": 0},
+    "dense": {"projection": "dense", "local_window": 0, "local_mixer": "none"},
     "linear_mixer": {"projection": "linear", "local_window": 0, "local_mixer": "layers"},
-    "conv_hybrid": {"projection": "hybrid", "sharing": "headwise", "local_window": 0},
-    "local": {"projection": "local", "local_window": 128},
-    "local_linear": {"projection": "linear", "local_window": 128},
-    "local_linear_rope": {"projection": "linear", "local_window": 128, "positions": "rope"},
-    "local_dynamic": {"projection": "dynamic", "sharing": "headwise", "local_window": 128},
+    "conv_hybrid": {"projection": "hybrid", "sharing": "headwise", "local_window": 0,
+                    "local_mixer": "none"},
+    "local": {"projection": "local", "local_window": 128, "local_mixer": "none"},
+    "local_linear": {"projection": "linear", "local_window": 128, "local_mixer": "none"},
+    "local_linear_rope": {"projection": "linear", "local_window": 128, "positions": "rope",
+                          "local_mixer": "none"},
+    "local_dynamic": {"projection": "dynamic", "sharing": "headwise", "local_window": 128,
+                      "local_mixer": "none"},
     # the window beside the local mixer of the English recipe (every layer reads +-1 directly)
     "local_linear_mixer": {"projection": "linear", "local_window": 128, "local_mixer": "layers"},
     "modernbert_like": {"layer_projections": ["dense", "local", "local", "dense"],
-                        "local_window": 128},
+                        "local_window": 128, "local_mixer": "none"},
 }  # fmt: skip
 
 
