@@ -10,6 +10,12 @@ max_seq_len``); outputs: the task's (``logits`` of the MLM or a classifier, ``st
 and ``end_logits`` of QA) and ``last_hidden_state [batch, seq, D]``. Not exported:
 ``position_ids`` (document isolation: per-document spans are data-dependent shapes),
 ``inputs_embeds``, multiple choice. Needs the ``onnx`` extra (onnx, onnxscript, onnxruntime).
+
+Run the file with :func:`session` (onnxruntime with all graph optimisations, as many threads as
+torch uses, workers that sleep rather than spin between operators: on a shared or busy machine
+spinning workers cost more than they save). At 1 thread onnxruntime runs the export of the
+English recipe's size (no local mixer) at 1.0-1.5x eager PyTorch from n = 31 to 500, batch 1
+and 8 (``bench/onnx_bench.py``, BENCHMARKS.md).
 """
 
 import argparse
@@ -188,21 +194,33 @@ def export_onnx(
     return result
 
 
+def session(path: str, threads: Optional[int] = None, spinning: bool = False) -> Any:
+    """An onnxruntime CPU session of ``path``: every graph optimisation, ``threads`` intra-op
+    threads (default: torch's), one inter-op thread, and (``spinning`` False) workers that wait
+    passively between operators instead of spinning."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = int(threads or torch.get_num_threads())
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
 def check_onnx(
     wrapper: nn.Module, path: str, names: Sequence[str], vocab: int, lengths: Sequence[int]
 ) -> List[Dict[str, Any]]:
     """Max abs difference of every output, onnxruntime vs PyTorch, at each batch size of
     :data:`CHECK_BATCHES` and each length; :class:`OnnxExportError` beyond :data:`TOLERANCE`."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    sess = session(path)
     rows = []
     for b in CHECK_BATCHES:
         for n in lengths:
             ids, mask = _inputs(b, n, vocab, seed=b * 1000 + n)
             with torch.no_grad():
                 want = wrapper(ids, mask)
-            got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+            got = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
             row: Dict[str, Any] = {"batch": b, "seq": n}
             for name, w, g in zip(names, want, got):
                 row[name] = float((torch.from_numpy(g) - w).abs().max())

@@ -105,11 +105,16 @@ def _gather(x: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Te
 
 
 def _restore(x: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
-    """Undo :func:`_gather`: ``out[b, order[b, j]] = x[b, j]``."""
+    """Undo :func:`_gather`: ``out[b, order[b, j]] = x[b, j]``, as whole rows: the inverse
+    order (a ``[B, n]`` scatter) picks the rows of ``x [B, n, ...]`` (one ``index_select``; an
+    element-wise scatter of the logits was 42 % of onnxruntime's time: BENCHMARKS.md)."""
     if order is None:
         return x
-    idx = order.view(*order.shape, *([1] * (x.dim() - 2))).expand_as(x)
-    return torch.empty_like(x).scatter(1, idx, x)
+    b, n = order.shape
+    pos = torch.arange(n, device=order.device).expand(b, n)
+    inverse = torch.empty_like(order).scatter(1, order, pos)
+    rows = (inverse + torch.arange(b, device=order.device)[:, None] * n).reshape(-1)
+    return x.reshape((b * n,) + x.shape[2:]).index_select(0, rows).view(x.shape)
 
 
 class LinformerPreTrainedModel(PreTrainedModel):
@@ -281,7 +286,8 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         hidden, states, order = self._encode(
             input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs
         )
-        logits = _restore(self.lm_head(hidden), order)
+        # rows back in the caller's order before the head: a [B n, D] copy, not [B n, V]
+        logits = self.lm_head(_restore(hidden, order))
         if labels is not None and labels.shape != logits.shape[:2]:
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} does not match the input {tuple(logits.shape[:2])}"

@@ -11,6 +11,7 @@ from torch import nn
 from .config import ModelConfig
 from .encoder import LinformerEncoder
 from .projections import get_projection
+from .registry import tracing
 
 
 # NamedTuples, not dataclasses: ZeRO-3's module hooks see the tensors inside tuples (and warn
@@ -126,7 +127,13 @@ class MLMHead(nn.Module):
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.ln(F.gelu(self.dense(x))))
+        h = self.ln(F.gelu(self.dense(x)))
+        if tracing() and self.decoder.bias is not None:  # export: the bias inside the product
+            # ([h, 1] @ [W, b]^T): one MatMul writes the logits, where onnxruntime ran MatMul +
+            # Add over [B, n, V] (or a Gemm whose reshaped output it copied)
+            w = torch.cat([self.decoder.weight, self.decoder.bias[:, None]], dim=1)
+            return torch.matmul(torch.cat([h, h.new_ones(h.shape[:-1] + (1,))], dim=-1), w.t())
+        return self.decoder(h)
 
 
 class ClassificationHead(nn.Module):
