@@ -23,8 +23,9 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,10 @@ def _time(fn: Callable[[], Any]) -> float:
     return _clock() - t0
 
 
-def interleaved(fns: Dict[str, Callable[[], Any]], rounds: int, warmup: int, reps: int) -> Dict:
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, reps: int) -> dict:
     """Per-round seconds of each of ``fns`` (``reps`` calls a turn; the order reverses every
     round), after ``warmup`` rounds."""
-    times: Dict[str, List[float]] = {k: [] for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(warmup + rounds):
         for name in list(fns)[:: 1 if r % 2 else -1]:
             dt = sum(_time(fns[name]) for _ in range(reps)) / reps
@@ -79,10 +80,10 @@ def core_cell(dtype: torch.dtype, b: int, h: int, d: int, n: int, m: int, a: arg
     }
 
 
-def rule(cells: List[Dict[str, Any]], margin: float) -> Dict[str, List[List[int]]]:
+def rule(cells: list[dict[str, Any]], margin: float) -> dict[str, list[list[int]]]:
     """Per dtype, ``[[m, n_max], ...]``: the explicit product up to the largest ``n`` below
     which every measured length has it ``margin`` faster (n_max 0: SDPA at every length)."""
-    out: Dict[str, List[List[int]]] = {}
+    out: dict[str, list[list[int]]] = {}
     for dt in sorted({c["dtype"] for c in cells}):
         rows = []
         for m in sorted({c["m"] for c in cells if c["dtype"] == dt}):
@@ -98,7 +99,7 @@ def rule(cells: List[Dict[str, Any]], margin: float) -> Dict[str, List[List[int]
     return out
 
 
-def block_rows(a: argparse.Namespace) -> List[Dict[str, Any]]:
+def block_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
     """The attention block, ours (rule) / ours (SDPA) / lucidrains, per length and sharing."""
     from bench.peer_bench import PeerConfig, build, our_config
 
@@ -115,7 +116,7 @@ def block_rows(a: argparse.Namespace) -> List[Dict[str, Any]]:
             x.requires_grad_()
             dy = torch.randn_like(x)
 
-            def ours_with(kernel: Optional[str], a=layer, s=shared, x=x, dy=dy) -> Callable:
+            def ours_with(kernel: str | None, a=layer, s=shared, x=x, dy=dy) -> Callable:
                 def step() -> None:
                     with attention_kernel(kernel):
                         a.attention_block(x, None, s, None, None).backward(dy)
@@ -142,7 +143,7 @@ def block_rows(a: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-def markdown(res: Dict[str, Any]) -> str:
+def markdown(res: dict[str, Any]) -> str:
     lines = [f"load average before {res['load_before']}, after {res['load_after']}; "
              f"{res['threads']} threads, {res['clock']} clock; beside: {res['beside']}", ""]  # fmt: skip
     if res["grid"]:
@@ -176,7 +177,7 @@ def markdown(res: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     p.add_argument("--key-lens", type=int, nargs="*", default=[64, 128, 256, 512])
@@ -203,13 +204,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     global _clock
     a = parse_args(argv)
     _clock = CLOCKS[a.clock]
     if a.clock == "cpu":
         torch.set_num_threads(1)
-    res: Dict[str, Any] = {
+    res: dict[str, Any] = {
         "args": vars(a), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "beside": a.beside, "clock": a.clock,
         "batch": a.batch, "heads": a.heads, "head_dim": a.head_dim, "margin": a.margin,

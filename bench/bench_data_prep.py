@@ -34,7 +34,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,7 +42,7 @@ from data_prep.sources import stdlib_files  # noqa: E402
 from data_prep.tokenizer import document_lines  # noqa: E402
 
 
-def make_corpus(dest: Path, target_bytes: int) -> Dict[str, int]:
+def make_corpus(dest: Path, target_bytes: int) -> dict[str, int]:
     """Copy the stdlib .py files into ``dest/rep_XXX/`` until ``target_bytes`` are written."""
     files = stdlib_files()
     root = os.path.commonpath(files)
@@ -61,20 +60,20 @@ def make_corpus(dest: Path, target_bytes: int) -> Dict[str, int]:
     return {"bytes": written, "files": copies, "repetitions": reps}
 
 
-def corpus_files(root: Path) -> List[str]:
+def corpus_files(root: Path) -> list[str]:
     return sorted(str(p) for p in root.rglob("*") if p.is_file())
 
 
 def raw_sentencepiece(
-    model: str, files: List[str], batch_bytes: int, threads: int = -1
-) -> Dict[str, float]:
+    model: str, files: list[str], batch_bytes: int, threads: int = -1
+) -> dict[str, float]:
     """Tokens/s of SentencePiece alone: one encode(list of lines) per ~batch_bytes of text
     (``threads``: SentencePiece's num_threads; -1 = all cores)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=model)
     tokens, encode_s, lines_n = 0, 0.0, 0
-    batch: List[str] = []
+    batch: list[str] = []
     size = 0
 
     def flush() -> None:
@@ -102,7 +101,7 @@ def raw_sentencepiece(
     }
 
 
-def run_measured(cmd: List[str]) -> Dict[str, float]:
+def run_measured(cmd: list[str]) -> dict[str, float]:
     """Run ``cmd``; wall time and peak RSS of its process tree (sampled) and per process."""
     import psutil
 
@@ -154,8 +153,8 @@ def run_measured(cmd: List[str]) -> Dict[str, float]:
 
 
 def run_ranks(
-    cmd: List[str], ranks: int, tokens: int, raw1: Dict[str, float], workers: int
-) -> Dict[str, object]:
+    cmd: list[str], ranks: int, tokens: int, raw1: dict[str, float], workers: int
+) -> dict[str, object]:
     """``cmd`` under ``mpirun -np ranks``: wall time, and each rank's tokenize rate against raw
     SentencePiece on one thread times ``workers``."""
     mpirun = shutil.which("mpirun")
@@ -207,7 +206,7 @@ def main() -> None:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     py = sys.executable
-    report: Dict[str, object] = {
+    report: dict[str, object] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
         "python": platform.python_version(),
     }

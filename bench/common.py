@@ -9,9 +9,10 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def model_config(sizes: ModelSizes, variant: str, n: int) -> ModelConfig:
     )
 
 
-def model_overrides(cfg: ModelConfig) -> List[str]:
+def model_overrides(cfg: ModelConfig) -> list[str]:
     """``model.KEY=VALUE`` overrides that give ``launch/pretrain.py`` exactly this model."""
     return [f"model.{k}={v}" for k, v in asdict(cfg).items() if v is not None]
 
@@ -94,7 +95,7 @@ def job_config(
     )
 
 
-def deepspeed_json(cfg: JobConfig, world_size: int) -> Dict[str, Any]:
+def deepspeed_json(cfg: JobConfig, world_size: int) -> dict[str, Any]:
     """The JSON the trainer hands to ``deepspeed.initialize`` for ``cfg`` on ``world_size``
     ranks (gradient clipping, fp32 accumulation, overflow checks: the trainer's own function)."""
     from linformer_ds.engine import final_deepspeed_config
@@ -104,7 +105,7 @@ def deepspeed_json(cfg: JobConfig, world_size: int) -> Dict[str, Any]:
 
 def mlm_batch(
     vocab: int, batch: int, n: int, mlm_fraction: float, seed: int
-) -> Dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """``[batch, N]`` random non-special tokens with ``mlm_fraction`` of each row's positions
     labelled (at least one); ``labels`` is -100 elsewhere."""
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +125,7 @@ def add_size_options(p: argparse.ArgumentParser, defaults: Any, *more: str) -> N
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
 
 
-def parse_max_n(items: Sequence[str]) -> Dict[str, int]:
+def parse_max_n(items: Sequence[str]) -> dict[str, int]:
     """``--max-n dense=8192 ...`` -> ``{"dense": 8192}``."""
     out = {}
     for item in items:
@@ -146,9 +147,9 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def environment(module: str, device: Optional[torch.device] = None) -> Dict[str, Any]:
+def environment(module: str, device: torch.device | None = None) -> dict[str, Any]:
     """Machine, load and versions, for the record; ``module`` names the benchmark run."""
-    env: Dict[str, Any] = {
+    env: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -175,8 +176,8 @@ def environment(module: str, device: Optional[torch.device] = None) -> Dict[str,
 
 
 def write_results(
-    results: Dict[str, Any], out: Path, markdown: Callable[[Dict[str, Any]], str]
-) -> List[Path]:
+    results: dict[str, Any], out: Path, markdown: Callable[[dict[str, Any]], str]
+) -> list[Path]:
     """Write ``out/results.json`` (the results, indented) and ``out/results.md``
     (``markdown(results)``); their paths."""
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from bench.common import BenchError, environment
 from linformer_ds.fsio import read_jsonl
@@ -30,7 +30,7 @@ FIXED = [
 ]  # fmt: skip
 
 
-def run_mode(args: argparse.Namespace, compiled: bool) -> Dict[str, Any]:
+def run_mode(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
     """One trainer run; its median step time, tokens/s and MFU after the warm-up steps."""
     name = "compiled" if compiled else "eager"
     run_dir = Path(args.out) / name
@@ -76,7 +76,7 @@ def run_mode(args: argparse.Namespace, compiled: bool) -> Dict[str, Any]:
     }
 
 
-def markdown(rows: List[Dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]]) -> str:
     eager = rows[0]["step_s"]
     head = ("| mode | backend | precision | step (s, median) | tokens/s | MFU | speed-up | "
             "compile (s) | graphs | graph breaks | final loss |\n"
@@ -95,7 +95,7 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
     return "\n".join([head, *lines]) + "\n"
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="data_prep output (data.path)")
     p.add_argument("--config", default=str(REPO / "configs" / "tiny_cpu.yaml"))
@@ -112,7 +112,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         rows = [run_mode(args, compiled=False), run_mode(args, compiled=True)]

@@ -20,10 +20,10 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -41,7 +41,7 @@ class IsolationBenchConfig(ModelSizes):
     docs: int = 8  # documents per row
     batch: int = 4
     layers: int = 12
-    variants: List[str] = field(default_factory=lambda: ["linear", "hybrid", "dense"])
+    variants: list[str] = field(default_factory=lambda: ["linear", "hybrid", "dense"])
     precision: str = "bf16"  # bf16 weights (as the GPU runs train) or fp32
     warmup: int = 2
     iters: int = 5
@@ -120,14 +120,14 @@ class Stepper:
         return time.perf_counter() - t0
 
 
-def run(bc: IsolationBenchConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
+def run(bc: IsolationBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     bc.validate()
     device = _device(bc.device)
     rows = []
     for variant in bc.variants:
         stepper = Stepper(bc, variant, device)
-        times: Dict[bool, List[float]] = {False: [], True: []}
-        cpu: Dict[bool, List[float]] = {False: [], True: []}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        cpu: dict[bool, list[float]] = {False: [], True: []}
         for i in range(bc.warmup + bc.iters):
             for isolated in (False, True):  # alternating: drift hits both alike
                 t = stepper.step(isolated)
@@ -151,7 +151,7 @@ def run(bc: IsolationBenchConfig, log: Callable[[str], None] = print) -> Dict[st
             "rows": rows}  # fmt: skip
 
 
-def markdown_table(results: Dict[str, Any]) -> str:
+def markdown_table(results: dict[str, Any]) -> str:
     lines = [
         "| variant | N | batch | docs/row | packed step (ms) | isolated step (ms) | ratio "
         "| CPU-time ratio |",
@@ -166,7 +166,7 @@ def markdown_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> IsolationBenchConfig:
+def parse_args(argv: Sequence[str] | None = None) -> IsolationBenchConfig:
     d = IsolationBenchConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name in ("seq_len", "docs", "batch", "layers", "hidden", "heads", "k", "intermediate",
@@ -183,7 +183,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> IsolationBenchConfig:
     return IsolationBenchConfig(**{k: v for k, v in vars(a).items()})
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         bc = parse_args(argv)
         results = run(bc)

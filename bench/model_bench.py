@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 import torch
 
@@ -58,16 +58,16 @@ class BenchConfig(ModelSizes):
     """Everything one benchmark run depends on (stored in results.json); the model's sizes
     (base width by default) come from :class:`bench.common.ModelSizes`."""
 
-    seq_lens: List[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
-    variants: List[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    seq_lens: list[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     batch: int = 1
-    tokens: Optional[int] = None  # if set, batch = max(1, tokens // N) at each N
+    tokens: int | None = None  # if set, batch = max(1, tokens // N) at each N
     warmup: int = 1
     iters: int = 3
     precision: str = "bf16"  # bf16 params + fp32 master weights, as DeepSpeed's bf16 mode
     compile: bool = False
     mlm_fraction: float = 0.15
-    max_n: Dict[str, int] = field(default_factory=dict)  # per-variant largest N
+    max_n: dict[str, int] = field(default_factory=dict)  # per-variant largest N
     step_budget_s: float = 120.0  # a variant whose step exceeds this is not run at larger N
     device: str = "auto"
     gemm_n: int = 4096
@@ -261,14 +261,14 @@ class Trainee:
 
 
 # ========================================================================================== run
-def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
+def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the grid; returns the results dict that ``write_outputs`` stores."""
     bc.validate()
     device = resolve_device(bc.device)
     log(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     gemm_before = measure_gemm_peak(device, bc.gemm_n, bc.gemm_reps)
     log(f"bf16 GEMM {bc.gemm_n}^3: {gemm_before / 1e12:.3f} TFLOP/s")
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     gemm_seen = [gemm_before]
     active = list(bc.variants)
     for n in sorted(bc.seq_lens):
@@ -289,7 +289,7 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
                 raise RuntimeError(f"{v} N={n}: loss is {loss} after warm-up")
             trainees[v] = t
             log(f"N={n:6d} {v:7s} warm-up {first:.2f}s")
-        times: Dict[str, List[float]] = {v: [] for v in trainees}
+        times: dict[str, list[float]] = {v: [] for v in trainees}
         for _ in range(bc.iters):  # variants alternate so drift cancels in the ratios
             for v, t in trainees.items():
                 times[v].append(time_call(t.step, device))
@@ -332,8 +332,8 @@ def run_benchmark(bc: BenchConfig, log: Callable[[str], None] = print) -> Dict[s
 
 
 def _row(
-    t: Trainee, bc: BenchConfig, times: List[float], peak_mem: int, transient: int
-) -> Dict[str, Any]:
+    t: Trainee, bc: BenchConfig, times: list[float], peak_mem: int, transient: int
+) -> dict[str, Any]:
     step = min(times)  # best of the alternated steps: load from other work only adds time
     return {
         "variant": t.variant,
@@ -357,22 +357,22 @@ def _row(
     }
 
 
-def _skipped(variant: str, n: int, bc: BenchConfig, why: str) -> Dict[str, Any]:
+def _skipped(variant: str, n: int, bc: BenchConfig, why: str) -> dict[str, Any]:
     keys = ("step_s", "step_s_median", "step_s_all", "us_per_token", "tokens_per_s")
     keys += ("flops_per_token", "model_tflops", "mfu", "mfu_vs_nearby_gemm", "gemm_flops_nearby")
     keys += ("peak_mem_bytes", "peak_mem_mib")
     batch = bc.batch_for(n)
-    row: Dict[str, Any] = {"variant": variant, "n": n, "batch": batch, "tokens": batch * n}
+    row: dict[str, Any] = {"variant": variant, "n": n, "batch": batch, "tokens": batch * n}
     row.update(dict.fromkeys(keys + ("transient_mem_bytes",)))
     row["skipped"] = why
     return row
 
 
-def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Speed-ups over dense, linear scaling and memory growth (the issue's targets)."""
     by = {(r["variant"], r["n"]): r for r in rows if r["step_s"] is not None}
     ns = sorted({r["n"] for r in rows})
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "speedup_vs_dense": {},
         "flop_ratio_vs_dense": {},
         "mem_ratio_vs_dense": {},
@@ -409,7 +409,7 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 # ====================================================================================== outputs
-def markdown_table(results: Dict[str, Any]) -> str:
+def markdown_table(results: dict[str, Any]) -> str:
     """The results as a markdown table plus the target ratios."""
     peak = results["gemm_peak_flops"]
     lines = [
@@ -453,7 +453,7 @@ def markdown_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(results: Dict[str, Any], out: Path, plots: bool = True) -> List[Path]:
+def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
     """Write results.json, results.md and (with matplotlib) the two PNG plots."""
     written = write_results(results, out, markdown_table)
     if plots:
@@ -461,7 +461,7 @@ def write_outputs(results: Dict[str, Any], out: Path, plots: bool = True) -> Lis
     return written
 
 
-def _plots(results: Dict[str, Any], out: Path) -> List[Path]:
+def _plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -502,7 +502,7 @@ def _plots(results: Dict[str, Any], out: Path) -> List[Path]:
 
 
 # ========================================================================================== CLI
-def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]:
+def parse_args(argv: Sequence[str] | None = None) -> BenchConfig | Path:
     """Command line -> BenchConfig (defaults: the CPU benchmark), or the ``--replot`` folder."""
     d = BenchConfig()
     p = argparse.ArgumentParser(
@@ -539,7 +539,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Union[BenchConfig, Path]
     return bc
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m bench.model_bench``."""
     try:
         bc = parse_args(argv)

@@ -28,8 +28,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -56,8 +57,8 @@ def write_export(out: Path, seed: int) -> None:
     write_model_dir(str(out), cfg, state, str(TOKENIZER))
 
 
-def interleaved(fns: Dict[str, Callable[[], Any]], rounds: int, warmup: int, clock) -> Dict:
-    times: Dict[str, List[float]] = {k: [] for k in fns}
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, clock) -> dict:
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(warmup + rounds):
         for name in list(fns)[:: 1 if r % 2 else -1]:
             t0 = clock()
@@ -67,7 +68,7 @@ def interleaved(fns: Dict[str, Callable[[], Any]], rounds: int, warmup: int, clo
     return times
 
 
-def run(a: argparse.Namespace) -> Dict[str, Any]:
+def run(a: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
 
     from linformer_ds import onnx_export as ox
@@ -75,14 +76,14 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
     threads = 1 if a.clock == "cpu" else torch.get_num_threads()
     torch.set_num_threads(threads)
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
-    res: Dict[str, Any] = {
+    res: dict[str, Any] = {
         "args": vars(a), "threads": threads, "torch": torch.__version__,
         "onnxruntime": ort.__version__, "load_before": [round(x, 2) for x in os.getloadavg()],
         "rows": [],
     }  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="onnx_bench_"))
     try:
-        arms: Dict[str, Any] = {}
+        arms: dict[str, Any] = {}
         dirs = {"": work / "export"}
         write_export(dirs[""], a.seed)
         if a.baseline_code:
@@ -135,7 +136,7 @@ def run(a: argparse.Namespace) -> Dict[str, Any]:
     return res
 
 
-def markdown(res: Dict[str, Any]) -> str:
+def markdown(res: dict[str, Any]) -> str:
     before = "eager-before_ms" in res["rows"][0]
     head = "| B | n | eager (ms) | ort (ms) | eager / ort |"
     rule = "|---:|---:|---:|---:|---:|"
@@ -155,7 +156,7 @@ def markdown(res: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[31, 128, 500])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -170,7 +171,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     res = run(a)
     out = Path(a.out)

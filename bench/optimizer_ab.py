@@ -13,14 +13,15 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from bench.common import environment
 from bench.profile_step import ProfileConfig, TrainerStep, run_step
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m bench.optimizer_ab``."""
     p = argparse.ArgumentParser(prog="python -m bench.optimizer_ab", description=__doc__)
     p.add_argument("--seq-len", type=int, default=4096)
@@ -38,13 +39,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pc.validate()
         steps[name] = TrainerStep(pc, args.seq_len)
         run_step(steps[name], lambda _: _null())  # warm-up
-    walls: Dict[str, List[Dict[str, float]]] = {"A": [], "B": []}
+    walls: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     for rnd in range(args.rounds):
         for name in "AB" if rnd % 2 == 0 else "BA":
             walls[name].append(run_step(steps[name], lambda _: _null()))
             print(f"round {rnd} {name}: {walls[name][-1]}", flush=True)
     env["load_avg_end"] = os.getloadavg()
-    res: Dict[str, Any] = {"args": vars(args), "environment": env, "walls": walls}
+    res: dict[str, Any] = {"args": vars(args), "environment": env, "walls": walls}
     for name in "AB":
         for key in ("total", "optimizer"):
             res[f"{name}_{key}_s_median"] = statistics.median(w[key] for w in walls[name])

@@ -71,7 +71,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,7 @@ PRECISIONS = ("bf16", "autocast", "fp32")
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 ISOLATIONS = ("process", "shared")
 # our sharing mode -> (lucidrains' configuration, equal work?)
-PEER_CONFIGS: Dict[str, tuple] = {
+PEER_CONFIGS: dict[str, tuple] = {
     "none": ("share_kv=False (no per-head E/F in lucidrains)", False),
     "headwise": ("share_kv=False", True),
     "kv": ("share_kv=False, proj_v tied to proj_k", True),
@@ -115,9 +115,9 @@ PEER_CONFIGS: Dict[str, tuple] = {
 class PeerConfig(ModelSizes):
     """Everything one run depends on (stored in results.json)."""
 
-    seq_lens: List[int] = field(default_factory=lambda: [4096, 16384])
-    models: List[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
-    sharings: List[str] = field(default_factory=lambda: list(SHARINGS))
+    seq_lens: list[int] = field(default_factory=lambda: [4096, 16384])
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    sharings: list[str] = field(default_factory=lambda: list(SHARINGS))
     isolation: str = "process"
     beside: str = ""
     dropout: float = 0.0
@@ -341,20 +341,20 @@ class Runner:
         """Seconds of one ``step()``."""
         return time_call(self.step, self.device)
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         return {
             "params": self.params,
             "tokens": self.tokens,
             "flops_per_token": self.flops_per_token,
         }
 
-    def close(self) -> Dict[str, Any]:
+    def close(self) -> dict[str, Any]:
         """Free the model; what the row records about this runner's memory (none in-process)."""
         del self.model, self.opt
         return {}
 
 
-def _worker(conn: Any, name: str, pc: Dict[str, Any], n: int, sharing: str, threads: int) -> None:
+def _worker(conn: Any, name: str, pc: dict[str, Any], n: int, sharing: str, threads: int) -> None:
     """A process that owns one :class:`Runner`: answers ``step`` with its seconds and ``stop``
     with its peak RSS; an exception goes back as ``("error", traceback)``."""
     try:
@@ -414,7 +414,7 @@ class ProcessRunner:
         self.conn.send("step")
         return self._recv()
 
-    def close(self) -> Dict[str, Any]:
+    def close(self) -> dict[str, Any]:
         self.conn.send("stop")
         out = self._recv()
         self.proc.join(timeout=60)
@@ -428,10 +428,10 @@ def gemm_peak(pc: PeerConfig, device: torch.device) -> float:
     return measure_matmul_peak_tflops(dtype, device, pc.gemm_n, budget_s=pc.gemm_budget_s) * 1e12
 
 
-def interleaved_times(runners: Sequence[Any], warmup: int, iters: int) -> Dict[str, List[float]]:
+def interleaved_times(runners: Sequence[Any], warmup: int, iters: int) -> dict[str, list[float]]:
     """Seconds per step of each runner: ``warmup + iters`` rounds, one step of each runner per
     round, the order rotated every round (ABC, BCA, CAB, ...); warm-up rounds are dropped."""
-    times: Dict[str, List[float]] = {r.name: [] for r in runners}
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
     for rnd in range(warmup + iters):
         order = [runners[(rnd + j) % len(runners)] for j in range(len(runners))]
         for r in order:
@@ -443,11 +443,11 @@ def interleaved_times(runners: Sequence[Any], warmup: int, iters: int) -> Dict[s
 
 def run_group(
     pc: PeerConfig, n: int, sharing: str, device: torch.device, log: Callable[[str], None]
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """The rows of one (N, sharing) group: its models built, timed interleaved, freed."""
     load_before = os.getloadavg()
     if pc.isolation == "process":
-        runners: List[Any] = [ProcessRunner(m, pc, n, sharing) for m in pc.models]
+        runners: list[Any] = [ProcessRunner(m, pc, n, sharing) for m in pc.models]
     else:
         runners = [Runner(m, pc, n, device, sharing) for m in pc.models]
     try:
@@ -498,8 +498,8 @@ def run_group(
 
 
 def run_benchmark(
-    pc: PeerConfig, log: Callable[[str], None] = print, partial: Optional[Path] = None
-) -> Dict[str, Any]:
+    pc: PeerConfig, log: Callable[[str], None] = print, partial: Path | None = None
+) -> dict[str, Any]:
     """Every N and sharing mode: build the models, time them interleaved; the results dict.
     ``partial``: a directory that gets the rows so far (``partial.json``) after every group."""
     pc.validate()
@@ -509,7 +509,7 @@ def run_benchmark(
     log(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     peaks = [gemm_peak(pc, device)]
     log(f"GEMM peak ({pc.precision}): {peaks[0] / 1e12:.3f} TFLOP/s")
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for n in pc.seq_lens:
         for sharing in pc.sharings:
             rows += run_group(pc, n, sharing, device, log)
@@ -538,7 +538,7 @@ def run_benchmark(
     }
 
 
-def _dist_version(name: str) -> Optional[str]:
+def _dist_version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -551,7 +551,7 @@ def _load(x: Sequence[float]) -> str:
     return "/".join(f"{v:.1f}" for v in x)
 
 
-def markdown_table(results: Dict[str, Any]) -> str:
+def markdown_table(results: dict[str, Any]) -> str:
     c, env = results["config"], results["environment"]
     lines = [
         f"{c['layers']} layers, d={c['hidden']}, {c['heads']} heads, k={c['k']}, "
@@ -588,7 +588,7 @@ def markdown_table(results: Dict[str, Any]) -> str:
 
 
 # ========================================================================================== CLI
-def parse_args(argv: Optional[Sequence[str]] = None) -> PeerConfig:
+def parse_args(argv: Sequence[str] | None = None) -> PeerConfig:
     d = PeerConfig()
     p = argparse.ArgumentParser(
         prog="python -m bench.peer_bench", description=__doc__.split("\n")[0]
@@ -616,7 +616,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> PeerConfig:
     return pc
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m bench.peer_bench``."""
     try:
         pc = parse_args(argv)

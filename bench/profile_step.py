@@ -32,9 +32,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -85,8 +86,8 @@ MARK = "profile_step::"  # prefix of our record_function ranges
 class ProfileConfig(ModelSizes):
     """Everything one run depends on (stored in results.json)."""
 
-    seq_lens: List[int] = field(default_factory=lambda: [4096])
-    paths: List[str] = field(default_factory=lambda: list(PATHS))
+    seq_lens: list[int] = field(default_factory=lambda: [4096])
+    paths: list[str] = field(default_factory=lambda: list(PATHS))
     sharing: str = "layerwise"
     dropout: float = 0.0
     batch: int = 1
@@ -95,7 +96,7 @@ class ProfileConfig(ModelSizes):
     iters: int = 2
     mlm_fraction: float = 0.15
     zero: int = 2
-    ds_extra: List[str] = field(default_factory=list)
+    ds_extra: list[str] = field(default_factory=list)
     gemm_n: int = 4096
     gemm_budget_s: float = 10.0
     beside: str = ""
@@ -216,7 +217,7 @@ class TrainerStep:
         job = job_config(self.config, pc.zero, "bf16")
         model = LinformerForMaskedLMPretraining(job.model)
         model.encoder.check_token_ids = False  # the trainer checks ids on the host
-        extra: Dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         for item in pc.ds_extra:  # e.g. optimizer.params.fused=true
             key, _, value = item.partition("=")
             node = extra
@@ -261,9 +262,9 @@ def build_step(path: str, pc: ProfileConfig, n: int) -> Any:
     return EqualWorkStep(pc, n) if path == "equal-work" else TrainerStep(pc, n)
 
 
-def run_step(step: Any, mark: Callable[[str], Any]) -> Dict[str, float]:
+def run_step(step: Any, mark: Callable[[str], Any]) -> dict[str, float]:
     """One training step, each phase inside ``mark(phase)``; wall seconds per phase."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     t0 = time.perf_counter()
     with mark("forward"):
         loss = step.forward()
@@ -279,15 +280,15 @@ def run_step(step: Any, mark: Callable[[str], Any]) -> Dict[str, float]:
 
 
 # ===================================================================================== analysis
-def breakdown(events: Sequence[Any]) -> Tuple[Dict[str, Dict[str, float]], Dict[str, Any]]:
+def breakdown(events: Sequence[Any]) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """Self CPU seconds per (category, phase) of the profiled ``events`` (the main thread's ops,
     each in the phase its start falls in), and per-op totals, the phases' wall time and the
     GEMM FLOPs."""
     ranges = [(e.time_range.start, e.time_range.end, e.name[len(MARK) :])
               for e in events if e.name.startswith(MARK)]  # fmt: skip
-    table: Dict[str, Dict[str, float]] = {c: defaultdict(float) for c in CATEGORIES}
-    per_op: Dict[str, float] = defaultdict(float)
-    phase_wall: Dict[str, float] = defaultdict(float)
+    table: dict[str, dict[str, float]] = {c: defaultdict(float) for c in CATEGORIES}
+    per_op: dict[str, float] = defaultdict(float)
+    phase_wall: dict[str, float] = defaultdict(float)
     gemm_flops = 0.0
     for start, end, phase in ranges:
         phase_wall[phase] += (end - start) / 1e6
@@ -317,7 +318,7 @@ def breakdown(events: Sequence[Any]) -> Tuple[Dict[str, Dict[str, float]], Dict[
 
 def profile_path(
     pc: ProfileConfig, path: str, n: int, log: Callable[[str], None]
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Build ``path`` at ``n``, run ``warmup`` steps, time ``timed`` steps without the profiler
     (the step time and MFU: the profiler stretches the trainer step, by 7-9 % at 4,096 and some
     20 % at 16,384 on a 2-core EPYC), then profile ``iters`` steps (the shares)."""
@@ -330,7 +331,7 @@ def profile_path(
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         walls = [run_step(step, lambda p: record_function(MARK + p)) for _ in range(pc.iters)]
     table, extra = breakdown(prof.events())
-    info: Dict[str, Any] = {}
+    info: dict[str, Any] = {}
     if isinstance(step, TrainerStep):
         info = {
             "engine_optimizer": step.optimizer_class,
@@ -366,7 +367,7 @@ def profile_path(
     return row
 
 
-def run_profile(pc: ProfileConfig, log: Callable[[str], None] = print) -> Dict[str, Any]:
+def run_profile(pc: ProfileConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     pc.validate()
     env = environment("bench.profile_step", torch.device("cpu"))
     env["beside"] = pc.beside
@@ -387,7 +388,7 @@ def _load(x: Sequence[float]) -> str:
     return "/".join(f"{v:.1f}" for v in x)
 
 
-def markdown(results: Dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> str:
     """One table per (path, N): self CPU ms per step by category x phase, and the share."""
     c, env = results["config"], results["environment"]
     lines = [
@@ -439,7 +440,7 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> ProfileConfig:
+def parse_args(argv: Sequence[str] | None = None) -> ProfileConfig:
     d = ProfileConfig()
     p = argparse.ArgumentParser(
         prog="python -m bench.profile_step", description=__doc__.split("\n")[0]
@@ -466,7 +467,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ProfileConfig:
     return pc
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m bench.profile_step``."""
     try:
         pc = parse_args(argv)

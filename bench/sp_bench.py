@@ -48,7 +48,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import psutil
 import torch
@@ -83,30 +83,30 @@ class SPBenchConfig(ModelSizes):
     """Everything one run depends on (stored in results.json). The model's sizes are those of
     :class:`bench.common.ModelSizes`; the command line's defaults are :data:`SMALL_MODEL`."""
 
-    phases: List[str] = field(default_factory=lambda: ["comm", "memory"])
+    phases: list[str] = field(default_factory=lambda: ["comm", "memory"])
     # comm: linear vs dense at each N, P ranks
-    seq_lens: List[int] = field(default_factory=lambda: [16384, 32768, 65536, 262144, 1048576])
+    seq_lens: list[int] = field(default_factory=lambda: [16384, 32768, 65536, 262144, 1048576])
     sp: int = 2
-    variants: List[str] = field(default_factory=lambda: list(VARIANTS))
-    max_n: Dict[str, int] = field(default_factory=lambda: {"dense": 32768})
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    max_n: dict[str, int] = field(default_factory=lambda: {"dense": 32768})
     # memory: fixed N, P sweep (at --zero) and ZeRO sweep (at --zero-sweep-sp)
     memory_seq_len: int = 131072
-    memory_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
-    zero_sweep: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    memory_sp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    zero_sweep: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     zero_sweep_sp: int = 2
     # frontier: the second step at long N, P sweep, activation checkpointing off/on
-    frontier_seq_lens: List[int] = field(default_factory=lambda: [262144, 1048576, 4194304])
-    frontier_sp: List[int] = field(default_factory=lambda: [1, 2, 4])
-    frontier_ac: List[int] = field(default_factory=lambda: [0, 1])
+    frontier_seq_lens: list[int] = field(default_factory=lambda: [262144, 1048576, 4194304])
+    frontier_sp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    frontier_ac: list[int] = field(default_factory=lambda: [0, 1])
     # act. ckpt on: one checkpoint per layer, or the attention and feed-forward sub-layers apart
     ac_granularity: str = "sublayer"
     # P > 1: E/F columns and position rows sharded over the SP ranks (False: --no-shard)
     shard: bool = True
     # trainer: launch/pretrain.py on a data_prep corpus
-    trainer_data: Optional[str] = None
+    trainer_data: str | None = None
     trainer_sp: int = 2
     trainer_zero: int = 2
-    trainer_overrides: List[str] = field(default_factory=list)
+    trainer_overrides: list[str] = field(default_factory=list)
     # the step
     zero: int = 2
     precision: str = "fp32"
@@ -230,7 +230,7 @@ def _peak_rss_since_reset() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
+def _holdings(engine: Any, model: torch.nn.Module) -> dict[str, Any]:
     """Bytes this rank holds: model parameters (its ZeRO-3 partition), the optimizer's own
     tensors (fp32 master partitions and AdamW moments), and how much of E and the positions."""
 
@@ -277,7 +277,7 @@ def _holdings(engine: Any, model: torch.nn.Module) -> Dict[str, Any]:
     }
 
 
-def _union_bytes(tensors: List[torch.Tensor]) -> int:
+def _union_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes covered by ``tensors`` (views of one buffer counted once: the union of their byte
     ranges)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
@@ -307,7 +307,7 @@ def _grad_bytes(engine: Any, model: torch.nn.Module) -> int:
     return _union_bytes(ts)
 
 
-def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], port: int,
+def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], port: int,
                 out_dir: str) -> None:  # fmt: skip
     """One rank of one configuration: build, train ``warmup + iters`` steps, write its JSON."""
     bc, case = SPBenchConfig(**bc_dict), Case(**case_dict)
@@ -333,7 +333,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     job = job_config(model_config(bc, case.variant, case.n), case.zero, bc.precision, sp=p)
     model = LinformerForMaskedLMPretraining(job.model)
     cfg = deepspeed_json(job, world_size=p)  # the trainer's DeepSpeed JSON
-    kwargs: Dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
     scale = 1.0
     if groups is not None and case.shard:  # as the trainer: E/F and positions per SP rank
         par.shard_for_deepspeed(model, groups)
@@ -362,7 +362,7 @@ def rank_worker(rank: int, bc_dict: Dict[str, Any], case_dict: Dict[str, Any], p
     if groups is not None:
         batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
     rss_init = _rss()
-    steps: List[Dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
     n_steps = case.steps or bc.warmup + bc.iters
     warmup = 1 if case.steps else bc.warmup
     for i in range(n_steps):
@@ -414,7 +414,7 @@ def _available() -> int:
     return psutil.virtual_memory().available
 
 
-def _tree_rss(procs: List[psutil.Process]) -> Dict[int, int]:
+def _tree_rss(procs: list[psutil.Process]) -> dict[int, int]:
     out = {}
     for pr in procs:
         try:
@@ -424,7 +424,7 @@ def _tree_rss(procs: List[psutil.Process]) -> Dict[int, int]:
     return out
 
 
-def watch(procs: List[psutil.Process], alive: Any, bc: SPBenchConfig, deadline: float) -> str:
+def watch(procs: list[psutil.Process], alive: Any, bc: SPBenchConfig, deadline: float) -> str:
     """Poll until ``alive()`` is False; kill ``procs`` (and return why) if the machine's
     available memory falls under the floor or the deadline passes. Returns '' when done."""
     floor = bc.min_available_gb * 2**30
@@ -447,18 +447,18 @@ def watch(procs: List[psutil.Process], alive: Any, bc: SPBenchConfig, deadline: 
     return ""
 
 
-def run_case(bc: SPBenchConfig, case: Case) -> Dict[str, Any]:
+def run_case(bc: SPBenchConfig, case: Case) -> dict[str, Any]:
     """Launch the P ranks of ``case`` in fresh processes; their results merged into one row."""
     import torch.multiprocessing as mp
 
-    row: Dict[str, Any] = asdict(case)
+    row: dict[str, Any] = asdict(case)
     with tempfile.TemporaryDirectory(prefix="sp_bench_") as tmp:
         ctx = mp.start_processes(
             rank_worker, args=(asdict(bc), asdict(case), free_port(), tmp), nprocs=case.p,
             join=False, start_method="spawn",
         )  # fmt: skip
         procs = [psutil.Process(pr.pid) for pr in ctx.processes]
-        error: List[str] = []
+        error: list[str] = []
 
         def alive() -> bool:
             try:
@@ -481,7 +481,7 @@ def run_case(bc: SPBenchConfig, case: Case) -> Dict[str, Any]:
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "other", "libraries")
 
 
-def breakdown(rank: Dict[str, Any], step: Dict[str, Any]) -> Optional[Dict[str, int]]:
+def breakdown(rank: dict[str, Any], step: dict[str, Any]) -> dict[str, int] | None:
     """One rank's peak RSS in ``step`` split into parts that sum to it (bytes): ``params``,
     ``grads`` (counted after backward) and ``optimizer`` (fp32 master and AdamW moments) are
     tensor bytes; ``activations`` is the rest of the step's growth over the memory resident
@@ -501,7 +501,7 @@ def breakdown(rank: Dict[str, Any], step: Dict[str, Any]) -> Optional[Dict[str, 
             "peak": peak}  # fmt: skip
 
 
-def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Dict[str, Any]:
+def summarize(bc: SPBenchConfig, case: Case, ranks: list[dict], row: dict) -> dict[str, Any]:
     """Per-step max over ranks, best of the timed steps, bytes checked against the formula."""
     timed = [i for i, s in enumerate(ranks[0]["steps"]) if not s["warmup"]]
     step_all = [max(r["steps"][i]["step_s"] for r in ranks) for i in timed]
@@ -547,13 +547,13 @@ def summarize(bc: SPBenchConfig, case: Case, ranks: List[Dict], row: Dict) -> Di
 
 
 # ===================================================================================== trainer
-def _is_rank(cmdline: List[str]) -> bool:
+def _is_rank(cmdline: list[str]) -> bool:
     return any(a.endswith("pretrain.py") for a in cmdline[:3]) and not any(
         "deepspeed.launcher" in a for a in cmdline
     )
 
 
-def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
+def run_trainer(bc: SPBenchConfig) -> dict[str, Any]:
     """One step of launch/pretrain.py on ``--trainer-data`` with P ranks; per-rank peak RSS."""
     data = Path(bc.trainer_data)  # type: ignore[arg-type]
     manifest = json.loads((data / "manifest.json").read_text())
@@ -575,14 +575,14 @@ def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
            ] + overrides  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(max(1, bc.threads // p)),
                PYTHONUNBUFFERED="1")  # fmt: skip
-    row: Dict[str, Any] = {"phase": "trainer", "n": n, "p": p, "zero": bc.trainer_zero,
+    row: dict[str, Any] = {"phase": "trainer", "n": n, "p": p, "zero": bc.trainer_zero,
                            "command": " ".join(cmd)}  # fmt: skip
     log = Path(bc.out) / "trainer.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         root = psutil.Process(proc.pid)
-        peaks: Dict[int, int] = {}
+        peaks: dict[int, int] = {}
 
         def alive() -> bool:
             try:  # the rank processes, not the launcher's (whose arguments name the script too)
@@ -617,7 +617,7 @@ def run_trainer(bc: SPBenchConfig) -> Dict[str, Any]:
 
 
 # ====================================================================================== outputs
-def _mib(x: Optional[float]) -> str:
+def _mib(x: float | None) -> str:
     return "" if x is None else f"{x / MIB:,.0f}"
 
 
@@ -627,12 +627,12 @@ def _bytes(x: float) -> str:
     return f"{x / 1024:,.1f} KiB" if x >= 1024 else f"{x:.0f} B"
 
 
-def _per_rank(xs: List[Optional[int]]) -> str:
+def _per_rank(xs: list[int | None]) -> str:
     """MiB per rank, ``a / b``; n/a where a rank could not tell."""
     return " / ".join(_mib(x) for x in xs) if None not in xs else "n/a"
 
 
-def _table(rows: List[Dict], columns: str, align: str, head: Any, cells: Any) -> List[str]:
+def _table(rows: list[dict], columns: str, align: str, head: Any, cells: Any) -> list[str]:
     """One markdown table: ``head(r)`` the leading cells of a row, ``cells(r)`` the rest; a row
     that failed (or was skipped) says why across the rest. Nothing when there are no rows."""
     if not rows:
@@ -649,7 +649,7 @@ def _table(rows: List[Dict], columns: str, align: str, head: Any, cells: Any) ->
     return out + [""]
 
 
-def _comm_cells(r: Dict) -> List[str]:
+def _comm_cells(r: dict) -> list[str]:
     return [
         f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
         _bytes(r["sp_fwd_bytes_per_layer"] + r["sp_bwd_bytes_per_layer"]),
@@ -659,7 +659,7 @@ def _comm_cells(r: Dict) -> List[str]:
     ]  # fmt: skip
 
 
-def _memory_cells(r: Dict) -> List[str]:
+def _memory_cells(r: dict) -> list[str]:
     return [
         f"{r['step_s']:.2f}", _per_rank(r["peak_rss_per_rank"]),
         _mib(r["rss_after_imports"][0]),
@@ -669,14 +669,14 @@ def _memory_cells(r: Dict) -> List[str]:
     ]  # fmt: skip
 
 
-def _breakdown_cell(r: Dict) -> str:
+def _breakdown_cell(r: dict) -> str:
     """Rank 0's peak in step 2 by part (MiB): params / grads / optimizer / activations / other
     / libraries."""
     b = (r.get("breakdown_per_rank") or [None])[0]
     return " / ".join(_mib(b[k]) for k in BREAKDOWN) if b else "n/a"
 
 
-def _frontier_cells(r: Dict) -> List[str]:
+def _frontier_cells(r: dict) -> list[str]:
     return [
         f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}", _per_rank(r["step_peak_rss_per_rank"]),
         _breakdown_cell(r), _per_rank(r["peak_rss_per_rank"]), _mib(r["model_param_bytes"]),
@@ -706,7 +706,7 @@ TABLES = [
 ]  # fmt: skip
 
 
-def markdown(results: Dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> str:
     """The rows as markdown tables (one per phase)."""
     bc = results["config"]
     rows = results["rows"]
@@ -729,7 +729,7 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plan(bc: SPBenchConfig) -> List[Case]:
+def plan(bc: SPBenchConfig) -> list[Case]:
     """The configurations of the comm and memory phases, in run order."""
     cases = []
     if "comm" in bc.phases:
@@ -753,12 +753,12 @@ def plan(bc: SPBenchConfig) -> List[Case]:
     return cases
 
 
-def run(bc: SPBenchConfig) -> Dict[str, Any]:
+def run(bc: SPBenchConfig) -> dict[str, Any]:
     """Every configuration in turn; results.json and results.md written after each."""
     bc.validate()
     out = Path(bc.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"config": asdict(bc), "environment": environment("bench.sp_bench"),
+    results: dict[str, Any] = {"config": asdict(bc), "environment": environment("bench.sp_bench"),
                                "rows": []}  # fmt: skip
 
     def save() -> None:
@@ -788,7 +788,7 @@ def run(bc: SPBenchConfig) -> Dict[str, Any]:
     return results
 
 
-def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
+def parse_args(argv: list[str] | None = None) -> SPBenchConfig:
     d = SPBenchConfig(**asdict(SMALL_MODEL))
     ap = argparse.ArgumentParser(
         prog="python -m bench.sp_bench", description=__doc__.split("\n")[0]
@@ -834,7 +834,7 @@ def parse_args(argv: Optional[List[str]] = None) -> SPBenchConfig:
     return SPBenchConfig(**{**asdict(SMALL_MODEL), **kw, "max_n": parse_max_n(a.max_n)})
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         bc = parse_args(argv)
         bc.validate()

@@ -8,7 +8,7 @@ passed to ``torch.distributed``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,11 +20,11 @@ def collective_bytes_per_layer(
     sp_size: int,
     batch_size: int,
     hidden_size: int,
-    k: Optional[int] = None,
-    stride: Optional[int] = None,
+    k: int | None = None,
+    stride: int | None = None,
     with_mask: bool = True,
     bytes_per_element: int = 4,
-) -> Dict[str, int]:
+) -> dict[str, int]:
     """Bytes one rank hands to collectives for one layer, ``{"forward", "backward"}``.
 
     Payload = the input tensor of each call (what :func:`count_collectives` measures); the ring
@@ -70,9 +70,9 @@ class count_collectives:
     }
 
     def __init__(self) -> None:
-        self.bytes: Dict[str, int] = {v: 0 for v in self._NAMES.values()}
-        self.calls: Dict[str, int] = {v: 0 for v in self._NAMES.values()}
-        self._saved: Dict[str, Any] = {}
+        self.bytes: dict[str, int] = {v: 0 for v in self._NAMES.values()}
+        self.calls: dict[str, int] = {v: 0 for v in self._NAMES.values()}
+        self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> count_collectives:
         for name, kind in self._NAMES.items():

@@ -60,9 +60,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from bench.common import BenchError, environment, write_results
 
@@ -75,10 +76,10 @@ PRECISIONS = ("auto", "bf16", "fp32")
 class TrainerBenchConfig:
     """Everything one run depends on (stored in results.json)."""
 
-    data: List[str] = field(default_factory=list)
-    variants: List[str] = field(default_factory=lambda: ["dense", "linear"])
-    hf: List[str] = field(default_factory=lambda: list(HF_ARMS))
-    seeds: List[int] = field(default_factory=lambda: [0, 1])
+    data: list[str] = field(default_factory=list)
+    variants: list[str] = field(default_factory=lambda: ["dense", "linear"])
+    hf: list[str] = field(default_factory=lambda: list(HF_ARMS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
     layers: int = 4
     hidden: int = 768
     heads: int = 12
@@ -131,7 +132,7 @@ class TrainerBenchConfig:
 
 
 # ===================================================================================== helpers
-def variant_overrides(variant: str) -> List[str]:
+def variant_overrides(variant: str) -> list[str]:
     """``model.*`` overrides of one ``--variants`` entry: a projection kind, or ``KEY=VALUE``
     pairs joined by ``;`` (keys of the job config's ``model`` section)."""
     parts = [p.strip() for p in variant.split(";") if p.strip()]
@@ -144,7 +145,7 @@ def variant_overrides(variant: str) -> List[str]:
     return [p if p.startswith("model.") else f"model.{p}" for p in parts]
 
 
-def resolve_precision(setting: str) -> Tuple[str, str]:
+def resolve_precision(setting: str) -> tuple[str, str]:
     """``(bf16 | fp32, why)``: ``auto`` by the trainer's rule (native bf16 on this CPU)."""
     if setting != "auto":
         return setting, "--precision"
@@ -154,7 +155,7 @@ def resolve_precision(setting: str) -> Tuple[str, str]:
     return ("bf16", f"auto: {why}") if why else ("fp32", "auto: no native bf16")
 
 
-def batch_digest(batch: Dict[str, Any]) -> str:
+def batch_digest(batch: dict[str, Any]) -> str:
     """A short checksum of a batch's token ids and labels (the same rows in every arm)."""
     h = hashlib.sha256()
     for key in ("input_ids", "labels"):
@@ -174,12 +175,12 @@ class ArmSpec:
     data: str
     seed: int
     precision: str
-    config: Dict[str, Any]  # asdict(TrainerBenchConfig)
+    config: dict[str, Any]  # asdict(TrainerBenchConfig)
     workdir: str
     started: float = 0.0  # time.time() when its process (or its turn) began
 
 
-def job_overrides(spec: ArmSpec, variant: str = "dense") -> List[str]:
+def job_overrides(spec: ArmSpec, variant: str = "dense") -> list[str]:
     """The linformer_ds job config of an arm as ``key=value`` overrides (the HF arms read their
     rows through the same config's data stream)."""
     from linformer_ds.data.shards import ShardDataset
@@ -207,7 +208,7 @@ def job_overrides(spec: ArmSpec, variant: str = "dense") -> List[str]:
     ]  # fmt: skip
 
 
-def eval_batches(spec: ArmSpec) -> List[Dict[str, Any]]:
+def eval_batches(spec: ArmSpec) -> list[dict[str, Any]]:
     """The same ``eval_rows`` valid rows and masks for every arm, with ``hidden``: labels only
     where the input is the mask token (the hidden labels), -100 elsewhere."""
     import torch
@@ -228,7 +229,7 @@ def eval_batches(spec: ArmSpec) -> List[Dict[str, Any]]:
     return out
 
 
-def hidden_loss(logits_of, batches: List[Dict[str, Any]], autocast: bool) -> float:
+def hidden_loss(logits_of, batches: list[dict[str, Any]], autocast: bool) -> float:
     """Mean cross-entropy of the hidden labels; ``logits_of(batch) -> (logits [M, V],
     targets [M])`` of the hidden positions."""
     import torch
@@ -259,7 +260,7 @@ class OursArm:
             self.trainer = Trainer(cfg)
         t = self.trainer
         self.tokens_per_step = spec.config["batch"] * t.batches.seq_len
-        self.first_batch: Optional[str] = None
+        self.first_batch: str | None = None
         take = t.batches.next_batch
 
         def tapped():
@@ -279,15 +280,15 @@ class OursArm:
             self.trainer._after_step()
         return time.perf_counter() - t0
 
-    def start(self) -> Dict[str, Any]:
+    def start(self) -> dict[str, Any]:
         dt = self.step()
         return {"first_step_s": time.time() - self.spec.started, "step_s": [dt],
                 "tokens_per_step": self.tokens_per_step, "first_batch": self.first_batch,
                 "params": self.trainer.model.num_parameters()}  # fmt: skip
 
-    def run(self, seconds: float) -> List[float]:
+    def run(self, seconds: float) -> list[float]:
         """Steps until ``seconds`` are used, or the schedule's end (--schedule-steps)."""
-        times: List[float] = []
+        times: list[float] = []
         while sum(times) < seconds and self.trainer.step < self.trainer.end:
             times.append(self.step())
         return times
@@ -359,7 +360,7 @@ class HFArm:
                            mlm_probability=cfg.data.mlm_probability)  # fmt: skip
         stream.begin_step(1)
         self.tokens_per_step = c["batch"] * stream.seq_len
-        self.first_batch: Optional[str] = None
+        self.first_batch: str | None = None
         arm = self
 
         class Rows(torch.utils.data.IterableDataset):
@@ -370,8 +371,8 @@ class HFArm:
                         arm.first_batch = batch_digest(b)
                     yield {k: b[k] for k in ("input_ids", "attention_mask", "labels")}
 
-        self.commands: queue.Queue[Tuple[str, float]] = queue.Queue()
-        self.reports: queue.Queue[Tuple[str, Any]] = queue.Queue()
+        self.commands: queue.Queue[tuple[str, float]] = queue.Queue()
+        self.reports: queue.Queue[tuple[str, Any]] = queue.Queue()
 
         class Slices(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
@@ -412,13 +413,13 @@ class HFArm:
         except Exception:  # noqa: BLE001 - reported to the driver
             self.reports.put(("error", traceback.format_exc()))
 
-    def _report(self) -> List[float]:
+    def _report(self) -> list[float]:
         status, value = self.reports.get()
         if status != "ok":
             raise RuntimeError(f"{self.spec.name}: the HF Trainer failed:\n{value}")
         return value
 
-    def start(self) -> Dict[str, Any]:
+    def start(self) -> dict[str, Any]:
         self.thread.start()
         times = self._report()
         return {"first_step_s": time.time() - self.spec.started, "step_s": times,
@@ -426,7 +427,7 @@ class HFArm:
                 "params": sum(p.numel() for p in {id(p): p for p in
                                                    self.model.parameters()}.values())}  # fmt: skip
 
-    def run(self, seconds: float) -> List[float]:
+    def run(self, seconds: float) -> list[float]:
         if self.done:
             return []
         self.commands.put(("run", seconds))
@@ -506,7 +507,7 @@ class ProcessArm:
             raise RuntimeError(f"{self.name}: worker failed:\n{value}")
         return value
 
-    def run(self, seconds: float) -> List[float]:
+    def run(self, seconds: float) -> list[float]:
         self.conn.send(("run", seconds))
         return self._recv()
 
@@ -514,7 +515,7 @@ class ProcessArm:
         self.conn.send(("eval", 0.0))
         return self._recv()
 
-    def close(self) -> Dict[str, Any]:
+    def close(self) -> dict[str, Any]:
         self.conn.send(("stop", 0.0))
         out = self._recv()
         self.proc.join(timeout=60)
@@ -532,19 +533,19 @@ class SharedArm:
         self.arm = make_arm(spec)
         self.info = self.arm.start()
 
-    def run(self, seconds: float) -> List[float]:
+    def run(self, seconds: float) -> list[float]:
         return self.arm.run(seconds)
 
     def evaluate(self) -> float:
         return self.arm.evaluate()
 
-    def close(self) -> Dict[str, Any]:
+    def close(self) -> dict[str, Any]:
         self.arm.close()
         return {"peak_rss_gib": None}
 
 
 # ========================================================================================= run
-def arm_names(c: TrainerBenchConfig) -> List[str]:
+def arm_names(c: TrainerBenchConfig) -> list[str]:
     return [f"ours:{v}" for v in c.variants] + list(c.hf)
 
 
@@ -555,7 +556,7 @@ def steady_tokens_per_s(times: Sequence[float], tokens_per_step: int, warmup: in
 
 
 def run_group(c: TrainerBenchConfig, data: str, seed: int, precision: str, workdir: Path,
-              log=print) -> List[Dict[str, Any]]:  # fmt: skip
+              log=print) -> list[dict[str, Any]]:  # fmt: skip
     """The rows of one (data, seed) group: the arms started in turn, trained interleaved for
     the same budget, evaluated, closed."""
     load_before = os.getloadavg()
@@ -596,10 +597,10 @@ def run_group(c: TrainerBenchConfig, data: str, seed: int, precision: str, workd
     return rows
 
 
-def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (N, arm): the means over seeds, and for ours the ratios to each HF arm computed from
     those means (tokens/s ours / HF; hidden loss ours - HF, below 0: ours is better)."""
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for n in sorted({r["n"] for r in rows}):
         group = [r for r in rows if r["n"] == n]
         means = {}
@@ -625,7 +626,7 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def run_benchmark(c: TrainerBenchConfig, log=print) -> Dict[str, Any]:
+def run_benchmark(c: TrainerBenchConfig, log=print) -> dict[str, Any]:
     c.validate()
     import torch
 
@@ -638,7 +639,7 @@ def run_benchmark(c: TrainerBenchConfig, log=print) -> Dict[str, Any]:
         env[name] = _version(name)
     log(f"precision {precision} ({why}); arms {arm_names(c)}")
     work = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     try:
         for data in c.data:
             for seed in c.seeds:
@@ -649,7 +650,7 @@ def run_benchmark(c: TrainerBenchConfig, log=print) -> Dict[str, Any]:
     return {"config": asdict(c), "environment": env, "rows": rows, "summary": summarize(rows)}
 
 
-def _version(name: str) -> Optional[str]:
+def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -658,13 +659,13 @@ def _version(name: str) -> Optional[str]:
         return None
 
 
-def _ratio(m: Dict[str, Any], hf: str) -> str:
+def _ratio(m: dict[str, Any], hf: str) -> str:
     if f"speed_vs_{hf}" not in m:
         return "-"
     return f"{m[f'speed_vs_{hf}']:.2f}x / {m[f'loss_minus_{hf}']:+.3f}"
 
 
-def markdown_table(results: Dict[str, Any]) -> str:
+def markdown_table(results: dict[str, Any]) -> str:
     c, env = results["config"], results["environment"]
     load = lambda x: "/".join(f"{v:.1f}" for v in x)  # noqa: E731
     lines = [
@@ -694,7 +695,7 @@ def markdown_table(results: Dict[str, Any]) -> str:
 
 
 # ========================================================================================= CLI
-def parse_args(argv: Optional[Sequence[str]] = None) -> TrainerBenchConfig:
+def parse_args(argv: Sequence[str] | None = None) -> TrainerBenchConfig:
     d = TrainerBenchConfig()
     p = argparse.ArgumentParser(prog="python -m bench.trainer_bench",
                                 description=__doc__.split("\n")[0])  # fmt: skip
@@ -717,7 +718,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainerBenchConfig:
     return c
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         c = parse_args(argv)
     except BenchError as e:

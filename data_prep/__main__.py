@@ -2,7 +2,6 @@
 
 import argparse
 import sys
-from typing import List, Optional
 
 from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
@@ -116,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m data_prep`` and the ``linformer-data-prep`` script."""
     args = build_parser().parse_args(argv)
     try:

@@ -24,8 +24,9 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 from data_prep.errors import DataPrepError
 
@@ -42,10 +43,10 @@ class World:
     kind: str
     rank: int
     size: int
-    run_id: Optional[str] = None  # slurm: job.step (the same on every rank without talking)
+    run_id: str | None = None  # slurm: job.step (the same on every rank without talking)
 
 
-def detect_world(env: Optional[Dict[str, str]] = None) -> Optional[World]:
+def detect_world(env: dict[str, str] | None = None) -> World | None:
     """The launcher this process runs under, or None for a plain single-process run."""
     env = os.environ if env is None else env
     if any(k in env for k in MPI_ENV):
@@ -85,7 +86,7 @@ class Transport:
         self.seq = 0
         self.started = time.monotonic()
         os.makedirs(self.dir, exist_ok=True)
-        self._seen: Dict[int, Any] = {}  # rank -> (last heartbeat value, local time it changed)
+        self._seen: dict[int, Any] = {}  # rank -> (last heartbeat value, local time it changed)
         self._stop = threading.Event()
         self._beat = 0
         self._write_heartbeat()
@@ -97,7 +98,7 @@ class Transport:
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _write_heartbeat(self, value: Optional[str] = None) -> None:
+    def _write_heartbeat(self, value: str | None = None) -> None:
         self._beat += 1
         tmp = self._path(f"hb.{self.rank}.tmp")
         with open(tmp, "w") as f:
@@ -125,7 +126,7 @@ class Transport:
             except OSError:
                 pass
 
-    def _check_alive(self, ranks: List[int]) -> None:
+    def _check_alive(self, ranks: list[int]) -> None:
         """Raise :class:`PeerFailed` if any rank reported an error, or one of ``ranks`` stopped."""
         for r in range(self.size):
             err = self._path(f"error.{r}")
@@ -175,7 +176,7 @@ class Transport:
         except OSError:
             pass
 
-    def _wait(self, done: Callable[[], Any], ranks: Callable[[], List[int]], what: str) -> Any:
+    def _wait(self, done: Callable[[], Any], ranks: Callable[[], list[int]], what: str) -> Any:
         sleep = POLL_S
         while True:
             result = done()
@@ -186,11 +187,11 @@ class Transport:
             sleep = min(MAX_POLL_S, sleep * 1.5)
 
     # ------------------------------------------------------------------------- collectives
-    def allgather(self, obj: Any, what: str = "") -> List[Any]:
+    def allgather(self, obj: Any, what: str = "") -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
         raise NotImplementedError
 
-    def gather(self, obj: Any, what: str = "") -> Optional[List[Any]]:
+    def gather(self, obj: Any, what: str = "") -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         raise NotImplementedError
 
@@ -206,7 +207,7 @@ class Transport:
 class FileTransport(Transport):
     """Collectives through files in the shared sync directory (``srun`` without MPI)."""
 
-    def _exchange(self, obj: Any, readers: str) -> Optional[List[Any]]:
+    def _exchange(self, obj: Any, readers: str) -> list[Any] | None:
         self.seq += 1
         name = f"c{self.seq:05d}"
         tmp = self._path(f"{name}.{self.rank}.tmp")
@@ -217,7 +218,7 @@ class FileTransport(Transport):
             return None
         paths = [self._path(f"{name}.{r}") for r in range(self.size)]
 
-        def missing() -> List[int]:
+        def missing() -> list[int]:
             return [r for r, p in enumerate(paths) if not os.path.exists(p)]
 
         self._wait(lambda: not missing(), missing, name)
@@ -227,12 +228,12 @@ class FileTransport(Transport):
                 out.append(pickle.load(f))
         return out
 
-    def allgather(self, obj: Any, what: str = "") -> List[Any]:
+    def allgather(self, obj: Any, what: str = "") -> list[Any]:
         out = self._exchange(obj, "all")
         assert out is not None
         return out
 
-    def gather(self, obj: Any, what: str = "") -> Optional[List[Any]]:
+    def gather(self, obj: Any, what: str = "") -> list[Any] | None:
         return self._exchange(obj, "root")
 
     def bcast(self, obj: Any, what: str = "") -> Any:
@@ -260,11 +261,11 @@ class MPITransport(Transport):
         everyone = list(range(self.size))
         self._wait(lambda: req.Test(), lambda: everyone, what)
 
-    def allgather(self, obj: Any, what: str = "") -> List[Any]:
+    def allgather(self, obj: Any, what: str = "") -> list[Any]:
         self._barrier(what)
         return self.comm.allgather(obj)
 
-    def gather(self, obj: Any, what: str = "") -> Optional[List[Any]]:
+    def gather(self, obj: Any, what: str = "") -> list[Any] | None:
         self._barrier(what)
         return self.comm.gather(obj, root=0)
 

@@ -13,21 +13,21 @@ reports the same figures).
 """
 
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 
 CHUNK_ROWS = 4096  # rows read at a time (bounded memory for any corpus)
 
 
-def _rows(out: str, shards: List[Dict[str, Any]]):
+def _rows(out: str, shards: list[dict[str, Any]]):
     for s in shards:
         arr = np.load(os.path.join(out, s["file"]), mmap_mode="r")
         for start in range(0, arr.shape[0], CHUNK_ROWS):
             yield np.asarray(arr[start : start + CHUNK_ROWS])
 
 
-def length_summary(lengths: np.ndarray) -> Dict[str, Any]:
+def length_summary(lengths: np.ndarray) -> dict[str, Any]:
     """``documents, min, median, p90, max, mean`` of document lengths in tokens (numpy's
     median and linear-interpolated 90th percentile; zeros when there is none)."""
     if lengths.size == 0:
@@ -42,12 +42,12 @@ def length_summary(lengths: np.ndarray) -> Dict[str, Any]:
     }
 
 
-def split_documents(out: str, shards: List[Dict[str, Any]], packing: str, ids: Dict[str, int],
-                    seq_len: int) -> Dict[str, Any]:  # fmt: skip
+def split_documents(out: str, shards: list[dict[str, Any]], packing: str, ids: dict[str, int],
+                    seq_len: int) -> dict[str, Any]:  # fmt: skip
     """The ``documents_in_rows`` record of one split: ``rows``, ``single_document_rows``,
     ``single_document_share`` and ``document_tokens`` (:func:`length_summary`)."""
     cls, sep, pad = int(ids["cls"]), int(ids["sep"]), int(ids["pad"])
-    lengths: List[np.ndarray] = []
+    lengths: list[np.ndarray] = []
     rows = single = 0
     carry = 0  # tokens of the document still open at the end of the previous chunk
     for block in _rows(out, shards):
@@ -93,7 +93,7 @@ def split_documents(out: str, shards: List[Dict[str, Any]], packing: str, ids: D
     }
 
 
-def summary_line(split: str, rec: Dict[str, Any]) -> str:
+def summary_line(split: str, rec: dict[str, Any]) -> str:
     """One line of the data_prep summary for a split's ``documents_in_rows`` record."""
     d = rec["document_tokens"]
     return (f"{split}: {rec['single_document_share']:.1%} of {rec['rows']} rows hold a single "

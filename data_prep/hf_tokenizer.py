@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from data_prep.errors import DataPrepError
 from linformer_ds.outdir import error_line
@@ -55,7 +55,7 @@ class HFEncoder:
         self.tok.no_padding()
         self.tok.encode_special_tokens = True  # a literal "[SEP]" in a text is text, not a sep
 
-    def encode(self, texts: List[str], num_threads: int = 1) -> List[List[int]]:
+    def encode(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
         """Ids of each text, no special tokens (one thread: the workers are the parallelism)."""
         return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
 
@@ -91,7 +91,7 @@ def load(path: str, flag: str = "--tokenizer") -> Any:
     return tok
 
 
-def special_tokens(tok: Any, where: str) -> Tuple[Dict[str, int], Dict[str, str]]:
+def special_tokens(tok: Any, where: str) -> tuple[dict[str, int], dict[str, str]]:
     """``(special_ids, special_pieces)`` of ``tok`` keyed pad/unk/cls/sep/mask; refuses a
     tokenizer that lacks one (the MLM trainer masks with mask, pads with pad, ...)."""
     ids, pieces, missing = hf_special_tokens(tok)
@@ -115,7 +115,7 @@ def payload(tok: Any) -> HFPayload:
     return HFPayload(tok.backend_tokenizer.to_str())
 
 
-def copy_tokenizer(path: str, out: str, vocab: Any) -> Tuple[HFPayload, Dict[str, Any]]:
+def copy_tokenizer(path: str, out: str, vocab: Any) -> tuple[HFPayload, dict[str, Any]]:
     """Check directory ``path``, save it to ``OUT/tokenizer/`` (atomically) and return the
     workers' payload and the manifest entry. ``vocab``: ``--vocab-size`` (None or equal)."""
     tok = load(path)
@@ -135,7 +135,7 @@ def copy_tokenizer(path: str, out: str, vocab: Any) -> Tuple[HFPayload, Dict[str
     return saved(out, {"special_ids": ids, "special_pieces": pieces, "vocab_size": size})
 
 
-def saved(out: str, want: Dict[str, Any]) -> Tuple[HFPayload, Dict[str, Any]]:
+def saved(out: str, want: dict[str, Any]) -> tuple[HFPayload, dict[str, Any]]:
     """The payload and manifest entry of the copy in ``OUT/tokenizer/``, checked to have the
     special ids and size in ``want`` (the given tokenizer's, or a resumed run's record)."""
     from data_prep.tokenizer import file_sha256

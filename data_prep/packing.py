@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import signal
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -44,8 +44,8 @@ def assign_split(text: str, valid_fraction: float, seed: int) -> str:
 
 
 def empty_split(
-    counters: Dict[str, Any], valid_fraction: float, max_doc_bytes: int
-) -> Optional[str]:
+    counters: dict[str, Any], valid_fraction: float, max_doc_bytes: int
+) -> str | None:
     """The refusal of an output whose train split (or valid split, when ``valid_fraction`` > 0)
     got no document, naming the flag that fixes it; None when both have documents."""
     docs = sum(counters["splits"][s]["documents"] for s in SPLITS)
@@ -70,14 +70,14 @@ class EncodeSettings:
     pad_id: int = PAD_ID
 
 
-def special_settings(tok_info: Dict[str, Any]) -> Dict[str, int]:
+def special_settings(tok_info: dict[str, Any]) -> dict[str, int]:
     """The :class:`EncodeSettings` / :class:`FullPacker` ids of a manifest tokenizer entry
     (a Hugging Face tokenizer records its own; a SentencePiece one has the fixed ids)."""
     ids = tok_info.get("special_ids") or {"cls": CLS_ID, "sep": SEP_ID, "pad": PAD_ID}
     return {"cls_id": int(ids["cls"]), "sep_id": int(ids["sep"]), "pad_id": int(ids["pad"])}
 
 
-def special_settings_ids(tok_info: Dict[str, Any]) -> Dict[str, int]:
+def special_settings_ids(tok_info: dict[str, Any]) -> dict[str, int]:
     """``{cls, sep, pad}`` ids of a manifest tokenizer entry (see :func:`special_settings`)."""
     got = special_settings(tok_info)
     return {"cls": got["cls_id"], "sep": got["sep_id"], "pad": got["pad_id"]}
@@ -90,7 +90,7 @@ def make_encoder(model: Any) -> Any:
     return spm.SentencePieceProcessor(model_proto=model)
 
 
-_worker: Dict[str, Any] = {}
+_worker: dict[str, Any] = {}
 
 
 def init_worker(model_proto: Any, settings: EncodeSettings, worker: bool = True) -> None:
@@ -104,12 +104,12 @@ def init_worker(model_proto: Any, settings: EncodeSettings, worker: bool = True)
     _worker["settings"] = settings
 
 
-def encode_task(texts: List[str]) -> Dict[str, Any]:
+def encode_task(texts: list[str]) -> dict[str, Any]:
     """Tokenize a batch of documents in the worker; see :func:`encode_documents`."""
     return encode_documents(_worker["sp"], _worker["settings"], texts)
 
 
-def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dict[str, Any]:
+def encode_documents(sp: Any, settings: EncodeSettings, texts: list[str]) -> dict[str, Any]:
     """Tokenize documents and lay them out per split.
 
     Returns ``{"splits": {split: {"tokens", "documents", "content", "pad"}}, "empty": int}``
@@ -131,7 +131,7 @@ def encode_documents(sp: Any, settings: EncodeSettings, texts: List[str]) -> Dic
     line_ends = np.concatenate([[0], np.cumsum(line_lens)])
     doc_bounds = line_ends[np.concatenate([[0], np.cumsum(lines_per_doc)])]
 
-    pieces: Dict[str, List[np.ndarray]] = {s: [] for s in SPLITS}
+    pieces: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     counts = {s: {"documents": 0, "content": 0, "pad": 0} for s in SPLITS}
     empty = 0
     n = settings.seq_len
@@ -175,7 +175,7 @@ class FullPacker:
         self,
         seq_len: int,
         dtype: np.dtype,
-        carry: Optional[List[int]] = None,
+        carry: list[int] | None = None,
         cls_id: int = CLS_ID,
         pad_id: int = PAD_ID,
     ) -> None:

@@ -37,8 +37,9 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -95,23 +96,23 @@ class Unit:
     size: int = 0  # bytes, for balancing only
 
 
-def default_unit_bytes(total: Optional[int]) -> int:
+def default_unit_bytes(total: int | None) -> int:
     """About 256 units for mid-size corpora, 1-256 MiB each."""
     if total is None:
         return 64 << 20
     return int(min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // 256)))
 
 
-def make_units(source: Source, unit_bytes: int) -> List[Unit]:
+def make_units(source: Source, unit_bytes: int) -> list[Unit]:
     """The work units of ``source``, in reading order (independent of the number of ranks)."""
-    units: List[Unit] = []
+    units: list[Unit] = []
     for spec in source.specs:
         for part, size in source.units(spec, unit_bytes):
             units.append(Unit(len(units), spec, part, size))
     return units
 
 
-def unit_docs(source: Source, unit: Unit, limit: Optional[int]) -> Iterator[str]:
+def unit_docs(source: Source, unit: Unit, limit: int | None) -> Iterator[str]:
     """The documents of ``unit`` (the first ``limit`` of them), counted in ``source.stats``."""
     docs = source.read(unit.spec, unit.part)
     if limit is None:
@@ -123,10 +124,10 @@ def unit_docs(source: Source, unit: Unit, limit: Optional[int]) -> Iterator[str]
             return  # stop without reading further, as the single-process run does
 
 
-def assign(sizes: Sequence[Tuple[int, int]], ranks: int) -> List[List[int]]:
+def assign(sizes: Sequence[tuple[int, int]], ranks: int) -> list[list[int]]:
     """Longest-processing-time assignment of ``(unit index, size)`` to ranks (deterministic)."""
     loads = [(0, r) for r in range(ranks)]
-    out: List[List[int]] = [[] for _ in range(ranks)]
+    out: list[list[int]] = [[] for _ in range(ranks)]
     for idx, size in sorted(sizes, key=lambda x: (-x[1], x[0])):
         load, r = min(loads)
         loads[r] = (load + max(size, 1), r)
@@ -213,11 +214,11 @@ class Scan:
 
 def _scan_unit(
     source: Source, unit: Unit, sampling: bool, per_doc: bool
-) -> Tuple[Scan, Optional[List[Scan]]]:
+) -> tuple[Scan, list[Scan] | None]:
     source.stats = SourceStats()
     st = source.stats
     total = Scan()
-    docs: Optional[List[Scan]] = [] if per_doc else None
+    docs: list[Scan] | None = [] if per_doc else None
     for doc in unit_docs(source, unit, None):
         total.docs += 1
         if sampling:
@@ -238,7 +239,7 @@ def _scan_unit(
     return total, docs
 
 
-def _cut_in(docs: List[Scan], base: Scan, cfg: Any) -> Optional[int]:
+def _cut_in(docs: list[Scan], base: Scan, cfg: Any) -> int | None:
     """The local index of the document that reaches --max-docs/--max-bytes, if in this unit."""
     for i, d in enumerate(docs):
         if cfg.max_docs is not None and base.docs + d.docs >= cfg.max_docs:
@@ -268,10 +269,10 @@ class _Ctx:
         self.size = comm.size
         self.source = source
         self.units_dir = os.path.join(cfg.out, UNITS_DIR)
-        self.created: Optional[bool] = None  # rank 0: whether it made --out (until resumable)
+        self.created: bool | None = None  # rank 0: whether it made --out (until resumable)
         self.made_out = False  # rank 0: whether this run made --out
         self.die = None
-        self.ids: Dict[str, int] = {}  # the rows' cls/sep/pad ids (packing.special_settings)
+        self.ids: dict[str, int] = {}  # the rows' cls/sep/pad ids (packing.special_settings)
         spec = os.environ.get(DIE_ENV)
         if spec:
             r, n = spec.split(":")
@@ -296,7 +297,7 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
             raise Quiet(str(e)) from None
         raise
     comm = connect(world, cfg.out, cfg.rank_timeout)
-    ctx: Optional[_Ctx] = None
+    ctx: _Ctx | None = None
     ok = False
     try:
         try:
@@ -374,7 +375,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
 
     cfg, comm, source = ctx.cfg, ctx.comm, ctx.source
     # ---- output directory (rank 0), units, resume state
-    head: Dict[str, Any] = {}
+    head: dict[str, Any] = {}
     if ctx.rank == 0:
         try:
             state, created = _prepare_out_dir(cfg)
@@ -406,7 +407,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
                 head["payload"] = hft.saved(cfg.out, saved)[0]  # what the workers encode with
     head = comm.bcast(head, "output directory")
     state = head["state"]
-    units: List[Unit] = head["units"]
+    units: list[Unit] = head["units"]
     fingerprint = cfg.fingerprint()
     limited = cfg.max_docs is not None or cfg.max_bytes is not None
 
@@ -431,7 +432,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
                     "tokenizer": tok_info,
                 },
             )
-        done: Dict[int, Dict[str, Any]] = {}
+        done: dict[int, dict[str, Any]] = {}
         comm.allgather(None, "tokenizer")  # progress.json is written: resumable from here
         ctx.created = None
     else:
@@ -475,7 +476,7 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
     if ctx.rank != 0:
         return None
 
-    shards: Dict[str, List[Dict[str, Any]]] = {s: [] for s in pk.SPLITS}
+    shards: dict[str, list[dict[str, Any]]] = {s: [] for s in pk.SPLITS}
     for part in gathered or []:
         for split, k, entry in part:
             shards[split].append((k, entry))
@@ -519,14 +520,14 @@ def _run(ctx: _Ctx, t_start: float) -> Any:
 class _Done:
     """Stands in for a ShardWriter in :func:`data_prep.steps._manifest`."""
 
-    def __init__(self, shards: List[Dict[str, Any]]) -> None:
+    def __init__(self, shards: list[dict[str, Any]]) -> None:
         self.shards = shards
 
-    def close(self) -> List[Dict[str, Any]]:
+    def close(self) -> list[dict[str, Any]]:
         return list(self.shards)
 
 
-def _finished_units(units_dir: str) -> Dict[int, Dict[str, Any]]:
+def _finished_units(units_dir: str) -> dict[int, dict[str, Any]]:
 
     done = {}
     if os.path.isdir(units_dir):
@@ -540,8 +541,8 @@ def _finished_units(units_dir: str) -> Dict[int, Dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- phase: scan
 def _scan(
-    ctx: _Ctx, units: List[Unit], sampling: bool, limited: bool
-) -> Tuple[Dict[str, Any], List[Scan]]:
+    ctx: _Ctx, units: list[Unit], sampling: bool, limited: bool
+) -> tuple[dict[str, Any], list[Scan]]:
     """Count what the sample and the --max-* cut need; returns (plan, scans of kept units)."""
     cfg, comm = ctx.cfg, ctx.comm
     if not sampling and not limited:
@@ -552,12 +553,12 @@ def _scan(
         for i in mine:
             comm.check_peers()
             out[i] = _scan_unit(ctx.source, units[i], sampling, False)[0]
-        scans: Dict[int, Scan] = {}
+        scans: dict[int, Scan] = {}
         for part in comm.allgather(out, "scan"):
             scans.update(part)
         return {"units": len(units), "cut": None}, [scans[i] for i in range(len(units))]
     # --max-docs/--max-bytes: rounds of R consecutive units until the cut is found
-    kept: List[Scan] = []
+    kept: list[Scan] = []
     base = Scan()
     for start in range(0, len(units), ctx.size):
         idx = start + ctx.rank
@@ -581,15 +582,15 @@ def _scan(
     return {"units": len(units), "cut": None}, kept
 
 
-def _unit_limit(plan: Dict[str, Any], index: int) -> Optional[int]:
+def _unit_limit(plan: dict[str, Any], index: int) -> int | None:
     cut = plan.get("cut")
     return cut["docs"] if cut and cut["unit"] == index else None
 
 
 # ------------------------------------------------------------------------ phase: tokenizer
 def _train(
-    ctx: _Ctx, units: List[Unit], plan: Dict[str, Any], scans: List[Scan]
-) -> Tuple[bytes, Dict[str, Any]]:
+    ctx: _Ctx, units: list[Unit], plan: dict[str, Any], scans: list[Scan]
+) -> tuple[bytes, dict[str, Any]]:
     cfg, comm = ctx.cfg, ctx.comm
     t0 = time.time()
     total = Scan()
@@ -602,18 +603,18 @@ def _train(
     counts = np.searchsorted(wanted, bases[1:]) - np.searchsorted(wanted, bases[:-1])
     sizes = [(i, units[i].size) for i in range(plan["units"]) if counts[i] > 0]
     mine = assign(sizes, ctx.size)[ctx.rank]
-    got: Dict[int, str] = {}
+    got: dict[int, str] = {}
     for i in mine:
         comm.check_peers()
         lo, hi = bases[i], bases[i + 1]
         want = wanted[np.searchsorted(wanted, lo) : np.searchsorted(wanted, hi)] - lo
         got.update(_collect(ctx, units[i], _unit_limit(plan, i), want, int(lo)))
     parts = comm.gather(got, "tokenizer sample")
-    tok_info: Dict[str, Any] = {}
+    tok_info: dict[str, Any] = {}
     proto = b""
     if ctx.rank == 0:
 
-        pieces: Dict[int, str] = {}
+        pieces: dict[int, str] = {}
         for p in parts or []:
             pieces.update(p)
         sample = [pieces[int(t)] for t in slots]
@@ -639,11 +640,11 @@ def _train(
 
 
 def _collect(
-    ctx: _Ctx, unit: Unit, limit: Optional[int], want: np.ndarray, base: int
-) -> Dict[int, str]:
+    ctx: _Ctx, unit: Unit, limit: int | None, want: np.ndarray, base: int
+) -> dict[int, str]:
     """The training lines of ``unit`` with local indices ``want`` (sorted), keyed globally."""
     ctx.source.stats = SourceStats()
-    out: Dict[int, str] = {}
+    out: dict[int, str] = {}
     n = 0
     j = 0
     for doc in unit_docs(ctx.source, unit, limit):
@@ -658,7 +659,7 @@ def _collect(
     return out
 
 
-def _copy_tokenizer(ctx: _Ctx) -> Tuple[Any, Dict[str, Any]]:
+def _copy_tokenizer(ctx: _Ctx) -> tuple[Any, dict[str, Any]]:
     """Rank 0 copies ``--tokenizer``; every rank gets the workers' model (a SentencePiece
     proto or a Hugging Face payload) and the manifest entry."""
     cfg = ctx.cfg
@@ -678,17 +679,17 @@ def _copy_tokenizer(ctx: _Ctx) -> Tuple[Any, Dict[str, Any]]:
 # ------------------------------------------------------------------------ phase: tokenize
 def _tokenize(
     ctx: _Ctx,
-    units: List[Unit],
-    plan: Dict[str, Any],
-    done: Dict[int, Any],
+    units: list[Unit],
+    plan: dict[str, Any],
+    done: dict[int, Any],
     proto: Any,
     dtype: np.dtype,
-) -> Tuple[Dict[int, Dict[str, Any]], int]:
+) -> tuple[dict[int, dict[str, Any]], int]:
 
     cfg = ctx.cfg
     todo = [(i, units[i].size) for i in range(plan["units"]) if i not in done]
     mine = assign(todo, ctx.size)[ctx.rank]
-    out: Dict[int, Dict[str, Any]] = {}
+    out: dict[int, dict[str, Any]] = {}
     if not mine:
         return out, 0
     os.makedirs(ctx.units_dir, exist_ok=True)
@@ -704,7 +705,7 @@ def _tokenize(
             docs = unit_docs(ctx.source, units[i], _unit_limit(plan, i))
             stem = os.path.join(ctx.units_dir, f"u{i:06d}")
             files = {s: open(f"{stem}.{s}.bin.tmp", "wb") for s in pk.SPLITS}
-            meta: Dict[str, Any] = {
+            meta: dict[str, Any] = {
                 "index": i,
                 "documents": 0,
                 "empty_documents": 0,
@@ -747,13 +748,13 @@ def _tokenize(
 
 # ------------------------------------------------------------------------ phase: assemble
 def _assemble(
-    ctx: _Ctx, metas: List[Dict[str, Any]], dtype: np.dtype, shard_rows: int
-) -> Tuple[List[Tuple[str, int, Dict[str, Any]]], Dict[str, Any]]:
+    ctx: _Ctx, metas: list[dict[str, Any]], dtype: np.dtype, shard_rows: int
+) -> tuple[list[tuple[str, int, dict[str, Any]]], dict[str, Any]]:
     """Write this rank's shards; returns ``(split, k, entry)`` for each and the run counters."""
     cfg = ctx.cfg
     n = cfg.seq_len
     body = n - 1
-    counters: Dict[str, Any] = {
+    counters: dict[str, Any] = {
         "documents_read": sum(m["documents"] for m in metas),
         "bytes": sum(m["bytes"] for m in metas),
         "undecodable_bytes": sum(m["undecodable_bytes"] for m in metas),
@@ -761,7 +762,7 @@ def _assemble(
         "splits": {},
         "binary_files": sum(m["binary_files"] for m in metas),
     }
-    jobs: List[Tuple[str, int, int, int, np.ndarray]] = []
+    jobs: list[tuple[str, int, int, int, np.ndarray]] = []
     for s in pk.SPLITS:
         lengths = np.array([m["splits"][s]["length"] for m in metas], dtype=np.int64)
         c = {
@@ -820,7 +821,7 @@ def _read_stream(ctx: _Ctx, split: str, lo: int, hi: int, offsets: np.ndarray, d
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def _write_shard(ctx: _Ctx, split: str, k: int, r0: int, r1: int, offsets, dtype) -> Dict[str, Any]:
+def _write_shard(ctx: _Ctx, split: str, k: int, r0: int, r1: int, offsets, dtype) -> dict[str, Any]:
     cfg = ctx.cfg
     n = cfg.seq_len
     rel = f"{split}/{shard_name(k)}"

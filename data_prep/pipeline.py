@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any
 
 from tqdm import tqdm
 
@@ -108,7 +108,7 @@ def prepare(cfg: PrepConfig) -> PrepResult:
 
 
 def _run(
-    cfg: PrepConfig, source: Source, state: Optional[Dict[str, Any]], t_start: float
+    cfg: PrepConfig, source: Source, state: dict[str, Any] | None, t_start: float
 ) -> PrepResult:
     if state is not None and "tokenizer" not in state:
         state = None  # interrupted before the tokenizer was done: start from the beginning

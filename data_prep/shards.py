@@ -9,7 +9,7 @@ looks like a complete shard, and its recorded row count lets an interrupted run 
 
 import io
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class ShardWriter:
         seq_len: int,
         dtype: np.dtype,
         shard_rows: int,
-        state: Optional[Dict[str, Any]] = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
         self.out_dir = out_dir
         self.split = split
@@ -56,10 +56,10 @@ class ShardWriter:
         self.shard_rows = shard_rows
         self.header_len = len(npy_header(0, seq_len, self.dtype))
         self.row_bytes = seq_len * self.dtype.itemsize
-        self.shards: List[Dict[str, Any]] = []
+        self.shards: list[dict[str, Any]] = []
         self.index = 0
         self.rows = 0  # rows in the current partial shard
-        self._file: Optional[Any] = None
+        self._file: Any | None = None
         os.makedirs(os.path.join(out_dir, split), exist_ok=True)
         if state is not None:
             self._restore(state)
@@ -71,11 +71,11 @@ class ShardWriter:
     def _partial_path(self) -> str:
         return os.path.join(self.out_dir, self._rel(self.index) + ".partial")
 
-    def state(self) -> Dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         """What a resumed run needs: finished shards and the current partial shard's rows."""
         return {"shards": list(self.shards), "index": self.index, "rows": self.rows}
 
-    def _restore(self, state: Dict[str, Any]) -> None:
+    def _restore(self, state: dict[str, Any]) -> None:
         for shard in state["shards"]:
             path = os.path.join(self.out_dir, shard["file"])
             want = self.header_len + shard["rows"] * self.row_bytes
@@ -153,7 +153,7 @@ class ShardWriter:
         self.index += 1
         self.rows = 0
 
-    def close(self) -> List[Dict[str, Any]]:
+    def close(self) -> list[dict[str, Any]]:
         """Finish the last (short) shard; returns every shard's ``{file, rows, sha256}``."""
         if self.rows:
             self._finish_shard()

@@ -33,9 +33,9 @@ import os
 import re
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 from data_prep.errors import DataPrepError
 
@@ -58,8 +58,8 @@ class SourceStats:
     undecodable_bytes: int = 0
     files: int = 0
     binary_files: int = 0  # plain-text inputs skipped because they are not text
-    binary_examples: List[str] = field(default_factory=list)  # the first few of them
-    undecodable_files: List[str] = field(default_factory=list)  # the first few with U+FFFD
+    binary_examples: list[str] = field(default_factory=list)  # the first few of them
+    undecodable_files: list[str] = field(default_factory=list)  # the first few with U+FFFD
 
 
 _ESCAPED = re.compile("[\udc80-\udcff]")  # undecodable bytes under "surrogateescape"
@@ -112,7 +112,7 @@ def looks_binary(sample: bytes, encoding: str = "utf-8") -> bool:
     return control > BINARY_CONTROL_FRACTION * len(sample)
 
 
-def stdlib_files() -> List[str]:
+def stdlib_files() -> list[str]:
     """The interpreter's standard-library ``.py`` files, without site/dist-packages, sorted."""
     root = sysconfig.get_paths()["stdlib"]
     out = []
@@ -122,7 +122,7 @@ def stdlib_files() -> List[str]:
     return sorted(out, key=lambda p: os.path.relpath(p, root))
 
 
-def _walk(directory: str) -> List[str]:
+def _walk(directory: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -130,7 +130,7 @@ def _walk(directory: str) -> List[str]:
     return out
 
 
-def expand_paths(spec: str) -> List[str]:
+def expand_paths(spec: str) -> list[str]:
     """Files named by one local spec (file, directory or glob); a clear error if there are none."""
     if any(c in spec for c in "*?["):
         files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
@@ -152,7 +152,7 @@ class HFSpec:
     """A parsed ``hf:NAME[:CONFIG][:SPLIT]`` source."""
 
     name: str
-    config: Optional[str] = None
+    config: str | None = None
     split: str = "train"
 
 
@@ -190,7 +190,7 @@ class RowGroups:
     nbytes: int
 
 
-def _ranges(path: str, ends: Iterable[int], size: int, unit_bytes: int) -> List[FileRange]:
+def _ranges(path: str, ends: Iterable[int], size: int, unit_bytes: int) -> list[FileRange]:
     """``path`` (``size`` bytes) cut at the first of ``ends`` (increasing document ends,
     streamed: only the cuts are kept) at or after each ``unit_bytes`` since the last cut."""
     cuts = [0]
@@ -201,7 +201,7 @@ def _ranges(path: str, ends: Iterable[int], size: int, unit_bytes: int) -> List[
     return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def line_ranges(path: str, size: int, unit_bytes: int) -> List[FileRange]:
+def line_ranges(path: str, size: int, unit_bytes: int) -> list[FileRange]:
     """``path`` (``size`` bytes) cut into ranges of about ``unit_bytes``, each cut moved to the
     start of the next line (a line is never split); one range when it is smaller."""
     cuts = [0]
@@ -237,7 +237,7 @@ class _CsvLines:
     (undecodable bytes escaped, a BOM at byte 0 dropped: ``utf-8-sig``); ``pos``: the byte after
     the last line given, so after a CSV row is read, the end of that row."""
 
-    def __init__(self, f: Any, pos: int, end: Optional[int] = None) -> None:
+    def __init__(self, f: Any, pos: int, end: int | None = None) -> None:
         self.f, self.pos, self.end = f, pos, end
         f.seek(pos)
 
@@ -267,13 +267,13 @@ def csv_row_ends(path: str, delimiter: str) -> Iterator[int]:
 class Source:
     """A deterministic stream of documents from one or more specs (see module docstring)."""
 
-    specs: List[str]
+    specs: list[str]
     text_column: str = "text"
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
     encoding: str = "utf-8"
     stats: SourceStats = field(default_factory=SourceStats)
-    _state: Dict[str, Any] = field(default_factory=dict, repr=False)  # spec -> kind.resolve()
-    _kinds: Dict[str, "SourceKind"] = field(default_factory=dict, repr=False)
+    _state: dict[str, Any] = field(default_factory=dict, repr=False)  # spec -> kind.resolve()
+    _kinds: dict[str, "SourceKind"] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.specs:
@@ -291,12 +291,12 @@ class Source:
         """What the kind's ``resolve`` returned for ``spec`` (a local spec: its file list)."""
         return self._state[spec]
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """A JSON-able description of the inputs, recorded in the manifest."""
         items = [self._kinds[spec].describe(spec, self) for spec in self.specs]
         return {"specs": list(self.specs), "text_column": self.text_column, "items": items}
 
-    def total_bytes(self) -> Optional[int]:
+    def total_bytes(self) -> int | None:
         """Total input size when every spec's kind knows it (local specs), else None."""
         sizes = [self._kinds[spec].total_bytes(spec, self) for spec in self.specs]
         return None if any(n is None for n in sizes) else sum(sizes)  # type: ignore[arg-type]
@@ -305,7 +305,7 @@ class Source:
         for spec in self.specs:
             yield from self.read(spec)
 
-    def units(self, spec: str, unit_bytes: int) -> List[Tuple[Any, int]]:
+    def units(self, spec: str, unit_bytes: int) -> list[tuple[Any, int]]:
         """``spec``'s work units in reading order: ``(part, size in bytes)`` (see SourceKind)."""
         return self._kinds[spec].units(spec, self, unit_bytes)
 
@@ -320,11 +320,11 @@ class Source:
             stats.documents += 1
             yield doc
 
-    def files(self, spec: str) -> List[str]:
+    def files(self, spec: str) -> list[str]:
         """The files of a local spec, in reading order."""
         return self._state[spec]
 
-    def iter_files(self, paths: List[Any]) -> Iterator[str]:
+    def iter_files(self, paths: list[Any]) -> Iterator[str]:
         """The documents of some of the local files (or :class:`FileRange` / :class:`RowGroups`
         of them), in order (not counted as documents: see :meth:`read`)."""
         for path in paths:
@@ -351,7 +351,7 @@ class Source:
         else:
             yield from self._iter_text_range(part.path, part.start, part.end)
 
-    def file_parts(self, path: str, size: int, unit_bytes: int) -> Optional[List[Any]]:
+    def file_parts(self, path: str, size: int, unit_bytes: int) -> list[Any] | None:
         """A file of ``size`` > ``unit_bytes`` bytes cut into work units read by the built-in
         readers, whose documents in order are those of the whole file: JSON lines at line
         starts, plain text at the ends of its documents (one of at most ``max_doc_bytes`` is
@@ -379,7 +379,7 @@ class Source:
         return parts if len(parts) > 1 else None
 
     @staticmethod
-    def _row_group_parts(path: str, size: int, unit_bytes: int) -> Optional[List[Any]]:
+    def _row_group_parts(path: str, size: int, unit_bytes: int) -> list[Any] | None:
         """Runs of consecutive row groups of about ``unit_bytes`` (compressed) of a Parquet
         file; None when it has one."""
         import pyarrow.parquet as pq
@@ -394,7 +394,7 @@ class Source:
         ]
         if len(sizes) < 2:
             return None
-        parts: List[Any] = []
+        parts: list[Any] = []
         first, n = 0, 0
         for g, b in enumerate(sizes):
             n += b
@@ -407,7 +407,7 @@ class Source:
         parts[0] = RowGroups(path, head.start, head.end, head.nbytes + size - sum(sizes))
         return parts
 
-    def hf_shards(self, spec: str, unit_bytes: int) -> Tuple[int, int]:
+    def hf_shards(self, spec: str, unit_bytes: int) -> tuple[int, int]:
         """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved
         dataset into about ``unit_bytes`` of Arrow data each, a streamed one into its files."""
         hf = parse_hf(spec)
@@ -458,7 +458,7 @@ class Source:
         if self.stats.undecodable_bytes > before and len(listed) < 3 and path not in listed:
             listed.append(path)
 
-    def _read_text(self, f: Any, size: int, limit: Optional[int] = None) -> Iterator[str]:
+    def _read_text(self, f: Any, size: int, limit: int | None = None) -> Iterator[str]:
         """Documents of an open binary file of ``size`` bytes (cut at ``max_doc_bytes``), or of
         its next ``limit`` bytes from a document end."""
         enc = self.encoding
@@ -467,7 +467,7 @@ class Source:
             self.stats.bytes += len(raw)
             yield _decode(raw, self.stats, enc)
             return
-        buf: List[bytes] = []
+        buf: list[bytes] = []
         n = 0
         for line in f if limit is None else _lines_of(f, limit):
             buf.append(line)
@@ -486,7 +486,7 @@ class Source:
             "choose one with --text-column"
         )
 
-    def _text_value(self, value: Any, where: str) -> Optional[str]:
+    def _text_value(self, value: Any, where: str) -> str | None:
         if value is None:
             return None
         if not isinstance(value, str):
@@ -495,7 +495,7 @@ class Source:
             )
         return value
 
-    def _iter_jsonl(self, path: str, start: int = 0, end: Optional[int] = None) -> Iterator[str]:
+    def _iter_jsonl(self, path: str, start: int = 0, end: int | None = None) -> Iterator[str]:
         """The records of a JSON-lines file, or of its lines in bytes ``[start, end)``."""
         with open(path, "rb") as f:
             f.seek(start)
@@ -553,7 +553,7 @@ class Source:
                 if text is not None:
                     yield _replace_escaped(text, self.stats)
 
-    def _iter_parquet(self, path: str, part: Optional[RowGroups] = None) -> Iterator[str]:
+    def _iter_parquet(self, path: str, part: RowGroups | None = None) -> Iterator[str]:
         """The rows of a Parquet file, or of some of its row groups."""
         import pyarrow.parquet as pq
 
@@ -569,7 +569,7 @@ class Source:
                 if text is not None:
                     yield text
 
-    def iter_hf(self, hf: HFSpec, shard: Optional[Tuple[int, int]] = None) -> Iterator[str]:
+    def iter_hf(self, hf: HFSpec, shard: tuple[int, int] | None = None) -> Iterator[str]:
         where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
         if is_saved_dataset(hf.name):
             rows = self._saved_dataset_rows(hf, where, shard)
@@ -605,7 +605,7 @@ class Source:
 
     @classmethod
     def _saved_dataset_rows(
-        cls, hf: HFSpec, where: str, shard: Optional[Tuple[int, int]] = None
+        cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None
     ) -> Iterator[Any]:
         """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
         ds = cls._load_saved(hf, where)
@@ -628,7 +628,7 @@ class Source:
             ) from e
 
     @classmethod
-    def _hub_rows(cls, hf: HFSpec, where: str, shard: Optional[Tuple[int, int]] = None):
+    def _hub_rows(cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None):
         """Rows (and the first row) of a streamed dataset, or of one of its shards."""
         ds = cls._load_hub(hf, where)
         try:
@@ -659,10 +659,10 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
 
 # =================================================================================== registries
 FileReader = Callable[[Source, str], Iterator[str]]
-_FILE_FORMATS: List[Tuple[Tuple[str, ...], FileReader]] = []
+_FILE_FORMATS: list[tuple[tuple[str, ...], FileReader]] = []
 
 
-def register_file_format(suffixes: Tuple[str, ...], reader: FileReader) -> None:
+def register_file_format(suffixes: tuple[str, ...], reader: FileReader) -> None:
     """Read local files whose lower-cased name ends with one of ``suffixes`` with
     ``reader(source, path) -> documents`` (it adds the bytes it reads to ``source.stats.bytes``).
     Later registrations are tried first; files matching none are plain text."""
@@ -701,7 +701,7 @@ register_file_format((".csv",), _read_csv)
 register_file_format(JSONL_SUFFIXES, _read_jsonl)
 
 
-def file_reader(path: str) -> Optional[FileReader]:
+def file_reader(path: str) -> FileReader | None:
     """The registered reader of ``path`` by its suffix (None: plain text)."""
     lower = path.lower()
     return next((fmt for suffixes, fmt in _FILE_FORMATS if lower.endswith(suffixes)), None)
@@ -728,7 +728,7 @@ class SourceKind:
         kept as ``source.state(spec)``."""
         return None
 
-    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+    def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
         """Work units in reading order: ``(part, size in bytes)``, the size for balancing only;
         units of about ``unit_bytes``. Default: one unit, the whole spec."""
         return [(None, 0)]
@@ -736,15 +736,15 @@ class SourceKind:
     def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
         raise NotImplementedError
 
-    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+    def describe(self, spec: str, source: Source) -> dict[str, Any]:
         """A JSON-able description of ``spec`` for the manifest's ``source.items``."""
         return {"kind": self.name, "spec": spec}
 
-    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+    def total_bytes(self, spec: str, source: Source) -> int | None:
         """The input size in bytes if known up front (sizes the default work unit), else None."""
         return None
 
-    def roots(self, spec: str) -> List[str]:
+    def roots(self, spec: str) -> list[str]:
         """Local paths the spec reads below (``--out`` must not lie inside them)."""
         return []
 
@@ -758,16 +758,16 @@ class FilesKind(SourceKind):
     def matches(self, spec: str) -> bool:
         return True
 
-    def resolve(self, spec: str, source: Source) -> List[str]:
+    def resolve(self, spec: str, source: Source) -> list[str]:
         return expand_paths(spec)
 
-    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+    def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
         """Runs of consecutive files of about ``unit_bytes``; a file larger than that is cut
         at document boundaries where its reader allows (:meth:`Source.file_parts`: JSON lines,
         plain text, CSV, Parquet), so that a corpus of a few huge files still has work for
         every rank."""
-        out: List[Tuple[Any, int]] = []
-        group: List[str] = []
+        out: list[tuple[Any, int]] = []
+        group: list[str] = []
         size = 0
         for path in source.files(spec):
             n = os.path.getsize(path)
@@ -790,7 +790,7 @@ class FilesKind(SourceKind):
     def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
         return source.iter_files(list(source.files(spec) if part is None else part))
 
-    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+    def describe(self, spec: str, source: Source) -> dict[str, Any]:
         files = source.files(spec)
         return {
             "kind": self.name,
@@ -799,10 +799,10 @@ class FilesKind(SourceKind):
             "bytes": sum(os.path.getsize(f) for f in files),
         }
 
-    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+    def total_bytes(self, spec: str, source: Source) -> int | None:
         return sum(os.path.getsize(f) for f in source.files(spec))
 
-    def roots(self, spec: str) -> List[str]:
+    def roots(self, spec: str) -> list[str]:
         if any(c in spec for c in "*?["):  # a glob's fixed leading directory
             fixed = spec[: min(spec.index(c) for c in "*?[" if c in spec)]
             return [os.path.dirname(fixed) or "."]
@@ -817,19 +817,19 @@ class StdlibKind(FilesKind):
     def matches(self, spec: str) -> bool:
         return spec == "stdlib"
 
-    def resolve(self, spec: str, source: Source) -> List[str]:
+    def resolve(self, spec: str, source: Source) -> list[str]:
         files = stdlib_files()
         if not files:
             raise DataPrepError("the stdlib source found no .py files")
         return files
 
-    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+    def describe(self, spec: str, source: Source) -> dict[str, Any]:
         item = super().describe(spec, source)
         item["root"] = sysconfig.get_paths()["stdlib"]
         item["python"] = sys.version.split()[0]
         return item
 
-    def roots(self, spec: str) -> List[str]:
+    def roots(self, spec: str) -> list[str]:
         return [sysconfig.get_paths()["stdlib"]]
 
 
@@ -844,14 +844,14 @@ class HFKind(SourceKind):
     def resolve(self, spec: str, source: Source) -> HFSpec:
         return parse_hf(spec)
 
-    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+    def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
         n, size = source.hf_shards(spec, unit_bytes)
         return [((n, i), size) for i in range(n)]
 
     def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
         return source.iter_hf(parse_hf(spec), part)
 
-    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+    def describe(self, spec: str, source: Source) -> dict[str, Any]:
         hf = parse_hf(spec)
         return {
             "kind": self.name,
@@ -861,11 +861,11 @@ class HFKind(SourceKind):
             "text_column": source.text_column,
         }
 
-    def roots(self, spec: str) -> List[str]:
+    def roots(self, spec: str) -> list[str]:
         return [spec[3:].split(":")[0]]
 
 
-_SOURCE_KINDS: List[SourceKind] = [StdlibKind(), HFKind()]
+_SOURCE_KINDS: list[SourceKind] = [StdlibKind(), HFKind()]
 _FALLBACK_KIND = FilesKind()  # anything no registered kind matches: local files
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -52,13 +52,13 @@ SHARD_TARGET_BYTES = 64 << 20
 class PrepConfig:
     """Every data_prep option (the CLI maps one flag to each field)."""
 
-    sources: List[str]
+    sources: list[str]
     out: str
     seq_len: int
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     model_type: str = "unigram"
-    tokenizer: Optional[str] = None
-    character_coverage: Optional[float] = None  # None: by alphabet size (training_options)
+    tokenizer: str | None = None
+    character_coverage: float | None = None  # None: by alphabet size (training_options)
     max_sentences_for_tokenizer: int = 300_000
     tokenizer_threads: int = 2  # fixed, not the CPU count: the model depends on it
     text_column: str = "text"
@@ -66,9 +66,9 @@ class PrepConfig:
     packing: str = "full"
     valid_fraction: float = 0.01
     seed: int = 0
-    shard_rows: Optional[int] = None  # default: about 64 MiB per shard
-    max_docs: Optional[int] = None
-    max_bytes: Optional[int] = None
+    shard_rows: int | None = None  # default: about 64 MiB per shard
+    max_docs: int | None = None
+    max_bytes: int | None = None
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     task_bytes: int = 1 << 20
@@ -76,7 +76,7 @@ class PrepConfig:
     resume: bool = False
     checkpoint_seconds: float = 10.0
     progress: bool = True
-    unit_bytes: Optional[int] = None  # ranks' work unit (mpirun/srun); the output ignores it
+    unit_bytes: int | None = None  # ranks' work unit (mpirun/srun); the output ignores it
     rank_timeout: float = 120.0  # mpirun/srun: a rank silent this long fails the run
 
     def validate(self) -> None:
@@ -137,7 +137,7 @@ class PrepConfig:
             raise DataPrepError("--out must not be empty")
         check_encoding(self.encoding)
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """The options that determine the output (a resumed run must match them)."""
         keys = (
             "sources",
@@ -170,7 +170,7 @@ class PrepConfig:
 class PrepResult:
     """What :func:`prepare` returns: the manifest plus run statistics (not in the manifest)."""
 
-    manifest: Dict[str, Any]
+    manifest: dict[str, Any]
     elapsed_s: float
     encode_elapsed_s: float
     tokens_per_s: float
@@ -187,14 +187,14 @@ def _log(cfg: PrepConfig, msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- output dir
-def source_roots(sources: List[str]) -> List[str]:
+def source_roots(sources: list[str]) -> list[str]:
     """The local paths the sources read below, as each spec's kind names them: a file or
     directory, a glob's fixed leading directory, the stdlib directory, an ``hf:`` source's
     local directory."""
     return [root for spec in sources for root in source_kind(spec).roots(spec)]
 
 
-def options_diff(saved: Any, new: Dict[str, Any]) -> str:
+def options_diff(saved: Any, new: dict[str, Any]) -> str:
     """The options of :meth:`PrepConfig.fingerprint` that differ, as flags with the saved and
     the new value: ``--seq-len 128 -> 256, --seed 0 -> 1``."""
     if not isinstance(saved, dict):
@@ -218,7 +218,7 @@ def options_diff(saved: Any, new: Dict[str, Any]) -> str:
     return ", ".join(parts) or "the same options in another form"
 
 
-def _prepare_out_dir(cfg: PrepConfig) -> Tuple[Optional[Dict[str, Any]], bool]:
+def _prepare_out_dir(cfg: PrepConfig) -> tuple[dict[str, Any] | None, bool]:
     """Check/clear the output directory; returns (progress state to resume or None, created)."""
     out = cfg.out
     inputs = [("--source", p) for p in source_roots(cfg.sources)] + [("--tokenizer", cfg.tokenizer)]
@@ -291,7 +291,7 @@ def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------------- tokenizer
-def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[Any, Dict[str, Any]]:
+def _get_tokenizer(cfg: PrepConfig, state: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
     """``(tokenizer, manifest entry)``: a SentencePieceProcessor, or the workers'
     :class:`~data_prep.hf_tokenizer.HFPayload` of a Hugging Face tokenizer directory."""
     dest = os.path.join(cfg.out, TOKENIZER)
@@ -312,7 +312,7 @@ def _get_tokenizer(cfg: PrepConfig, state: Optional[Dict[str, Any]]) -> Tuple[An
     else:
         t0 = time.time()
         source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
-        sampled: Dict[str, int] = {}
+        sampled: dict[str, int] = {}
         sentences = sample_sentences(
             _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed, sampled
         )
@@ -351,8 +351,8 @@ def copy_given_tokenizer(cfg: PrepConfig, dest: str):
 
 
 def train_on_sample(
-    cfg: PrepConfig, sentences: List[str], sampled: Dict[str, int], t0: float
-) -> Tuple[Any, Dict[str, Any]]:
+    cfg: PrepConfig, sentences: list[str], sampled: dict[str, int], t0: float
+) -> tuple[Any, dict[str, Any]]:
     """Train ``OUT/tokenizer.model`` on the sample; returns it and its manifest entry.
 
     ``sampled`` holds the sample's counters (see :func:`sample_sentences`); ``t0`` is when the
@@ -410,7 +410,7 @@ class _Encoder:
 
     def __init__(self, workers: int, model_proto: Any, settings: pk.EncodeSettings) -> None:
         self.workers = workers
-        self.pool: Optional[Any] = None
+        self.pool: Any | None = None
         if workers > 0:
             self.pool = ProcessPoolExecutor(
                 workers,
@@ -421,13 +421,13 @@ class _Encoder:
         else:
             pk.init_worker(model_proto, settings, worker=False)  # Ctrl-C: KeyboardInterrupt
 
-    def map(self, tasks: Iterable[Tuple[List[str], Any]]) -> Iterator[Tuple[Dict[str, Any], Any]]:
+    def map(self, tasks: Iterable[tuple[list[str], Any]]) -> Iterator[tuple[dict[str, Any], Any]]:
         """Yield ``(result, meta)`` for each ``(texts, meta)`` task, in submission order."""
         if self.pool is None:
             for texts, meta in tasks:
                 yield pk.encode_task(texts), meta
             return
-        window: Deque[Tuple[Any, Any]] = collections.deque()
+        window: collections.deque[tuple[Any, Any]] = collections.deque()
         limit = 2 * self.workers + 2  # bounded: at most this many batches in flight
         for texts, meta in tasks:
             window.append((self.pool.submit(pk.encode_task, texts), meta))
@@ -447,9 +447,9 @@ class _Encoder:
 
 def _tasks(
     docs: Iterator[str], source: Source, task_bytes: int
-) -> Iterator[Tuple[List[str], Dict[str, int]]]:
+) -> Iterator[tuple[list[str], dict[str, int]]]:
     """Batch documents into tasks of about ``task_bytes``; meta holds the source counters."""
-    texts: List[str] = []
+    texts: list[str] = []
     size = 0
     stats = source.stats
     before = (stats.bytes, stats.undecodable_bytes)
@@ -485,7 +485,7 @@ def _skip(docs: Iterator[str], n: int) -> Iterator[str]:
     return it
 
 
-def _empty_counters() -> Dict[str, Any]:
+def _empty_counters() -> dict[str, Any]:
     return {
         "documents_read": 0,
         "bytes": 0,
@@ -506,13 +506,13 @@ def _documents_done(out: str) -> int:
 def _manifest(
     cfg: PrepConfig,
     source: Source,
-    tok_info: Dict[str, Any],
+    tok_info: dict[str, Any],
     vocab_size: int,
     dtype: np.dtype,
     shard_rows: int,
-    counters: Dict[str, Any],
-    writers: Dict[str, ShardWriter],
-) -> Dict[str, Any]:
+    counters: dict[str, Any],
+    writers: dict[str, ShardWriter],
+) -> dict[str, Any]:
     splits = {}
     for s, w in writers.items():
         shards = w.close()

@@ -14,7 +14,7 @@ import os
 import random
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
@@ -40,7 +40,7 @@ BYTE_FALLBACK_MIN_VOCAB = 4 * 256
 LARGE_ALPHABET_COVERAGE = 0.9995
 
 
-def document_lines(text: str) -> List[str]:
+def document_lines(text: str) -> list[str]:
     """The lines of a document that are encoded (non-blank lines, in order)."""
     return [line for line in text.split("\n") if line.strip()]
 
@@ -54,7 +54,7 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> List[str]:
+def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> list[str]:
     """``line`` cut into pieces of at most ``max_bytes`` UTF-8 bytes that concatenate back to it.
 
     SentencePiece's trainer skips longer sentences, so each cut goes after the last whitespace
@@ -62,7 +62,7 @@ def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> List[str]
     """
     if len(line) * 4 <= max_bytes or len(line.encode("utf-8")) <= max_bytes:
         return [line]
-    pieces: List[str] = []
+    pieces: list[str] = []
     start = 0
     while start < len(line):
         # the longest prefix of line[start:] within max_bytes (characters are 1-4 bytes)
@@ -83,8 +83,8 @@ def sample_sentences(
     documents: Iterable[str],
     max_sentences: int,
     seed: int,
-    stats: Optional[Dict[str, int]] = None,
-) -> List[str]:
+    stats: dict[str, int] | None = None,
+) -> list[str]:
     """Uniform reservoir sample of at most ``max_sentences`` training lines (bounded memory).
 
     Lines longer than SentencePiece's ``MAX_SENTENCE_BYTES`` are split (:func:`split_long_line`),
@@ -93,7 +93,7 @@ def sample_sentences(
     ``sampled_lines`` and ``sampled_bytes``.
     """
     rng = random.Random(seed)
-    sample: List[str] = []
+    sample: list[str] = []
     seen = corpus_lines = corpus_bytes = long_lines = 0
     for doc in documents:
         for line in document_lines(doc):
@@ -129,11 +129,11 @@ def alphabet_size(sentences: Iterable[str]) -> int:
 
 
 def training_options(
-    sentences: List[str],
+    sentences: list[str],
     vocab_size: int,
-    character_coverage: Optional[float] = None,
-    byte_fallback: Optional[bool] = None,
-) -> Dict[str, Any]:
+    character_coverage: float | None = None,
+    byte_fallback: bool | None = None,
+) -> dict[str, Any]:
     """The ``character_coverage`` and ``byte_fallback`` a tokenizer is trained with (given
     values win). Defaults: byte fallback when the vocabulary has at least
     ``BYTE_FALLBACK_MIN_VOCAB`` pieces; full coverage (every character of the sample gets a
@@ -154,7 +154,7 @@ def normalized(sp: Any, text: str) -> str:
     return sp.normalize(text).replace("\u2581", " ").strip(" ")
 
 
-def round_trip(sp: Any, lines: Iterable[str]) -> Dict[str, Any]:
+def round_trip(sp: Any, lines: Iterable[str]) -> dict[str, Any]:
     """How faithfully ``sp`` encodes ``lines``: ``exact`` lines with decode(encode(x)) ==
     normalized(x) out of ``lines``, their ``rate``, and the ``unk_pieces`` encoding produced."""
     n = exact = unk = 0
@@ -167,14 +167,14 @@ def round_trip(sp: Any, lines: Iterable[str]) -> Dict[str, Any]:
 
 
 def train_tokenizer(
-    sentences: List[str],
+    sentences: list[str],
     model_path: str,
     vocab_size: int,
     model_type: str = "unigram",
-    character_coverage: Optional[float] = None,
+    character_coverage: float | None = None,
     num_threads: int = 2,
     seed: int = 0,
-    byte_fallback: Optional[bool] = None,
+    byte_fallback: bool | None = None,
 ) -> str:
     """Train a SentencePiece model with the fixed special ids and write it to ``model_path``.
 
@@ -249,7 +249,7 @@ def interruptible(fn: Callable[..., Any], **kwargs: Any) -> Any:
     Ctrl-C (KeyboardInterrupt) ends the wait within a fraction of a second: SentencePiece's C++
     training loop (which releases the GIL) never checks for signals itself. The result, and
     the output, are the same as a direct call; an exception of ``fn`` is raised here."""
-    done: Dict[str, Any] = {}
+    done: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -298,14 +298,14 @@ def check_special_ids(sp: Any, where: str) -> None:
         )
 
 
-def tokenizer_info(path: str, sp: Any, trained: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def tokenizer_info(path: str, sp: Any, trained: dict[str, Any] | None) -> dict[str, Any]:
     """The manifest's tokenizer entry."""
 
     proto = pb.ModelProto()
     with open(path, "rb") as f:
         proto.ParseFromString(f.read())
     model_type = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "file": "tokenizer.model",
         "sha256": file_sha256(path),
         "model_type": model_type,

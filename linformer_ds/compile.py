@@ -16,7 +16,7 @@ in the code each break is.
 """
 
 import re
-from typing import Any, Dict
+from typing import Any
 
 from linformer_ds.config import JobConfig
 from linformer_ds.metrics import Sink
@@ -26,10 +26,10 @@ from linformer_ds.metrics import Sink
 _COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 
-def compile_kwargs(cfg: JobConfig) -> Dict[str, Any]:
+def compile_kwargs(cfg: JobConfig) -> dict[str, Any]:
     """torch.compile's keyword arguments from the ``train.compile_*`` fields."""
     t = cfg.train
-    kwargs: Dict[str, Any] = {"dynamic": t.compile_dynamic}
+    kwargs: dict[str, Any] = {"dynamic": t.compile_dynamic}
     if t.compile_mode is not None:
         kwargs["mode"] = t.compile_mode
     return kwargs
@@ -75,7 +75,7 @@ class CompileReport(Sink):
         self.reported = False
 
     @staticmethod
-    def figures() -> Dict[str, float]:
+    def figures() -> dict[str, float]:
         """Graph breaks, graphs and compile seconds so far (this process)."""
         from torch._dynamo.utils import compilation_time_metrics, counters  # lazy: see above
 
@@ -87,16 +87,16 @@ class CompileReport(Sink):
         }
 
     @staticmethod
-    def reasons() -> Dict[str, int]:
+    def reasons() -> dict[str, int]:
         """Each graph-break reason (one line) and how many times it broke a graph."""
         from torch._dynamo.utils import counters  # lazy: see above
 
-        out: Dict[str, int] = {}
+        out: dict[str, int] = {}
         for key, n in counters["graph_break"].items():
             out[_reason(key)] = out.get(_reason(key), 0) + n
         return out
 
-    def log_values(self) -> Dict[str, float]:
+    def log_values(self) -> dict[str, float]:
         """The figures for the ``[train]`` records (none when compilation is off)."""
         return self.figures() if self.enabled else {}
 

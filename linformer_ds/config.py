@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -71,11 +71,11 @@ class StageConfig:
     (one source), ``micro_batch_size`` rows per rank (null: train.micro_batch_size)."""
 
     # null only for the last stage: train.max_steps
-    end_step: Optional[int] = bounded(None, 1, MAX_STEPS)
-    sources: List[str] = field(default_factory=list)
-    weights: Optional[List[float]] = None
-    path: Optional[str] = None
-    micro_batch_size: Optional[int] = bounded(
+    end_step: int | None = bounded(None, 1, MAX_STEPS)
+    sources: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    path: str | None = None
+    micro_batch_size: int | None = bounded(
         None, 1, MAX_BATCH, note="or null: train.micro_batch_size"
     )
 
@@ -85,7 +85,7 @@ class DataConfig(Section):
     key: ClassVar[str] = "data"
     path: str = nonempty("data/stdlib")  # a data_prep output directory
     # a weighted mixture of data_prep outputs (same tokenizer and N); when set, path is unused
-    sources: List[SourceConfig] = field(default_factory=list)
+    sources: list[SourceConfig] = field(default_factory=list)
     train_split: str = nonempty("train")
     valid_split: str = nonempty("valid")
     mlm_probability: float = bounded(0.15, 0, 1, lo_open=True, hi_open=True, text="in (0, 1)")
@@ -111,7 +111,7 @@ class DataConfig(Section):
 class OptimizerConfig(Section):
     key: ClassVar[str] = "optimizer"
     lr: float = bounded(1e-4, 0, lo_open=True)
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = bounded(1e-6, 0, lo_open=True)
     weight_decay: float = bounded(0.01, 0)
 
@@ -144,30 +144,30 @@ class TrainConfig(Section):
     key: ClassVar[str] = "train"
     max_steps: int = bounded(100_000, 1, MAX_STEPS)  # optimizer steps (the LR schedule ends here)
     # end this process early at this step (staged runs)
-    stop_at_step: Optional[int] = bounded(None, 1, MAX_STEPS, note="or null: run to max_steps")
+    stop_at_step: int | None = bounded(None, 1, MAX_STEPS, note="or null: run to max_steps")
     micro_batch_size: int = bounded(8, 1, MAX_BATCH)  # per rank
     gradient_accumulation_steps: int = bounded(1, 1, MAX_BATCH)
     # if set: must equal micro x ranks x accumulation
-    global_batch_size: Optional[int] = bounded(None, 1, MAX_STEPS, note="or null")
+    global_batch_size: int | None = bounded(None, 1, MAX_STEPS, note="or null")
     seed: int = bounded(42, 0, 2**32, hi_open=True, text="in [0, 2**32)")
     log_interval: int = bounded(10, 1, MAX_STEPS)
     eval_interval: int = bounded(1000, 0, MAX_STEPS, note="0 turns evaluation off")
     # validation micro-batches per rank per evaluation
     eval_batches: int = bounded(20, 0, MAX_COUNT, note="0 turns evaluation off")
     # per rank, for MFU; None: measured at start, a GEMM in the run's precision (~3 s at most)
-    peak_tflops: Optional[float] = bounded(None, 0, lo_open=True)
+    peak_tflops: float | None = bounded(None, 0, lo_open=True)
     save_on_signal: bool = True  # SIGUSR1/SIGTERM: checkpoint, then exit with EXIT_PREEMPTED
     # non-finite loss: "stop" (keep last good checkpoint) or "skip"
     nonfinite: str = one_of("stop", ("stop", "skip"))
     # sequence-length stages in step order (see docs/data.md); empty: one stage, all of data
-    stages: List[StageConfig] = field(default_factory=list)
+    stages: list[StageConfig] = field(default_factory=list)
     # torch.compile the model through DeepSpeed's engine (engine.compile; docs/observability.md)
     compile: bool = False
     compile_backend: str = one_of("inductor", COMPILE_BACKENDS, note="torch.compile's backend")
     # inductor's mode; null: its default
-    compile_mode: Optional[str] = one_of(None, COMPILE_MODES, note="or null: inductor's default")
+    compile_mode: str | None = one_of(None, COMPILE_MODES, note="or null: inductor's default")
     # null: static shapes first, dynamic after a shape changes (torch's default); true / false
-    compile_dynamic: Optional[bool] = None
+    compile_dynamic: bool | None = None
     # torch threads per rank. auto: OMP_NUM_THREADS where it is set, else the whole CPUs this
     # rank has (affinity, cgroup CPU quota, ranks on the node; docs/performance.md). The
     # [setup] line says which and why.
@@ -220,7 +220,7 @@ class ActivationCheckpointingConfig(Section):
     partition_activations: bool = False  # DeepSpeed: shard checkpoints across model-parallel ranks
     cpu_checkpointing: bool = False  # DeepSpeed: keep checkpoints in CPU memory
     # checkpoint the first N layers (None: all)
-    number_checkpoints: Optional[int] = bounded(None, 1, MAX_COUNT)
+    number_checkpoints: int | None = bounded(None, 1, MAX_COUNT)
     # layer: one checkpoint per layer; sublayer: the attention and the feed-forward sub-layers
     # apart (twice the saved inputs, the backward holds one sub-layer's activations at a time)
     granularity: str = one_of("layer", ("layer", "sublayer"))
@@ -254,7 +254,7 @@ class DeepSpeedConfig(Section):
         "bf16", PRECISIONS, "or auto: bf16 where this machine multiplies bf16 natively, else fp32",
         also=("auto",),
     )
-    auto_precision: Optional[str] = None  # set by resolve when precision was auto: why
+    auto_precision: str | None = None  # set by resolve when precision was auto: why
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     gradient_clipping: float = bounded(1.0, 0, note="0: no clipping")
     fp32_grad_accum: bool = True  # accumulate gradients in fp32 under bf16/fp16
@@ -268,10 +268,10 @@ class DeepSpeedConfig(Section):
         default_factory=ActivationCheckpointingConfig
     )
     # None: nccl on CUDA, gloo on CPU
-    dist_backend: Optional[str] = one_of(None, DIST_BACKENDS, "or null: nccl on CUDA, gloo on CPU")
+    dist_backend: str | None = one_of(None, DIST_BACKENDS, "or null: nccl on CUDA, gloo on CPU")
     # merged into the DeepSpeed JSON; only what the job config does not own (checked at
     # resolve: linformer_ds.ds_config.check_deepspeed_extra)
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def rules(self, job: "JobConfig") -> None:  # fp32_grad_accum: resolve (after auto)
         self.zero.validate(job)
@@ -282,7 +282,7 @@ class DeepSpeedConfig(Section):
         why = self.auto_precision
         return f"{self.precision} (auto: {why})" if why else self.precision
 
-    def extra_dict(self) -> Dict[str, Any]:
+    def extra_dict(self) -> dict[str, Any]:
         """``extra`` as plain containers."""
         return OmegaConf.to_container(OmegaConf.create(self.extra)) or {}  # type: ignore[return-value]
 
@@ -293,7 +293,7 @@ class LoggingConfig(Section):
     dir: str = nonempty("runs/${name}")
     tensorboard: bool = True
     # Prometheus /metrics on every rank at port + local rank (0: free ports, logged); None: off
-    prometheus_port: Optional[int] = bounded(
+    prometheus_port: int | None = bounded(
         None, 0, 65535, text="a TCP port in [0, 65535]", note="0: free"
     )
     # the address the endpoints listen on: 0.0.0.0 every interface (a cluster's Prometheus
@@ -301,7 +301,7 @@ class LoggingConfig(Section):
     prometheus_host: str = nonempty("0.0.0.0")
     # sinks registered by name (linformer_ds.metrics.register_sink, e.g. in a --plugin module),
     # built on every rank beside the built-in ones
-    sinks: List[str] = field(default_factory=list)
+    sinks: list[str] = field(default_factory=list)
 
     def rules(self, job: "JobConfig") -> None:
         if not is_host(self.prometheus_host):
@@ -324,7 +324,7 @@ class CheckpointConfig(Section):
     # Resume although the data differs from the checkpoint's (another tokenizer, N or manifest:
     # the rest of the epoch then runs over other rows).
     allow_data_change: bool = False
-    init_from: Optional[str] = None  # hf:PATH: a fresh start's weights (linformer_ds.warm_start)
+    init_from: str | None = None  # hf:PATH: a fresh start's weights (linformer_ds.warm_start)
 
     def rules(self, job: "JobConfig") -> None:
         if self.resume not in ("auto", "never") and "/" in self.resume:
@@ -342,7 +342,7 @@ class ParallelConfig(Section):
     # ZeRO stage and precision), else whole, the reason on the [setup] line; true: sharded, or
     # an error naming what prevents it; false: every rank holds them whole.
     shard_sequence_parameters: Any = "auto"
-    auto_shard: Optional[str] = None  # set by resolve when auto was decided: the choice and why
+    auto_shard: str | None = None  # set by resolve when auto was decided: the choice and why
     # Deadline of every start-up wait (rendezvous, ranks joining); afterwards DeepSpeed's timeout.
     init_timeout_s: float = bounded(DEFAULT_INIT_TIMEOUT_S, 0, 86400, lo_open=True)
 
@@ -361,7 +361,7 @@ class EvalConfig(Section):
     loss(longest window); empty: off. Windows longer than the data's rows are left out."""
 
     key: ClassVar[str] = "eval"
-    context_windows: List[int] = field(default_factory=list)
+    context_windows: list[int] = field(default_factory=list)
     context_rows: int = bounded(8, 1, MAX_COUNT)
 
     def rules(self, job: "JobConfig") -> None:
@@ -383,14 +383,14 @@ class DebugConfig(Section):
     off. Each rank appends to its own file in the directory."""
 
     key: ClassVar[str] = "debug"
-    sample_log: Optional[str] = None  # DIR: samples.rank{R}.jsonl, the sample indices per step
-    sync_log: Optional[str] = None  # DIR: syncs.rank{R}.jsonl, host syncs of sync_steps
-    sync_steps: List[int] = field(default_factory=lambda: [2, 3])  # the optimizer steps counted
+    sample_log: str | None = None  # DIR: samples.rank{R}.jsonl, the sample indices per step
+    sync_log: str | None = None  # DIR: syncs.rank{R}.jsonl, host syncs of sync_steps
+    sync_steps: list[int] = field(default_factory=lambda: [2, 3])  # the optimizer steps counted
     # TEST HOOK: the loss of this optimizer step times NaN (on rank nan_rank; null: every rank)
-    nan_at_step: Optional[int] = bounded(None, 1, MAX_STEPS, note="or null: off")
-    nan_rank: Optional[int] = bounded(None, 0, MAX_COUNT, note="or null: every rank")
+    nan_at_step: int | None = bounded(None, 1, MAX_STEPS, note="or null: off")
+    nan_rank: int | None = bounded(None, 0, MAX_COUNT, note="or null: every rank")
     # TEST HOOK: start-up holds at this phase (one line) until a signal ends it
-    pause_at: Optional[str] = one_of(None, START_UP_PHASES, note="or null: off")
+    pause_at: str | None = one_of(None, START_UP_PHASES, note="or null: off")
 
     def rules(self, job: "JobConfig") -> None:
         for name in ("sample_log", "sync_log"):
@@ -443,7 +443,7 @@ class JobConfig:
 _LOAD_ERRORS = (OmegaConfBaseException, yaml.YAMLError, TypeError, ValueError, KeyError)
 
 
-def _load_yaml(path: str, chain: Tuple[str, ...] = ()) -> DictConfig:
+def _load_yaml(path: str, chain: tuple[str, ...] = ()) -> DictConfig:
     """One YAML file, with its ``defaults: other.yaml`` (relative to it) merged underneath."""
     real = os.path.realpath(path)
     if real in chain:
@@ -476,7 +476,7 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key else msg
 
 
-def _shape_mismatch(schema: Any, user: Any, prefix: str = "") -> Optional[str]:
+def _shape_mismatch(schema: Any, user: Any, prefix: str = "") -> str | None:
     """The first key where ``user`` puts a mapping, a list or a scalar in place of another kind
     in ``schema`` (OmegaConf's own error names neither the key nor the kinds)."""
     kinds = {DictConfig: "a mapping (a config section)", ListConfig: "a list"}
@@ -540,7 +540,7 @@ def _parse_override(item: str) -> DictConfig:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({msg})") from None
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> JobConfig:
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Schema <- YAML file <- ``key=value`` overrides; interpolations resolved; checked once
     (:func:`validate`). Not yet resolved for a world: see ``linformer_ds.resolve.resolve``."""
     merged = OmegaConf.structured(JobConfig)
@@ -569,7 +569,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     return cfg
 
 
-def _check_required(path: Optional[str], overrides: List[str]) -> None:
+def _check_required(path: str | None, overrides: list[str]) -> None:
     """A config that sets nothing, or leaves ``data.path`` / ``model`` to the schema, is an error
     (the YAML file and the overrides together must set them)."""
     user = _load_yaml(path) if path else OmegaConf.create({})
@@ -598,7 +598,7 @@ def _check_required(path: Optional[str], overrides: List[str]) -> None:
         )
 
 
-def to_dict(cfg: JobConfig) -> Dict[str, Any]:
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
@@ -606,7 +606,7 @@ def to_yaml(cfg: JobConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def from_dict(d: Dict[str, Any]) -> JobConfig:
+def from_dict(d: dict[str, Any]) -> JobConfig:
     """Rebuild a JobConfig from ``to_dict`` output (e.g. a checkpoint's saved config)."""
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), d))  # type: ignore[return-value]

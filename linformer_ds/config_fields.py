@@ -8,7 +8,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -34,14 +34,14 @@ class Range:
     """Valid values of a numeric field: ``lo``/``hi`` (None: unbounded), open or closed;
     ``note`` says what a boundary value means; ``text`` replaces the generated wording."""
 
-    lo: Optional[float] = None
-    hi: Optional[float] = None
+    lo: float | None = None
+    hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
     note: str = ""
     text: str = ""
 
-    def problem(self, value: Any) -> Optional[str]:
+    def problem(self, value: Any) -> str | None:
         if value is None:
             return None
         if isinstance(value, float) and not math.isfinite(value):
@@ -58,13 +58,13 @@ class Range:
         return f"must be {'<' if self.hi_open else '<='} {self.hi}{note}, got {value}"
 
 
-def bounded(default: Any, lo: Optional[float] = None, hi: Optional[float] = None, **kw: Any) -> Any:
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, **kw: Any) -> Any:
     """A numeric field with its valid range (see :class:`Range`)."""
     return field(default=default, metadata={"range": Range(lo, hi, **kw)})
 
 
 def one_of(
-    default: Optional[str], choices: Tuple[str, ...], note: str = "", also: Tuple[str, ...] = ()
+    default: str | None, choices: tuple[str, ...], note: str = "", also: tuple[str, ...] = ()
 ) -> Any:
     """A string field that takes one of ``choices`` (None also when the default is None);
     ``also``: accepted values that ``note`` describes (e.g. ``auto``)."""
@@ -89,13 +89,13 @@ def nonempty(default: str) -> Any:
     return field(default=default, metadata={"nonempty": True})
 
 
-def _choices_text(choices: Tuple[str, ...]) -> str:
+def _choices_text(choices: tuple[str, ...]) -> str:
     if len(choices) > 3:
         return "one of " + ", ".join(choices)
     return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else choices[0]
 
 
-def field_problem(f: dataclasses.Field, value: Any) -> Optional[str]:
+def field_problem(f: dataclasses.Field, value: Any) -> str | None:
     """Why ``value`` breaks the declaration of field ``f`` (None: it does not)."""
     meta = f.metadata
     if isinstance(value, str) and "\x00" in value:
@@ -125,7 +125,7 @@ def check_fields(section: Any, prefix: str) -> None:
                     check_fields(item, f"{key}[{i}]")
 
 
-def unusable_dir(path: Optional[str]) -> Optional[str]:
+def unusable_dir(path: str | None) -> str | None:
     """Why directory ``path`` cannot be written (or created) here, or None (also for None)."""
     if path is None:
         return None

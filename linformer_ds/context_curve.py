@@ -39,8 +39,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class ContextCurveError(ValueError):
 
 # ========================================================================= positions and windows
 def document_segments(tokens: torch.Tensor, pad_id: int, sep_id: int, isolation: bool
-                      ) -> List[Tuple[int, int]]:  # fmt: skip
+                      ) -> list[tuple[int, int]]:  # fmt: skip
     """``[(start, end)]`` of the documents of one row ``tokens [N]`` as the model sees them:
     with ``isolation`` the spans between document starts (``document_positions``: the row start
     and every position after a sep), else the whole row; pad positions left out."""
@@ -78,7 +79,7 @@ def document_segments(tokens: torch.Tensor, pad_id: int, sep_id: int, isolation:
     return out
 
 
-def tile_starts(start: int, end: int, w: int) -> List[int]:
+def tile_starts(start: int, end: int, w: int) -> list[int]:
     """Starts of the windows of ``w`` tokens tiling ``[start, end)`` (``end - start >= w``) at a
     stride of ``w / 2``, the last ending at ``end``."""
     stride = max(1, w // 2)
@@ -89,11 +90,11 @@ def tile_starts(start: int, end: int, w: int) -> List[int]:
 
 
 def assign_windows(positions: Sequence[int], start: int, end: int, w: int
-                   ) -> Dict[int, List[int]]:  # fmt: skip
+                   ) -> dict[int, list[int]]:  # fmt: skip
     """``{window start: [positions]}``: each position of ``[start, end)`` in the tile (of
     :func:`tile_starts`) whose start is nearest to its centred, clipped start."""
     tiles = np.asarray(tile_starts(start, end, w))
-    out: Dict[int, List[int]] = {}
+    out: dict[int, list[int]] = {}
     for p in positions:
         ideal = min(max(p - w // 2, start), end - w)
         t = int(tiles[int(np.argmin(np.abs(tiles - ideal)))])
@@ -108,19 +109,19 @@ class Row:
     index: int
     input_ids: torch.Tensor  # [N] long, masked
     labels: torch.Tensor  # [N] long, the original tokens at the scored positions
-    segments: List[Tuple[int, int, List[int]]] = field(default_factory=list)  # (s, e, positions)
+    segments: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (s, e, positions)
 
-    def positions(self) -> List[int]:
+    def positions(self) -> list[int]:
         return sorted(p for _, _, ps in self.segments for p in ps)
 
 
 def select_rows(dataset: Any, rows: int, w_max: int, seed: int, isolation: bool,
-                mlm_probability: float = 0.15) -> List[Row]:  # fmt: skip
+                mlm_probability: float = 0.15) -> list[Row]:  # fmt: skip
     """The first ``rows`` rows of ``dataset`` that hold a scored position: a hidden label (input
     = mask) in a document of at least ``w_max`` non-pad tokens."""
     masker = MLMMasking(dataset.vocab_size, dataset.mask_id, dataset.special_ids,
                         mlm_probability=mlm_probability, seed=seed, pad_id=dataset.pad_id)  # fmt: skip
-    out: List[Row] = []
+    out: list[Row] = []
     for i in range(len(dataset)):
         tokens = dataset[i]
         segs = [(s, e) for s, e in document_segments(tokens, dataset.pad_id, dataset.sep_id,
@@ -147,8 +148,8 @@ def _model_forward(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @torch.no_grad()
 def window_stats(model: Any, rows: Sequence[Row], w: int, device: Any = "cpu",
-                 batch_tokens: int = 16384, progress: Optional[Callable[[int, int], None]] = None
-                 ) -> Dict[str, Any]:  # fmt: skip
+                 batch_tokens: int = 16384, progress: Callable[[int, int], None] | None = None
+                 ) -> dict[str, Any]:  # fmt: skip
     """Summed cross-entropy, correct count and count of the rows' scored positions with a
     window of ``w`` tokens; ``per_position``: ``{(row, position): loss}``."""
     jobs = []  # (row, window start, positions)
@@ -158,7 +159,7 @@ def window_stats(model: Any, rows: Sequence[Row], w: int, device: Any = "cpu",
                 jobs.append((r, t, got))
     per_batch = max(1, batch_tokens // w)
     loss_sum, correct, count = 0.0, 0, 0
-    per_position: Dict[Tuple[int, int], float] = {}
+    per_position: dict[tuple[int, int], float] = {}
     hidden_of = _model_forward(model)
     for b in range(0, len(jobs), per_batch):
         part = jobs[b : b + per_batch]
@@ -181,7 +182,7 @@ def window_stats(model: Any, rows: Sequence[Row], w: int, device: Any = "cpu",
 
 
 def usable_windows(windows: Sequence[int], seq_len: int, max_seq_len: int
-                   ) -> Tuple[List[int], List[Dict[str, Any]]]:  # fmt: skip
+                   ) -> tuple[list[int], list[dict[str, Any]]]:  # fmt: skip
     """The windows evaluated (sorted, at most the rows' N and the model's max_seq_len) and the
     ones left out with the reason."""
     use, skipped = [], []
@@ -200,7 +201,7 @@ def usable_windows(windows: Sequence[int], seq_len: int, max_seq_len: int
 def curve(model: Any, dataset: Any, windows: Sequence[int], rows: int = 16, seed: int = 0,
           isolation: bool = False, unigram: Any = None, device: Any = "cpu",
           batch_tokens: int = 16384, mlm_probability: float = 0.15,
-          log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:  # fmt: skip
+          log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """The context curve of ``model`` (a ``LinformerForMaskedLM``, in eval mode) on ``rows``
     rows of ``dataset`` (a ``ShardDataset``): see the module docstring. ``unigram``: a
     ``UnigramMeter`` for the context-free reference on the same positions (or None)."""
@@ -220,7 +221,7 @@ def curve(model: Any, dataset: Any, windows: Sequence[int], rows: int = 16, seed
             f"(scripts/make_long_corpus.sh)"
         )
     positions = [(r.index, p) for r in picked for p in r.positions()]
-    result: Dict[str, Any] = {
+    result: dict[str, Any] = {
         "rows": len(picked), "row_indices": [r.index for r in picked],
         "positions": len(positions), "isolation": bool(isolation), "seed": int(seed),
         "seq_len": int(dataset.seq_len), "max_seq_len": int(model.config.max_seq_len),
@@ -264,10 +265,10 @@ def curve(model: Any, dataset: Any, windows: Sequence[int], rows: int = 16, seed
     return result
 
 
-def eval_figures(result: Dict[str, Any]) -> Dict[str, float]:
+def eval_figures(result: dict[str, Any]) -> dict[str, float]:
     """The trainer's eval record fields of a :func:`curve` result: ``context_loss_w{W}``,
     ``context_accuracy_w{W}`` per window and ``long_context_gain`` (when defined)."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for x in result["windows"]:
         out[f"context_loss_w{x['window']}"] = x["loss"]
         out[f"context_accuracy_w{x['window']}"] = x["accuracy"]
@@ -277,7 +278,7 @@ def eval_figures(result: Dict[str, Any]) -> Dict[str, float]:
 
 
 # ====================================================================================== loading
-def parse_windows(text: str, seq_len: int) -> List[int]:
+def parse_windows(text: str, seq_len: int) -> list[int]:
     """``"128,512,N"`` -> ``[128, 512, seq_len]`` (``N``: the rows' length)."""
     out = []
     for item in str(text).split(","):
@@ -306,7 +307,7 @@ def _isolation_setting(config: Any) -> Any:
     return None
 
 
-def load_model(path: str, tag: Optional[str] = None) -> Tuple[Any, Dict[str, Any]]:
+def load_model(path: str, tag: str | None = None) -> tuple[Any, dict[str, Any]]:
     """``(LinformerForMaskedLM in eval mode, info)`` of an export or a checkpoint directory;
     ``info``: ``kind``, ``training_config`` (None when not recorded)."""
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
@@ -380,7 +381,7 @@ def load_model(path: str, tag: Optional[str] = None) -> Tuple[Any, Dict[str, Any
     return model.eval(), {"kind": f"checkpoint {name}", "training_config": meta.get("config")}
 
 
-def decide_isolation(setting: str, dataset: Any, training_config: Any) -> Tuple[bool, str]:
+def decide_isolation(setting: str, dataset: Any, training_config: Any) -> tuple[bool, str]:
     """``--isolation``: on / off, or auto: the training config's ``data.document_isolation``
     when recorded, and its ``auto`` (or none recorded): on when the data is packed ``full`` (the
     trainer's rule)."""
@@ -393,7 +394,7 @@ def decide_isolation(setting: str, dataset: Any, training_config: Any) -> Tuple[
     return full, f"{'on' if full else 'off'} (auto: packing {dataset.manifest.get('packing')})"
 
 
-def open_data(path: str, split: str) -> Tuple[Any, Any]:
+def open_data(path: str, split: str) -> tuple[Any, Any]:
     """``(the split to evaluate, the unigram meter of the train split)``."""
     from linformer_ds.context_meter import UnigramMeter, load_counts
     from linformer_ds.data.shards import DataError, ShardDataset
@@ -414,7 +415,7 @@ def open_data(path: str, split: str) -> Tuple[Any, Any]:
 
 
 # ========================================================================================== plot
-def plot(result: Dict[str, Any], path: str, title: str) -> Optional[str]:
+def plot(result: dict[str, Any], path: str, title: str) -> str | None:
     """Loss against window (log scale) with the unigram level; None when written, else why not."""
     try:
         import matplotlib
@@ -446,7 +447,7 @@ def plot(result: Dict[str, Any], path: str, title: str) -> Optional[str]:
 
 
 # =========================================================================================== CLI
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m linformer_ds.context_curve",
         description="Hidden-label loss of the same masked positions seen through windows of W "
@@ -478,7 +479,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rows < 1:
         raise ContextCurveError(f"--rows {args.rows}: must be at least 1")
     if args.batch_tokens < 1:
@@ -519,7 +520,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)

@@ -28,8 +28,9 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ FIELDS = (
 
 
 def count_tokens(
-    paths: Sequence[Union[str, os.PathLike]], vocab_size: int, excluded: Sequence[int]
+    paths: Sequence[str | os.PathLike], vocab_size: int, excluded: Sequence[int]
 ) -> np.ndarray:
     """``int64 [vocab_size]`` token counts over the rows of the ``.npy`` shards ``paths``
     (memory-mapped, counted in chunks), with the ``excluded`` ids set to 0."""
@@ -65,8 +66,8 @@ def count_tokens(
     return counts
 
 
-def counts_record(out: Union[str, os.PathLike], shards: List[Dict[str, Any]], vocab_size: int,
-                  excluded: Sequence[int], split: str = "train") -> Dict[str, Any]:  # fmt: skip
+def counts_record(out: str | os.PathLike, shards: list[dict[str, Any]], vocab_size: int,
+                  excluded: Sequence[int], split: str = "train") -> dict[str, Any]:  # fmt: skip
     """data_prep: count ``split``'s ``shards`` under ``out``, write ``out/unigram_counts.npy``
     and return the manifest's ``unigram`` record (file, sha256, split, excluded ids, tokens)."""
     counts = count_tokens([os.path.join(out, s["file"]) for s in shards], vocab_size, excluded)
@@ -98,7 +99,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _recorded_sha(dataset: Any, excluded: Sequence[int]) -> Optional[str]:
+def _recorded_sha(dataset: Any, excluded: Sequence[int]) -> str | None:
     """The sha256 the manifest records for this split's counts (with these excluded ids)."""
     rec = dataset.manifest.get("unigram")
     if not isinstance(rec, dict) or rec.get("split") != dataset.split:
@@ -108,7 +109,7 @@ def _recorded_sha(dataset: Any, excluded: Sequence[int]) -> Optional[str]:
     return str(rec["sha256"]) if rec.get("sha256") else None
 
 
-def _parse(data: bytes, vocab_size: int) -> Optional[np.ndarray]:
+def _parse(data: bytes, vocab_size: int) -> np.ndarray | None:
     """``data`` (the bytes of a ``.npy`` file) as ``int64 [vocab_size]`` counts, else None."""
     try:
         counts = np.load(io.BytesIO(data), allow_pickle=False)
@@ -119,7 +120,7 @@ def _parse(data: bytes, vocab_size: int) -> Optional[np.ndarray]:
     return counts.astype(np.int64)
 
 
-def _recorded(dataset: Any, excluded: Sequence[int]) -> "tuple[Optional[np.ndarray], str]":
+def _recorded(dataset: Any, excluded: Sequence[int]) -> "tuple[np.ndarray | None, str]":
     """data_prep's counts of this split, when its manifest records them and the file is the
     one recorded (sha256, token total); else ``(None, why not)`` (empty: nothing recorded)."""
     want = _recorded_sha(dataset, excluded)
@@ -143,8 +144,8 @@ def _recorded(dataset: Any, excluded: Sequence[int]) -> "tuple[Optional[np.ndarr
 
 
 def _cached(
-    cache: Path, want: Optional[str], vocab_size: int
-) -> "tuple[Optional[np.ndarray], str]":
+    cache: Path, want: str | None, vocab_size: int
+) -> "tuple[np.ndarray | None, str]":
     """The cache file's counts when its bytes have the manifest's sha256 (``want``), else the
     sha256 its sidecar (``.sha256``) recorded when it was written; ``(None, why not)``."""
     try:
@@ -168,8 +169,8 @@ def _cached(
 
 
 def load_counts(
-    dataset: Any, cache_dir: Optional[Union[str, os.PathLike]], write_cache: bool = True
-) -> Dict[str, Any]:
+    dataset: Any, cache_dir: str | os.PathLike | None, write_cache: bool = True
+) -> dict[str, Any]:
     """The unigram counts of ``dataset`` (a ``ShardDataset``, normally the train split):
     ``{"counts": int64 [V], "from": "manifest" | "cache" | "counted", "why": str}``. Files are
     verified by sha256 (the manifest's record; a cache's own ``.sha256`` beside it when the
@@ -224,14 +225,14 @@ class UnigramMeter:
         self.source = source
 
     @classmethod
-    def for_dataset(cls, dataset: Any, cache_dir: Optional[Union[str, os.PathLike]] = None,
+    def for_dataset(cls, dataset: Any, cache_dir: str | os.PathLike | None = None,
                     write_cache: bool = True) -> "UnigramMeter":  # fmt: skip
         """The meter of a train split (see :func:`load_counts`)."""
         got = load_counts(dataset, cache_dir, write_cache)
         why = got.get("why")
         return cls(got["counts"], dataset.special_ids, got["from"] + (f": {why}" if why else ""))
 
-    def stats(self, labels: "torch.Tensor") -> List[float]:
+    def stats(self, labels: "torch.Tensor") -> list[float]:
         """``[sum of -log p(label), labels equal to the top token]`` over the labelled positions
         (``!= IGNORE_INDEX``) of ``labels`` (any shape, on the host)."""
         lab = labels[labels != IGNORE_INDEX].numpy()
@@ -241,7 +242,7 @@ class UnigramMeter:
 
 
 def unigram_bias(meters: Sequence[UnigramMeter], weights: Sequence[float],
-                 vocab_size: Optional[int] = None, floor_nats: float = 10.0) -> np.ndarray:  # fmt: skip
+                 vocab_size: int | None = None, floor_nats: float = 10.0) -> np.ndarray:  # fmt: skip
     """``float32 [vocab_size]``: the log of the ``weights``-mixture of the meters' unigram
     distributions, centred to mean 0 over the ids any of them can mask; the never-masked ids
     (pad, cls, ...) and those past the data's vocabulary (a model's ``vocab_size`` may be larger)
@@ -261,7 +262,7 @@ def unigram_bias(meters: Sequence[UnigramMeter], weights: Sequence[float],
     return (logp - logp[maskable].mean()).astype(np.float32)
 
 
-def set_output_bias(model: Any, meters: Dict[str, UnigramMeter], stage: Any,
+def set_output_bias(model: Any, meters: dict[str, UnigramMeter], stage: Any,
                     vocab_size: int) -> str:  # fmt: skip
     """``model.output_bias_init: unigram`` at a fresh start: ``model.lm_head.decoder.bias`` =
     :func:`unigram_bias` of ``stage``'s train mixture (``names``, ``weights``); the log line."""
@@ -276,8 +277,8 @@ def set_output_bias(model: Any, meters: Dict[str, UnigramMeter], stage: Any,
     )
 
 
-def train_meters(datasets: Dict[str, Any], cache_dir: Optional[Union[str, os.PathLike]],
-                 write_cache: bool) -> "tuple[Dict[str, UnigramMeter], str]":  # fmt: skip
+def train_meters(datasets: dict[str, Any], cache_dir: str | os.PathLike | None,
+                 write_cache: bool) -> "tuple[dict[str, UnigramMeter], str]":  # fmt: skip
     """The meter of each named train split (:meth:`UnigramMeter.for_dataset`) and a summary of
     where their counts came from (``name: N tokens (manifest|cache|counted)``)."""
     meters = {name: UnigramMeter.for_dataset(ds, cache_dir, write_cache=write_cache)
@@ -286,7 +287,7 @@ def train_meters(datasets: Dict[str, Any], cache_dir: Optional[Union[str, os.Pat
 
 
 def figures(loss_sum: float, correct: float, count: float, loss: float, acc: float
-            ) -> Dict[str, float]:  # fmt: skip
+            ) -> dict[str, float]:  # fmt: skip
     """The meter's fields of an eval record from its summed statistics over ``count`` labels
     (the hidden ones) and the model's ``loss`` / ``acc`` on the same labels."""
     u_loss = loss_sum / max(count, 1.0)
@@ -299,8 +300,8 @@ def figures(loss_sum: float, correct: float, count: float, loss: float, acc: flo
     }
 
 
-def with_mixture_meter(record: Dict[str, float], names: Sequence[str], weights: Sequence[float],
-                       per_source: Dict[str, Dict[str, float]]) -> Dict[str, float]:  # fmt: skip
+def with_mixture_meter(record: dict[str, float], names: Sequence[str], weights: Sequence[float],
+                       per_source: dict[str, dict[str, float]]) -> dict[str, float]:  # fmt: skip
     """A mixture's eval ``record`` (data.stages.combine_eval) with the meter's fields of the mixture
     after ``mlm_accuracy``: the sources' hidden-label and unigram figures weighted as its
     ``loss`` is (by the training ``weights``), and the gains between them. Unchanged when a
@@ -321,7 +322,7 @@ def with_mixture_meter(record: Dict[str, float], names: Sequence[str], weights: 
         "context_gain_nats": u_loss - h_loss,
         "context_gain_accuracy": h_acc - u_acc,
     }
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for k, v in record.items():
         out[k] = v
         if k == "mlm_accuracy":

@@ -28,9 +28,9 @@ import math
 import os
 import re
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 WAIT_POLICIES = ("active", "passive")
 WAIT_VAR = "OMP_WAIT_POLICY"
@@ -55,7 +55,7 @@ def parse_cpu_list(text: str) -> int:
     return count
 
 
-def _read(path: str) -> Optional[str]:
+def _read(path: str) -> str | None:
     try:
         with open(path) as f:
             return f.read().strip()
@@ -63,9 +63,9 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def _cgroup_paths(proc_cgroup: str) -> Dict[str, str]:
+def _cgroup_paths(proc_cgroup: str) -> dict[str, str]:
     """Controller -> this process's cgroup path, from /proc/self/cgroup (``""``: cgroup v2)."""
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for line in (_read(proc_cgroup) or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -76,7 +76,7 @@ def _cgroup_paths(proc_cgroup: str) -> Dict[str, str]:
     return out
 
 
-def _ancestors(mount: str, path: str) -> List[str]:
+def _ancestors(mount: str, path: str) -> list[str]:
     """The cgroup directories from this process's own up to the mount's root (a container that
     sees its own cgroup at the root has the host's path in /proc/self/cgroup: the root then)."""
     dirs, parts = [], [p for p in path.split("/") if p]
@@ -86,7 +86,7 @@ def _ancestors(mount: str, path: str) -> List[str]:
     return dirs + [mount]
 
 
-def _v2_quota(text: str) -> Optional[float]:
+def _v2_quota(text: str) -> float | None:
     quota, _, period = text.partition(" ")
     if quota == "max" or not period:
         return None
@@ -98,16 +98,16 @@ class CgroupCpus:
     """The cgroup's CPU limits: ``quota`` (CPUs' worth of time per period; None: none) and
     ``cpuset`` (CPUs of its cpuset; None: not known)."""
 
-    quota: Optional[float] = None
-    cpuset: Optional[int] = None
+    quota: float | None = None
+    cpuset: int | None = None
 
 
 def cgroup_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> CgroupCpus:
     """This process's cgroup CPU limits (v2 or v1; the tightest quota on the way up to the
     root). Unreadable or malformed files count as no limit."""
     paths = _cgroup_paths(proc_cgroup)
-    quotas: List[float] = []
-    cpuset: Optional[int] = None
+    quotas: list[float] = []
+    cpuset: int | None = None
     try:
         if os.path.isfile(os.path.join(root, "cgroup.controllers")):  # cgroup v2 (unified)
             for d in _ancestors(root, paths.get("", "/")):
@@ -140,9 +140,9 @@ def cgroup_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> Cgro
     return CgroupCpus(min(quotas) if quotas else None, cpuset or None)
 
 
-def _tasks_per_node(text: str, node: int) -> Optional[int]:
+def _tasks_per_node(text: str, node: int) -> int | None:
     """SLURM's ``2(x3),1`` (tasks on each node of the step) at node index ``node``."""
-    counts: List[int] = []
+    counts: list[int] = []
     for item in text.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if m is None:
@@ -162,7 +162,7 @@ LOCAL_SIZE_VARS = (
 )
 
 
-def local_ranks(env: MutableMapping[str, str]) -> Tuple[int, str]:
+def local_ranks(env: MutableMapping[str, str]) -> tuple[int, str]:
     """Ranks of this job on this node and the variable that says so (``1, ""``: none does)."""
     for name, _ in LOCAL_SIZE_VARS:
         value = env.get(name, "").strip()
@@ -187,7 +187,7 @@ class CpuShare:
     local: int
     local_from: str
     machine_cpus: int
-    load: Optional[float]
+    load: float | None
 
     @property
     def bound(self) -> bool:
@@ -216,7 +216,7 @@ class CpuShare:
         ranks = f"{self.local} local ranks ({self.local_from})" if self.local_from else "1 rank"
         return f"{self.cpus:g} CPUs per rank: {', '.join(parts)}, {ranks}"
 
-    def shared(self, threads: int) -> Optional[str]:
+    def shared(self, threads: int) -> str | None:
         """Why this rank's ``threads`` would share CPUs (None: they have CPUs to themselves)."""
         if self.cpus < threads:
             return f"{threads} threads on {self.cpus:g} CPUs"
@@ -230,11 +230,11 @@ class CpuShare:
 
 
 def cpu_share(
-    env: Optional[MutableMapping[str, str]] = None,
-    affinity: Optional[int] = None,
-    cgroup: Optional[CgroupCpus] = None,
-    machine_cpus: Optional[int] = None,
-    load: Optional[float] = -1.0,
+    env: MutableMapping[str, str] | None = None,
+    affinity: int | None = None,
+    cgroup: CgroupCpus | None = None,
+    machine_cpus: int | None = None,
+    load: float | None = -1.0,
 ) -> CpuShare:
     """This rank's :class:`CpuShare`; each argument replaces what is read from the system
     (``load=None``: not known)."""
@@ -261,13 +261,13 @@ def cpu_share(
 
 
 # ============================================================================ the decisions
-def env_threads(env: MutableMapping[str, str]) -> Optional[int]:
+def env_threads(env: MutableMapping[str, str]) -> int | None:
     """``OMP_NUM_THREADS`` as a thread count (its first level), or None when unset or not one."""
     value = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) >= 1 else None
 
 
-def choose_threads(setting: Any, env: MutableMapping[str, str], share: CpuShare) -> Tuple[int, str]:
+def choose_threads(setting: Any, env: MutableMapping[str, str], share: CpuShare) -> tuple[int, str]:
     """``train.threads`` decided: the number and why (for the ``[setup]`` line)."""
     if setting != "auto":
         return int(setting), "train.threads"
@@ -277,22 +277,22 @@ def choose_threads(setting: Any, env: MutableMapping[str, str], share: CpuShare)
     return share.threads, f"auto: {share.describe()}"
 
 
-def auto_wait_policy(share: CpuShare, threads: int) -> Tuple[Optional[str], str]:
+def auto_wait_policy(share: CpuShare, threads: int) -> tuple[str | None, str]:
     """``auto``: ``passive`` when the threads would share CPUs, else None (OpenMP's default:
     spin a while, then sleep); and why."""
     why = share.shared(threads)
     return ("passive", why) if why else (None, "CPUs to itself")
 
 
-def runtime_policy(env: MutableMapping[str, str]) -> Optional[str]:
+def runtime_policy(env: MutableMapping[str, str]) -> str | None:
     """The wait policy the environment gives the OpenMP runtime (lower case; None: unset or
     not one of active/passive, OpenMP's default)."""
     value = env.get(WAIT_VAR, "").strip().lower()
     return value if value in WAIT_POLICIES else None
 
 
-def prepare_openmp(env: Optional[MutableMapping[str, str]] = None,
-                   share: Optional[CpuShare] = None) -> str:  # fmt: skip
+def prepare_openmp(env: MutableMapping[str, str] | None = None,
+                   share: CpuShare | None = None) -> str:  # fmt: skip
     """Before torch loads: set ``OMP_WAIT_POLICY`` for ``auto`` unless the environment sets it
     (then it is the user's), and record why in ``LINFORMER_DS_OMP_WAIT_REASON``. Returns the
     reason. The job config is not read here (it needs torch): an explicit
@@ -322,14 +322,14 @@ class ThreadPlan:
     threads_why: str
     wait: str  # active, passive or default
     wait_why: str
-    warning: Optional[str] = None
+    warning: str | None = None
 
     def setup_text(self) -> str:
         return f"threads={self.threads} ({self.threads_why}) omp_wait={self.wait_why}"
 
 
-def thread_plan(threads: Any, wait_policy: str, env: Optional[MutableMapping[str, str]] = None,
-                share: Optional[CpuShare] = None) -> ThreadPlan:  # fmt: skip
+def thread_plan(threads: Any, wait_policy: str, env: MutableMapping[str, str] | None = None,
+                share: CpuShare | None = None) -> ThreadPlan:  # fmt: skip
     """What this rank runs with under ``train.threads`` / ``train.omp_wait_policy``. The wait
     policy is the one the OpenMP runtime started with (the environment at ``import torch``);
     an explicit setting it did not start with gets a ``warning`` (see
@@ -357,9 +357,9 @@ def thread_plan(threads: Any, wait_policy: str, env: Optional[MutableMapping[str
 
 def wait_policy_restart(
     wait_policy: str,
-    env: Optional[MutableMapping[str, str]] = None,
-    execv: Optional[Callable[[str, Sequence[str]], Any]] = None,
-    argv: Optional[Sequence[str]] = None,
+    env: MutableMapping[str, str] | None = None,
+    execv: Callable[[str, Sequence[str]], Any] | None = None,
+    argv: Sequence[str] | None = None,
 ) -> bool:
     """An explicit ``train.omp_wait_policy`` the OpenMP runtime did not start with: restart this
     process (``os.execv``: the same pid, arguments and environment, ``OMP_WAIT_POLICY`` set), once.

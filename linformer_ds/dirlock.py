@@ -21,7 +21,8 @@ import os
 import socket
 import stat
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from linformer_ds import outdir
 
@@ -32,7 +33,7 @@ class LockError(RuntimeError):
     """The directory is in use by another process; the message names the holder."""
 
 
-def _describe(holder: Dict[str, Any]) -> str:
+def _describe(holder: dict[str, Any]) -> str:
     if not holder:
         return "another process (holder unknown)"
     since = holder.get("since")
@@ -41,7 +42,7 @@ def _describe(holder: Dict[str, Any]) -> str:
             f"pid {holder.get('pid', '?')}{when})")  # fmt: skip
 
 
-def _await_holder(path: str, deadline_s: float = 5.0) -> Dict[str, Any]:
+def _await_holder(path: str, deadline_s: float = 5.0) -> dict[str, Any]:
     """The holder of a lock just found taken: a process that has locked the file but not yet
     written its record (a few system calls apart) is waited for, up to ``deadline_s``."""
     end = time.monotonic() + deadline_s
@@ -52,7 +53,7 @@ def _await_holder(path: str, deadline_s: float = 5.0) -> Dict[str, Any]:
     return holder
 
 
-def read_holder(path: str) -> Dict[str, Any]:
+def read_holder(path: str) -> dict[str, Any]:
     """The holder recorded in the lock file ``path`` ({} when none or unreadable); a symbolic
     link is not followed."""
     try:
@@ -64,7 +65,7 @@ def read_holder(path: str) -> Dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def process_start(pid: int) -> Optional[int]:
+def process_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), None
     when it does not exist or there is no /proc: with the pid it names one process, a pid
     reused by a later process has another start."""
@@ -76,7 +77,7 @@ def process_start(pid: int) -> Optional[int]:
         return None
 
 
-def _boot_id() -> Optional[str]:
+def _boot_id() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
             return f.read().strip()
@@ -84,7 +85,7 @@ def _boot_id() -> Optional[str]:
         return None
 
 
-def holder_state(holder: Dict[str, Any]) -> str:
+def holder_state(holder: dict[str, Any]) -> str:
     """Whether the process a lock record names is alive, judged by pid and start time (and the
     host's boot): ``"gone"``, ``"alive"`` (the same process: it no longer holds the lock),
     ``"reused"`` (the pid now names another process) or ``"unknown"`` (another host, or a
@@ -123,9 +124,9 @@ class DirLock:
 
     def __init__(self, path: str, what: str, command: str, shared: bool = False):
         self.path, self.what, self.command, self.shared = path, what, command, shared
-        self.fd: Optional[int] = None
-        self.stale: Dict[str, Any] = {}
-        self.created: List[str] = []  # directories acquire made (removed again when empty)
+        self.fd: int | None = None
+        self.stale: dict[str, Any] = {}
+        self.created: list[str] = []  # directories acquire made (removed again when empty)
 
     def acquire(self) -> "DirLock":
         mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
@@ -206,7 +207,7 @@ class DirLock:
                             "remove it and run again")  # fmt: skip
         return fd
 
-    def stale_note(self) -> Optional[str]:
+    def stale_note(self) -> str | None:
         """One line about the stale lock taken over (its holder no longer holds it), or None:
         the holder's process is called gone only when its pid and start time say so."""
         if not self.stale:
@@ -248,7 +249,7 @@ class DirLock:
             self.release()
 
 
-def _kind(path: str) -> Optional[str]:
+def _kind(path: str) -> str | None:
     """What ``path`` is when it is not a regular file ("a symbolic link", "a directory", ...);
     None when it is one or does not exist."""
     try:
@@ -271,7 +272,7 @@ def run_dir_lock(directory: str, what: str, command: str) -> DirLock:
     return DirLock(os.path.join(directory, LOCK_NAME), f"{what} {directory}", command)
 
 
-def run_dir_locks(directory: str, what: str, command: str) -> List[DirLock]:
+def run_dir_locks(directory: str, what: str, command: str) -> list[DirLock]:
     """A training run's locks on ``directory`` (``what``: logging.dir or checkpoint.dir), held
     for the run's life: the one data_prep, export and finetune take on an ``--out`` (beside it;
     skipped where no lock file can be made there) and :func:`run_dir_lock` (another run). The
@@ -280,7 +281,7 @@ def run_dir_locks(directory: str, what: str, command: str) -> List[DirLock]:
     if found is not None and found[1] is not None:
         raise LockError(f"{what} {directory} is {found[0]} (made by {found[1]}): a run writes to "
                         "a new directory or its own; choose another")  # fmt: skip
-    beside: Optional[DirLock] = output_lock(directory, command, what)
+    beside: DirLock | None = output_lock(directory, command, what)
     try:
         beside.acquire()
     except OSError:

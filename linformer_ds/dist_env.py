@@ -28,9 +28,9 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,7 +55,7 @@ def _int_var(env: MutableMapping[str, str], name: str) -> int:
         ) from None
 
 
-def _first_int(env: MutableMapping[str, str], *names: str) -> Optional[int]:
+def _first_int(env: MutableMapping[str, str], *names: str) -> int | None:
     """The integer value of the first of ``names`` that is set, or None."""
     for name in names:
         if env.get(name, "") != "":
@@ -125,7 +125,7 @@ def _check_ranks(launcher: str, rank: int, world: int, local: int) -> None:
         raise DistEnvError(f"{launcher}: local rank must be >= 0, got {local}")
 
 
-def _mpi_bcast_master(port: Optional[int]) -> tuple:
+def _mpi_bcast_master(port: int | None) -> tuple:
     """Rank 0's hostname and a port (given, or free on rank 0), broadcast with mpi4py."""
     try:
         from mpi4py import MPI
@@ -140,7 +140,7 @@ def _mpi_bcast_master(port: Optional[int]) -> tuple:
     return host, int(port)
 
 
-def _discover_mpi(env: MutableMapping[str, str], default_port: int) -> Optional[Dict[str, Any]]:
+def _discover_mpi(env: MutableMapping[str, str], default_port: int) -> dict[str, Any] | None:
     """Ranks from Open MPI or PMI (MPICH, Intel MPI) variables, or None when not under mpirun."""
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         rank = _int_var(env, "OMPI_COMM_WORLD_RANK")
@@ -174,7 +174,7 @@ def _discover_mpi(env: MutableMapping[str, str], default_port: int) -> Optional[
     return dict(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=port)
 
 
-def _discover_slurm(env: MutableMapping[str, str]) -> Optional[Dict[str, Any]]:
+def _discover_slurm(env: MutableMapping[str, str]) -> dict[str, Any] | None:
     """Ranks of a task of an ``srun`` step, or None outside a step."""
     step = _first_int(env, "SLURM_STEP_ID", "SLURM_STEPID")
     if step is None or step >= SLURM_SPECIAL_STEPS or "SLURM_PROCID" not in env:
@@ -205,7 +205,7 @@ def _discover_slurm(env: MutableMapping[str, str]) -> Optional[Dict[str, Any]]:
     return dict(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=port)
 
 
-def _discover_env(env: MutableMapping[str, str], default_port: int) -> Dict[str, Any]:
+def _discover_env(env: MutableMapping[str, str], default_port: int) -> dict[str, Any]:
     """RANK and WORLD_SIZE set by the deepspeed launcher or torchrun; fill in only what's missing."""
     rank = _int_var(env, "RANK")
     world = _int_var(env, "WORLD_SIZE")
@@ -235,8 +235,8 @@ def _discover_env(env: MutableMapping[str, str], default_port: int) -> Dict[str,
 
 
 def setup_distributed_env(
-    default_port: int = 29500, environ: Optional[MutableMapping[str, str]] = None
-) -> Dict[str, Any]:
+    default_port: int = 29500, environ: MutableMapping[str, str] | None = None
+) -> dict[str, Any]:
     """Make sure RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set; say how.
 
     Returns ``{"launcher": "env"|"mpi"|"slurm"|"single", "rank", "world_size", "local_rank",
@@ -394,7 +394,7 @@ def _proc_parent(pid: int) -> int:
         return 0
 
 
-def launcher_pids() -> List[int]:
+def launcher_pids() -> list[int]:
     """The processes whose death means this rank must leave: the parent (the launcher, srun's
     step daemon, mpirun's daemon) and, under the deepspeed launcher, its runner too (SIGTERM to
     ``deepspeed`` ends the runner but not its ``deepspeed.launcher.launch`` child)."""
@@ -447,9 +447,9 @@ class Watchdog:
                  poll_s: float = 1.0, phase: str = "start-up") -> None:  # fmt: skip
 
         self.exit_code, self.grace_s, self.poll_s = exit_code, float(grace_s), poll_s
-        self.phase: Optional[str] = phase
-        self.on_leave: Optional[Callable[[], None]] = None
-        self.pause_at: Optional[str] = None
+        self.phase: str | None = phase
+        self.on_leave: Callable[[], None] | None = None
+        self.pause_at: str | None = None
         self.launchers = launcher_pids() if watch_launcher else []
         self._read, write = os.pipe()
         os.set_blocking(write, False)
@@ -495,7 +495,7 @@ class Watchdog:
 
     def _run(self) -> None:
 
-        orphaned_at: Optional[float] = None
+        orphaned_at: float | None = None
         while True:
             ready, _, _ = select.select([self._read], [], [], self.poll_s)
             if ready:
@@ -516,12 +516,12 @@ class Watchdog:
                 )
 
 
-_WATCHDOG: Optional[Watchdog] = None
+_WATCHDOG: Watchdog | None = None
 
 
 def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
                    grace_s: float = DEFAULT_INIT_TIMEOUT_S,
-                   pending: Optional[Callable[[], Optional[int]]] = None) -> Watchdog:  # fmt: skip
+                   pending: Callable[[], int | None] | None = None) -> Watchdog:  # fmt: skip
     """The process's one :class:`Watchdog`, (re)armed for start-up. Call from the main thread.
 
     ``pending()``: a stop signal the trainer's handler recorded before, read once the watchdog

@@ -8,7 +8,7 @@ import difflib
 import inspect
 import logging
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,9 @@ import torch.distributed as dist
 from linformer_ds.config import ConfigError, JobConfig, data_parallel_size
 
 
-def _numbers(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
+def _numbers(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """``(key path, value)`` of every number in nested dicts and lists."""
-    out: List[Tuple[str, Any]] = []
+    out: list[tuple[str, Any]] = []
     if isinstance(obj, dict):
         for k, v in obj.items():
             out += _numbers(v, f"{prefix}.{k}")
@@ -31,7 +31,7 @@ def _numbers(obj: Any, prefix: str = "") -> List[Tuple[str, Any]]:
 
 
 # ========================================================================= DeepSpeed JSON config
-def _deep_update(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             _deep_update(base[key], value)
@@ -40,10 +40,10 @@ def _deep_update(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return base
 
 
-def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -> Dict[str, Any]:
+def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -> dict[str, Any]:
     """The DeepSpeed JSON config derived from the job config (plus ``deepspeed.extra``)."""
     t, ds, z = cfg.train, cfg.deepspeed, cfg.deepspeed.zero
-    zero: Dict[str, Any] = {"stage": z.stage}
+    zero: dict[str, Any] = {"stage": z.stage}
     if z.stage > 0:
         zero.update(
             overlap_comm=z.overlap_comm,
@@ -58,7 +58,7 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if z.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "train_batch_size": t.micro_batch_size
@@ -113,7 +113,7 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
     return merge_extra(out, ds.extra_dict())
 
 
-def merge_extra(out: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+def merge_extra(out: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` merged into the DeepSpeed JSON ``out`` (in place; returned): nested keys
     update, others replace. With ``torch_adam`` off the trainer's ``fused`` is dropped unless
     ``extra`` sets it: DeepSpeed's FusedAdam / DeepSpeedCPUAdam take no ``fused``."""
@@ -130,7 +130,7 @@ def merge_extra(out: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
 # metadata and the resume checks record another (extra.zero_optimization.stage=3 trained ZeRO-3
 # under a checkpoint that said 2). A key owns its subtree; the longest listed prefix names the
 # field.
-OWNED_DS_KEYS: Dict[str, str] = {
+OWNED_DS_KEYS: dict[str, str] = {
     "train_batch_size": "train.global_batch_size",
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.gradient_accumulation_steps",
@@ -172,7 +172,7 @@ OWNED_DS_KEYS: Dict[str, str] = {
 
 
 # DeepSpeed keys the trainer itself sets, whatever the job config says: why.
-FIXED_DS_KEYS: Dict[str, str] = {
+FIXED_DS_KEYS: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "the optimizer DeepSpeed builds is chosen by optimizer.*",
     "zero_allow_untested_optimizer": "the optimizer DeepSpeed builds is chosen by optimizer.*",
     "checkpoint.load_universal": "a checkpoint saved under another world size or layout is "
@@ -182,7 +182,7 @@ FIXED_DS_KEYS: Dict[str, str] = {
 }
 
 
-def _owner(path: str) -> Optional[str]:
+def _owner(path: str) -> str | None:
     """The job config field that owns DeepSpeed key ``path`` (dotted), or None."""
     parts = path.split(".")
     for n in range(len(parts), 0, -1):
@@ -197,7 +197,7 @@ def _owner(path: str) -> Optional[str]:
     return None
 
 
-def _job_section(key: str) -> List[str]:
+def _job_section(key: str) -> list[str]:
     """The field names of the job config section at ``key`` (dotted)."""
     node: Any = JobConfig
     for part in key.split("."):
@@ -206,11 +206,11 @@ def _job_section(key: str) -> List[str]:
 
 
 def _items(
-    d: Dict[str, Any], prefix: str = "", leaves: bool = False
-) -> List[Tuple[str, Any]]:
+    d: dict[str, Any], prefix: str = "", leaves: bool = False
+) -> list[tuple[str, Any]]:
     """``(key path, value)`` of every key of a nested dict, parents before children
     (``leaves``: only those whose values are not non-empty dicts)."""
-    out: List[Tuple[str, Any]] = []
+    out: list[tuple[str, Any]] = []
     for key, value in d.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         inner = isinstance(value, dict) and bool(value)
@@ -221,7 +221,7 @@ def _items(
     return out
 
 
-def check_owned_keys(extra: Dict[str, Any]) -> None:
+def check_owned_keys(extra: dict[str, Any]) -> None:
     """Refuse any key of ``deepspeed.extra`` that the job config owns (:data:`OWNED_DS_KEYS`)."""
     for path, value in _items(extra, leaves=True):
         fixed = next(
@@ -248,7 +248,7 @@ class _RecordingDict(dict):
     """A dict that records, in a log shared with its nested dicts, which key paths DeepSpeed's
     config parser looks up, and which dicts it consumes whole (``**d``: pydantic models)."""
 
-    def __init__(self, d: Dict[str, Any], log: set, path: Tuple[str, ...] = ()):
+    def __init__(self, d: dict[str, Any], log: set, path: tuple[str, ...] = ()):
         super().__init__(
             {
                 k: _RecordingDict(v, log, (*path, k)) if isinstance(v, dict) else v
@@ -288,7 +288,7 @@ class _RecordingDict(dict):
 WHOLE = "*"  # the log's mark of a dict read whole (its keys are checked by whoever read it)
 
 
-def _pydantic_key(ds: Dict[str, Any], loc: Tuple[Any, ...], model: str) -> str:
+def _pydantic_key(ds: dict[str, Any], loc: tuple[Any, ...], model: str) -> str:
     """The JSON path of a pydantic error ``loc`` inside the DeepSpeed config ``ds``."""
     path = [str(p) for p in loc]
     for top, value in ds.items():
@@ -300,7 +300,7 @@ def _pydantic_key(ds: Dict[str, Any], loc: Tuple[Any, ...], model: str) -> str:
     return ".".join(path) or model
 
 
-def _unknown_key(extra: Dict[str, Any], log: set) -> Optional[Tuple[str, List[str]]]:
+def _unknown_key(extra: dict[str, Any], log: set) -> tuple[str, list[str]] | None:
     """The first key path of ``extra`` that DeepSpeed never read, with the keys it did read at
     that level (for a suggestion). Top-level keys are known if read or named by DeepSpeed's
     constants; a nested key if read, or if its dict was consumed whole (pydantic validated it)."""
@@ -332,13 +332,13 @@ def _unknown_key(extra: Dict[str, Any], log: set) -> Optional[Tuple[str, List[st
     return None
 
 
-def _offload_device(offload: Any) -> Optional[str]:
+def _offload_device(offload: Any) -> str | None:
     device = getattr(offload, "device", None)
     device = getattr(device, "value", device)
     return None if device in (None, "none") else str(device)
 
 
-def _optimizer_math(parsed: Any) -> Dict[str, Any]:
+def _optimizer_math(parsed: Any) -> dict[str, Any]:
     """The optimizer parameters that change what it computes (not how: fused, torch_adam)."""
     owned = {k.split(".")[-1] for k in OWNED_DS_KEYS if k.startswith("optimizer.params.")}
     return {k: v for k, v in (parsed.optimizer_params or {}).items() if k in owned}
@@ -377,7 +377,7 @@ _OWNED_SETTINGS = {
 }
 
 
-def _parse_deepspeed(ds: Dict[str, Any], extra: Dict[str, Any], log: set) -> Any:
+def _parse_deepspeed(ds: dict[str, Any], extra: dict[str, Any], log: set) -> Any:
     """DeepSpeed's own parse of ``ds`` (one ConfigError naming the key on refusal)."""
     import pydantic
     from deepspeed.runtime.config import DeepSpeedConfig as DeepSpeedJSONConfig
@@ -405,7 +405,7 @@ def _parse_deepspeed(ds: Dict[str, Any], extra: Dict[str, Any], log: set) -> Any
         ds_logger.setLevel(level)
 
 
-def _field_suggestion(model_name: str, loc: Tuple[Any, ...]) -> Optional[str]:
+def _field_suggestion(model_name: str, loc: tuple[Any, ...]) -> str | None:
     """A close match for the unknown key ``loc`` (one level deep) among the fields (and
     aliases) of DeepSpeed's pydantic config model ``model_name``."""
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -423,7 +423,7 @@ def _field_suggestion(model_name: str, loc: Tuple[Any, ...]) -> Optional[str]:
     return near[0] if near else None
 
 
-def _check_optimizer_options(cfg: JobConfig, params: Dict[str, Any]) -> None:
+def _check_optimizer_options(cfg: JobConfig, params: dict[str, Any]) -> None:
     """``optimizer.params`` reach the optimizer class DeepSpeed picks (torch's AdamW with
     torch_adam, else DeepSpeedCPUAdam under optimizer offload, else FusedAdam) as keywords: an
     option it does not take is refused here instead of failing in the engine's constructor."""

@@ -3,7 +3,7 @@ and the engine itself (the model's layout is applied before, by
 linformer_ds.parallel.parallelize)."""
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -27,8 +27,8 @@ class World:
 
 
 def final_deepspeed_config(
-    cfg: JobConfig, world_size: int, overrides: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
+    cfg: JobConfig, world_size: int, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON handed to ``deepspeed.initialize``: the config's, plus what the run needs
     (overflow checks under bf16 so non-finite steps are skipped; checkpoint loading flags)."""
     ds = deepspeed_config(cfg, world_size)
@@ -114,7 +114,7 @@ def init_sequence_parallel(cfg: JobConfig):
     return build_groups(cfg.parallel.sequence_parallel_size)
 
 
-def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, Any], mpu=None):
+def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: dict[str, Any], mpu=None):
     """``deepspeed.initialize`` with our parameter groups and LR schedule; returns the engine.
 
     ``model`` is already parallelized and ``mpu`` is what
@@ -122,7 +122,7 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: Dict[str, An
     parallelism)."""
     import deepspeed
 
-    kwargs: Dict[str, Any] = {} if mpu is None else {"mpu": mpu}
+    kwargs: dict[str, Any] = {} if mpu is None else {"mpu": mpu}
     s = cfg.scheduler
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -1,7 +1,6 @@
 """Validation during pretraining: MLM loss, accuracy and perplexity on a fixed slice."""
 
 import math
-from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +17,9 @@ from linformer_ds.parallel.sharding import shard_batch
 @torch.no_grad()
 def evaluate(
     engine, valid_ds, cfg: JobConfig, rank: int, world: int, device, sp_group=None,
-    unigram: Optional[UnigramMeter] = None,
+    unigram: UnigramMeter | None = None,
     document_isolation: bool = False,
-) -> Dict[str, float]:
+) -> dict[str, float]:
     """The same rows and masks at every evaluation (masking seeded by ``train.seed + 1``), and
     the same rows in every layout: ``train.eval_batches`` global batches (``train_batch_size``
     rows each), split over the replicas in micro-batches; the figures are sums over all of
@@ -96,7 +95,7 @@ def evaluate(
 
 
 def context_figures(engine, valid_ds, cfg: JobConfig, device, unigram, document_isolation: bool
-                    ) -> Dict[str, float]:  # fmt: skip
+                    ) -> dict[str, float]:  # fmt: skip
     """``eval.context_windows``: the context curve (linformer_ds.context_curve) of the model on
     ``eval.context_rows`` rows of ``valid_ds``, masked as the evaluation masks (seed
     ``train.seed + 1``); every rank computes the same figures (under ZeRO-3 the forward passes

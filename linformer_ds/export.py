@@ -35,7 +35,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import sentencepiece as spm
 import torch
@@ -79,7 +79,7 @@ TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weig
 
 
 # ==================================================================================== checkpoint
-def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
+def resolve_tag(checkpoint: str, tag: str | None = None) -> tuple[str, str]:
     """``(checkpoint_dir, tag)``, validated by the checkpoint manager's rules."""
     try:
         return resolve_checkpoint(checkpoint, tag)
@@ -87,7 +87,7 @@ def resolve_tag(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
         raise ExportError(f"--checkpoint {e}") from None
 
 
-def read_meta(tag_dir: str) -> Tuple[Dict[str, Any], ModelConfig]:
+def read_meta(tag_dir: str) -> tuple[dict[str, Any], ModelConfig]:
     """The checkpoint's metadata and the ``ModelConfig`` it describes."""
     try:
         meta = read_tag_meta(os.path.dirname(tag_dir), os.path.basename(tag_dir))
@@ -115,7 +115,7 @@ def _listing(d: str, n: int = 8) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
 
 
-def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+def consolidate(checkpoint_dir: str, tag: str) -> dict[str, torch.Tensor]:
     """Full fp32 state dict of a ZeRO 0-3 checkpoint, by DeepSpeed's own consolidation (E/F
     and positions sharded over sequence-parallel ranks are joined whole)."""
     try:
@@ -127,7 +127,7 @@ def consolidate(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     return _consolidate_one(checkpoint_dir, tag)
 
 
-def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+def _consolidate_one(checkpoint_dir: str, tag: str) -> dict[str, torch.Tensor]:
     tag_dir = os.path.join(checkpoint_dir, tag)
     if glob.glob(os.path.join(tag_dir, "*_optim_states.pt")):
         try:
@@ -142,13 +142,13 @@ def _consolidate_one(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     return _consolidate_stage0(tag_dir)
 
 
-def _consolidate_zero(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+def _consolidate_zero(checkpoint_dir: str, tag: str) -> dict[str, torch.Tensor]:
     """Weights of a ZeRO 1-3 checkpoint (fp32 master copy), via zero_to_fp32 lazy mode."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     lazy = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag, lazy_mode=True)
-    out: Dict[str, torch.Tensor] = {}
-    done: Dict[int, str] = {}
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, str] = {}
     for name, t in lazy.items():  # shared entries are one object: materialise it once
         if id(t) in done:
             out[name] = out[done[id(t)]]
@@ -159,7 +159,7 @@ def _consolidate_zero(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _consolidate_stage0(tag_dir: str) -> Dict[str, torch.Tensor]:
+def _consolidate_stage0(tag_dir: str) -> dict[str, torch.Tensor]:
     """ZeRO stage 0 without a ZeRO optimizer: the full weights are in the model-states file."""
     path = os.path.join(tag_dir, MODEL_STATES)
     if not os.path.isfile(path):
@@ -183,8 +183,8 @@ def _consolidate_stage0(tag_dir: str) -> Dict[str, torch.Tensor]:
 
 
 def check_state_dict(
-    state_dict: Dict[str, torch.Tensor], model_config: ModelConfig, where: str
-) -> Dict[str, torch.Tensor]:
+    state_dict: dict[str, torch.Tensor], model_config: ModelConfig, where: str
+) -> dict[str, torch.Tensor]:
     """Match the consolidated weights to the model the config builds; returns what to store.
 
     Missing, unexpected or mis-shaped keys mean the config does not describe these weights. The
@@ -225,17 +225,17 @@ def check_state_dict(
     return {k: got[k] for k in sorted(got)}
 
 
-def _short(items: List[str], n: int = 6) -> str:
+def _short(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 # ===================================================================================== writing
-def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]) -> None:
+def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: dict[str, Any]) -> None:
     """``--tokenizer`` must hold the vocabulary the checkpoint was trained with (the tag's own
     tokenizer.model, else the vocabulary size its metadata records): another one would map the
     model's ids to other tokens."""
 
-    def pieces(path: str) -> List[str]:
+    def pieces(path: str) -> list[str]:
         if is_hf_tokenizer(path):  # a Hugging Face tokenizer directory: its id -> token table
             vocab = load_hf_tokenizer(path).get_vocab()
             table = [""] * (max(vocab.values()) + 1)
@@ -267,7 +267,7 @@ def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: Dict[str, Any]
         )
 
 
-def check_special_ids(tokenizer: str, meta: Dict[str, Any], tag_dir: str) -> None:
+def check_special_ids(tokenizer: str, meta: dict[str, Any], tag_dir: str) -> None:
     """A Hugging Face tokenizer written with the export must have the special ids the model
     was trained with (the checkpoint's metadata records the data's)."""
     want = meta.get("special_ids")
@@ -283,7 +283,7 @@ def check_special_ids(tokenizer: str, meta: Dict[str, Any], tag_dir: str) -> Non
 PROVENANCE = ("portable", "full")
 
 
-def portable_paths(obj: Any, base: Optional[str] = None) -> Any:
+def portable_paths(obj: Any, base: str | None = None) -> Any:
     """``obj`` (JSON-like) with every absolute path made shareable: relative to ``base``
     (default: the working directory) when inside it, else ``.../<last component>``."""
     base = os.path.abspath(base or os.getcwd())
@@ -303,9 +303,9 @@ def portable_paths(obj: Any, base: Optional[str] = None) -> Any:
 def export_checkpoint(
     checkpoint: str,
     out: str,
-    tag: Optional[str] = None,
+    tag: str | None = None,
     dtype: str = "float32",
-    tokenizer: Optional[str] = None,
+    tokenizer: str | None = None,
     overwrite: bool = False,
     provenance: str = "portable",
 ) -> str:
@@ -334,16 +334,16 @@ def export_checkpoint(
         return _export(checkpoint, out, tag, dtype, tokenizer, overwrite, provenance, held)
 
 
-def _inputs(checkpoint: str, tokenizer: Optional[str]) -> List[Tuple[str, Optional[str]]]:
+def _inputs(checkpoint: str, tokenizer: str | None) -> list[tuple[str, str | None]]:
     return [("--checkpoint", checkpoint), ("--tokenizer", tokenizer)]
 
 
 def _export(
     checkpoint: str,
     out: str,
-    tag: Optional[str],
+    tag: str | None,
     dtype: str,
-    tokenizer: Optional[str],
+    tokenizer: str | None,
     overwrite: bool,
     provenance: str,
     held: contextlib.ExitStack,
@@ -416,8 +416,8 @@ def _export(
 
 
 def _resolve_and_pin(
-    checkpoint: str, tag: Optional[str], held: contextlib.ExitStack, attempts: int = 5
-) -> Tuple[str, str]:
+    checkpoint: str, tag: str | None, held: contextlib.ExitStack, attempts: int = 5
+) -> tuple[str, str]:
     """``(checkpoint_dir, tag_dir)``, the tag pinned in ``held`` until the export ends (the
     trainer's pruning leaves it alone). A tag pruned between choosing and pinning it is chosen
     again (the newest, when no ``--tag`` was given)."""
@@ -434,7 +434,7 @@ def _resolve_and_pin(
     )
 
 
-def _verify_weights(out: str, state_dict: Dict[str, torch.Tensor], dtype: str) -> None:
+def _verify_weights(out: str, state_dict: dict[str, torch.Tensor], dtype: str) -> None:
     """Read the written file back: every tensor equals the consolidated one (after the cast)."""
     from safetensors.torch import load_file
 
@@ -447,7 +447,7 @@ def _verify_weights(out: str, state_dict: Dict[str, torch.Tensor], dtype: str) -
             raise ExportError(f"{out}/model.safetensors: {k} differs from the consolidated weights")
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of ``launch/export.py``."""
     p = argparse.ArgumentParser(
         description="Export a linformer_ds DeepSpeed checkpoint to a Hugging Face model directory."
@@ -465,7 +465,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status."""
     args = parse_args(argv)
     outdir.ignore_file_size_signal()

@@ -27,7 +27,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class FinetuneError(ValueError):
 
 # ========================================================================================== data
 def _load(
-    source: str, config_name: Optional[str] = None, columns: Tuple[str, str] = ("text", "label")
+    source: str, config_name: str | None = None, columns: tuple[str, str] = ("text", "label")
 ) -> Any:
     """A ``datasets`` DatasetDict from a local file (:data:`FORMATS_HELP`), a local directory
     or a Hub name. A ``.txt`` file gives the columns ``columns`` (text, label)."""
@@ -92,7 +93,7 @@ def _load(
         raise FinetuneError(f"cannot load dataset {source!r}: {type(e).__name__}: {e}") from e
 
 
-def _load_txt(path: str, columns: Tuple[str, str]) -> Any:
+def _load_txt(path: str, columns: tuple[str, str]) -> Any:
     """``label<TAB>text`` lines (blank lines skipped) as a Dataset with ``columns``."""
     import datasets
 
@@ -124,15 +125,15 @@ def default_lr(hidden_size: int) -> float:
 
 def load_splits(
     train: str,
-    validation: Optional[str] = None,
+    validation: str | None = None,
     text_column: str = "text",
     label_column: str = "label",
-    dataset_config: Optional[str] = None,
+    dataset_config: str | None = None,
     train_split: str = "train",
     validation_split: str = "validation",
     validation_fraction: float = 0.1,
     seed: int = 0,
-) -> Tuple[List[str], List[Any], List[str], List[Any]]:
+) -> tuple[list[str], list[Any], list[str], list[Any]]:
     """``(train_texts, train_labels, valid_texts, valid_labels)``.
 
     The validation rows come from ``validation`` (a file), else the source's ``validation_split``,
@@ -153,7 +154,7 @@ def load_splits(
             )
         parts = train_ds.train_test_split(test_size=validation_fraction, seed=seed)
         train_ds, valid_ds = parts["train"], parts["test"]
-    out: List[List[Any]] = []
+    out: list[list[Any]] = []
     for name, ds in (("train", train_ds), ("validation", valid_ds)):
         for col in (text_column, label_column):
             if col not in ds.column_names:
@@ -179,7 +180,7 @@ def load_splits(
     return out[0], out[1], out[2], out[3]
 
 
-def label_mapping(train_labels: Sequence[Any], valid_labels: Sequence[Any]) -> List[Any]:
+def label_mapping(train_labels: Sequence[Any], valid_labels: Sequence[Any]) -> list[Any]:
     """Sorted distinct training labels; integer labels 0..C-1 keep their values."""
     labels = sorted(set(train_labels), key=lambda x: (str(type(x)), x))
     unseen = sorted({str(v) for v in valid_labels} - {str(v) for v in labels})
@@ -193,12 +194,12 @@ def label_mapping(train_labels: Sequence[Any], valid_labels: Sequence[Any]) -> L
     return labels
 
 
-def encode(tokenizer: Any, texts: List[str], max_length: int) -> List[List[int]]:
+def encode(tokenizer: Any, texts: list[str], max_length: int) -> list[list[int]]:
     """Token ids with ``<s> ... </s>``, truncated to ``max_length``."""
     return tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
 
 
-def pad_batch(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids, attention_mask`` ``[B, longest]`` (right padding, mask 0 on padding)."""
     n = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
@@ -210,7 +211,7 @@ def pad_batch(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def evaluate(model: Any, seqs: List[List[int]], labels: List[int], pad_id: int, bs: int) -> float:
+def evaluate(model: Any, seqs: list[list[int]], labels: list[int], pad_id: int, bs: int) -> float:
     """Accuracy of ``model`` on the encoded ``seqs``."""
     model.eval()
     correct = 0
@@ -222,7 +223,7 @@ def evaluate(model: Any, seqs: List[List[int]], labels: List[int], pad_id: int, 
 
 
 # ======================================================================================== train
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line of ``launch/finetune.py``."""
     p = argparse.ArgumentParser(description="Fine-tune an exported Linformer for classification.")
     p.add_argument("--model", required=True, help="exported model directory (launch/export.py)")
@@ -256,7 +257,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_export(model_dir: str, trust_remote_code: bool = False) -> Dict[str, Any]:
+def check_export(model_dir: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """``--model``'s config.json, checked: a Linformer export whose code files match the
     sha256s recorded at export time (unless ``trust_remote_code``); :class:`FinetuneError`."""
     path = os.path.join(model_dir, "config.json")
@@ -282,7 +283,7 @@ def check_export(model_dir: str, trust_remote_code: bool = False) -> Dict[str, A
     return config
 
 
-def check_loaded(model_dir: str, info: Dict[str, Any]) -> None:
+def check_loaded(model_dir: str, info: dict[str, Any]) -> None:
     """Only the task head may be new: a weight the export lacks, holds in another shape than
     its config.json says, or holds beyond the model (other than other heads) is refused."""
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(HEAD_PREFIX))
@@ -304,11 +305,11 @@ def check_loaded(model_dir: str, info: Dict[str, Any]) -> None:
         )
 
 
-def _short(items: List[str], n: int = 4) -> str:
+def _short(items: list[str], n: int = 4) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def finetune(args: argparse.Namespace) -> Dict[str, Any]:
+def finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Run fine-tuning as configured by ``args``; returns the results written to the output.
     ``--out`` is locked and ``--model`` pinned (shared) for the whole run."""
     try:  # the output contract before the lock file is made beside it (again once locked)
@@ -337,12 +338,12 @@ def finetune(args: argparse.Namespace) -> Dict[str, Any]:
         return _finetune(args)
 
 
-def _inputs(args: argparse.Namespace) -> List[Tuple[str, Optional[str]]]:
+def _inputs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     return [("--model", args.model), ("--train", args.train), ("--dataset", args.dataset),
             ("--validation", args.validation)]  # fmt: skip
 
 
-def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
+def _finetune(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`finetune` with ``--out`` locked."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -433,7 +434,7 @@ def _finetune(args: argparse.Namespace) -> Dict[str, Any]:
     total = max(1, math.ceil(args.epochs * steps_per_epoch))
     sched = lr_scheduler(opt, int(args.warmup_ratio * total), total, decay="linear")
 
-    history: List[Dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
     step, t0 = 0, time.time()
     order = list(range(len(tr_s)))
     rng = random.Random(args.seed)
@@ -488,7 +489,7 @@ def tokenizer_of(model_dir: str) -> str:
     return sp if os.path.isfile(sp) else model_dir
 
 
-def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None:
+def _save(model: Any, args: argparse.Namespace, results: dict[str, Any]) -> None:
     """Write the fine-tuned classifier in the export format: into a directory next to
     ``--out``, swapped in when complete (a failed write leaves the previous output whole)."""
 
@@ -527,7 +528,7 @@ def _save(model: Any, args: argparse.Namespace, results: Dict[str, Any]) -> None
         raise
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status."""
     args = parse_args(argv)
     outdir.ignore_file_size_signal()

@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -51,7 +51,7 @@ def atomic_write_json(path: PathLike, obj: Any, indent: int = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
-def read_jsonl(path: PathLike) -> List[Dict[str, Any]]:
+def read_jsonl(path: PathLike) -> list[dict[str, Any]]:
     """The records of a JSON-lines file such as ``metrics.jsonl``, in order; lines that do not
     parse (a torn last line of a killed writer) are skipped; ``[]`` when the file is missing."""
     path = Path(path)

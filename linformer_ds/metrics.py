@@ -14,8 +14,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
-from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,7 +36,7 @@ def step_stats(
     loss: torch.Tensor,
     logits: torch.Tensor,
     targets: torch.Tensor,
-    loss_denominator: Optional[Any] = None,
+    loss_denominator: Any | None = None,
 ) -> torch.Tensor:
     """``[4]`` float64 statistics of one micro-batch (see ``STAT_*``), on the loss's device and
     without reading anything to the host. ``loss`` is a sum of cross-entropies over
@@ -72,7 +72,7 @@ class Sink:
     """Where metrics go. A sink implements the events it cares about; the rest are no-ops."""
 
     def record(
-        self, step: int, split: str, values: Dict[str, float], console: Dict[str, str]
+        self, step: int, split: str, values: dict[str, float], console: dict[str, str]
     ) -> None:
         """One ``[train]`` or ``[eval]`` record (``console``: text shown instead of numbers)."""
 
@@ -94,8 +94,8 @@ class Sink:
 
 # A sink named in ``logging.sinks`` is built by its registered factory on every rank:
 # ``factory(cfg, rank, world_size) -> Sink`` (or None: no sink on this rank).
-SinkFactory = Callable[[JobConfig, int, int], Optional[Sink]]
-_SINK_KINDS: Dict[str, SinkFactory] = {}
+SinkFactory = Callable[[JobConfig, int, int], Sink | None]
+_SINK_KINDS: dict[str, SinkFactory] = {}
 
 
 def register_sink(name: str, factory: SinkFactory, replace: bool = False) -> SinkFactory:
@@ -111,7 +111,7 @@ def unregister_sink(name: str) -> None:
     _SINK_KINDS.pop(name, None)
 
 
-def registered_sinks() -> List[str]:
+def registered_sinks() -> list[str]:
     return sorted(_SINK_KINDS)
 
 
@@ -147,7 +147,7 @@ class JsonlSink(Sink):
     def __init__(self, cfg: JobConfig):
         os.makedirs(cfg.logging.dir, exist_ok=True)
         self.path = os.path.join(cfg.logging.dir, "metrics.jsonl")
-        self.fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        self.fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def record(self, step, split, values, console) -> None:
         """One line per record, written whole: a write that fails (full disk, ``ulimit -f``)
@@ -197,7 +197,7 @@ class JsonlSink(Sink):
             self.fd = None
 
 
-def _step_of(line: bytes) -> Optional[int]:
+def _step_of(line: bytes) -> int | None:
     """The ``step`` of a metrics.jsonl line; None for a torn or foreign line."""
     try:
         step = json.loads(line).get("step")
@@ -228,7 +228,7 @@ class StageMeter(Sink):
     a resume: the steps since it): a metrics sink that counts the step times. On CUDA the peak
     is the stage's (reset at its start); on CPU the process's resident-set peak so far."""
 
-    def __init__(self, device: Union[str, torch.device]) -> None:
+    def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
         self.index, self.steps, self.seconds = -1, 0, 0.0
         self.tokens_per_step, self.flops_per_token = 0, 0.0
@@ -243,7 +243,7 @@ class StageMeter(Sink):
         self.steps += 1
         self.seconds += seconds
 
-    def figures(self, world_size: int, peak_tflops: float) -> Dict[str, float]:
+    def figures(self, world_size: int, peak_tflops: float) -> dict[str, float]:
         """``tokens_per_s`` (all ranks), ``mfu`` and ``peak_mem_gb`` (this rank)."""
         tps = self.steps * self.tokens_per_step / max(self.seconds, 1e-9)
         tflops = self.flops_per_token * tps / world_size / 1e12
@@ -274,7 +274,7 @@ class Metrics:
         device: torch.device,
         flops_per_token: float,
         tokens_per_step: int,
-        local_rank: Optional[int] = None,
+        local_rank: int | None = None,
     ):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world_size, device
         self.flops_per_token = flops_per_token
@@ -282,18 +282,18 @@ class Metrics:
         self.peak_tflops = cfg.train.peak_tflops or self._measure_peak()
         self.memory = MemoryProbe(device)
         self.window = torch.zeros(NUM_STATS, dtype=torch.float64)
-        self.first_loss: Optional[float] = None
-        self.last_loss: Optional[float] = None
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
         self._busy, self._steps_since = 0.0, 0
         # elapsed: carried in checkpoints (time up to the saved step) + this process's time
         self._t0 = time.perf_counter()
         self._elapsed_base = 0.0
         self.resumes = 0
         self.eta = float("nan")
-        self._rate_from: Optional[Tuple[int, float]] = None  # (step, time) after the 1st step
+        self._rate_from: tuple[int, float] | None = None  # (step, time) after the 1st step
         self._first_step_seconds = float("nan")
-        self.sinks: List[Sink] = []
-        self.stage: Optional[StageMeter] = None  # the current stage's meter (enter_stage)
+        self.sinks: list[Sink] = []
+        self.stage: StageMeter | None = None  # the current stage's meter (enter_stage)
         if rank == 0:
             self.sinks += [ConsoleSink(), JsonlSink(cfg)]
             if cfg.logging.tensorboard:
@@ -382,7 +382,7 @@ class Metrics:
         return step % self.cfg.train.log_interval == 0 or step == self.cfg.train.max_steps
 
     def log_train(
-        self, step: int, epoch: int, engine: Any, extra: Optional[Dict[str, float]] = None
+        self, step: int, epoch: int, engine: Any, extra: dict[str, float] | None = None
     ) -> None:
         """One ``[train]`` record for the window that ends at ``step``; resets the window.
         ``extra``: more values of the record (the data's stage, N, source shares and epochs)."""
@@ -414,11 +414,11 @@ class Metrics:
         self.window.zero_()
         self._busy, self._steps_since = 0.0, 0
 
-    def log_eval(self, step: int, values: Dict[str, float]) -> None:
+    def log_eval(self, step: int, values: dict[str, float]) -> None:
         self._emit("record", step, "eval", values, {})
 
     # ------------------------------------------------------------------------------ state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The open window's sums, elapsed seconds and resume count: saved in checkpoints so
         logs after a resume are exact."""
         return {
@@ -427,7 +427,7 @@ class Metrics:
             "resumes": self.resumes,
         }
 
-    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
             return
         if "window" in state:

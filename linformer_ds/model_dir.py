@@ -12,7 +12,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import sentencepiece as spm
 import torch
@@ -44,7 +44,7 @@ _PKG = Path(__file__).resolve().parent
 MODEL_FILES = tuple(
     sorted(p.name for p in (_PKG / "model").glob("*.py") if p.name != "__init__.py")
 )
-REMOTE_CODE: Dict[str, Tuple[Path, Tuple[Tuple[str, str], ...]]] = {
+REMOTE_CODE: dict[str, tuple[Path, tuple[tuple[str, str], ...]]] = {
     "linformer_model.py": (_PKG / "model" / "__init__.py", ()),
     **{name: (_PKG / "model" / name, ()) for name in MODEL_FILES},
     "configuration_linformer.py": (
@@ -94,7 +94,7 @@ def load_hf_tokenizer(path: str, **kwargs: Any) -> Any:
         ) from None
 
 
-def hf_token_ids(path: str) -> Tuple[Dict[str, int], int]:
+def hf_token_ids(path: str) -> tuple[dict[str, int], int]:
     """``({pad, unk, cls, sep, mask: id}, vocabulary size)`` of the tokenizer directory."""
     tok = load_hf_tokenizer(path)
     ids, _, missing = hf_special_tokens(tok)
@@ -103,7 +103,7 @@ def hf_token_ids(path: str) -> Tuple[Dict[str, int], int]:
     return ids, max(tok.get_vocab().values()) + 1
 
 
-def token_id_options(tokenizer_path: str) -> Dict[str, int]:
+def token_id_options(tokenizer_path: str) -> dict[str, int]:
     """``config.json``'s ``bos/eos/cls/sep/unk/mask_token_id`` for the tokenizer written
     (SentencePiece: the fixed ids; a Hugging Face tokenizer: its own)."""
     if is_hf_tokenizer(tokenizer_path):
@@ -284,7 +284,7 @@ def build_fast_tokenizer(sp_model_path: str, model_max_length: int) -> Any:
     return tok
 
 
-def remote_code() -> Dict[str, str]:
+def remote_code() -> dict[str, str]:
     """``{file name: text}`` of the remote code: the model package and the HF wrappers, with their
     package imports made flat."""
     out = {}
@@ -298,7 +298,7 @@ def remote_code() -> Dict[str, str]:
     return out
 
 
-def write_remote_code(out: str) -> Dict[str, str]:
+def write_remote_code(out: str) -> dict[str, str]:
     """Write the remote code files into ``out``; returns ``{file name: sha256}``."""
     digests = {}
     for name, text in remote_code().items():
@@ -311,7 +311,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def check_remote_code(model_dir: str) -> Optional[str]:
+def check_remote_code(model_dir: str) -> str | None:
     """Why the code files of the export ``model_dir`` must not run unasked, or None when each
     ``*.py`` there has the sha256 recorded in its ``config.json`` at export time and every
     ``auto_map`` entry (config and tokenizer) names one of them (no other file, no Hub repo)."""
@@ -351,12 +351,12 @@ def check_remote_code(model_dir: str) -> Optional[str]:
 def write_model_dir(
     out: str,
     model_config: ModelConfig,
-    state_dict: Dict[str, torch.Tensor],
+    state_dict: dict[str, torch.Tensor],
     sp_model_path: str,
     architecture: str = "LinformerForMaskedLM",
     dtype: str = "float32",
-    config_extra: Optional[Dict[str, Any]] = None,
-    provenance: Optional[Dict[str, Any]] = None,
+    config_extra: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> None:
     """Write a self-contained HF model directory ``out`` (which must not exist yet or be empty).
 

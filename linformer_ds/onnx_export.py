@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from linformer_ds.outdir import write_error
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
 # architecture in config.json -> (transformers Auto class, output fields besides the hidden state)
-TASKS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "LinformerModel": ("AutoModel", ()),
     "LinformerForMaskedLM": ("AutoModelForMaskedLM", ("logits",)),
     "LinformerForSequenceClassification": ("AutoModelForSequenceClassification", ("logits",)),
@@ -59,7 +60,7 @@ class _Outputs(nn.Module):
         super().__init__()
         self.model, self.fields = model, tuple(fields)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Tuple:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
             return_dict=True,
@@ -67,7 +68,7 @@ class _Outputs(nn.Module):
         return tuple(getattr(out, f) for f in self.fields) + (out.hidden_states[-1],)
 
 
-def load(model_dir: str, architecture: Optional[str] = None) -> Tuple[nn.Module, List[str]]:
+def load(model_dir: str, architecture: str | None = None) -> tuple[nn.Module, list[str]]:
     """The directory's model (float32, eval mode) wrapped by :class:`_Outputs`, and the output
     names. ``architecture``: one of :data:`TASKS` (default: the one in ``config.json``)."""
     import transformers
@@ -109,7 +110,7 @@ def load(model_dir: str, architecture: Optional[str] = None) -> Tuple[nn.Module,
     return _Outputs(model, fields), list(fields) + ["last_hidden_state"]
 
 
-def _inputs(batch: int, n: int, vocab: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _inputs(batch: int, n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random ids ``[batch, n]`` (no special ids below 5) and a mask with padding: the last row
     right-padded after half its length, the first (batch > 1) left-padded by a quarter."""
     g = torch.Generator().manual_seed(seed)
@@ -138,12 +139,12 @@ def _size_oblivious():
 def export_onnx(
     model_dir: str,
     out: str,
-    architecture: Optional[str] = None,
+    architecture: str | None = None,
     optimize: bool = True,
     check: bool = True,
-    lengths: Optional[Sequence[int]] = None,
+    lengths: Sequence[int] | None = None,
     overwrite: bool = False,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Write ``out`` (an ``.onnx`` file) from the export ``model_dir``; with ``check``, compare
     onnxruntime with PyTorch at :data:`CHECK_BATCHES` x ``lengths`` (default: a short length
     and ``max_seq_len``). Returns ``{"outputs", "export_s", "check": [{"batch", "seq",
@@ -178,7 +179,7 @@ def export_onnx(
     except Exception as e:  # torch.export's and the translator's many error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f"{model_dir}: torch.onnx.export failed: {first}") from e
-    result: Dict[str, Any] = {"outputs": names, "check": []}
+    result: dict[str, Any] = {"outputs": names, "check": []}
     with staged(out) as tmp:
         try:
             onnx_program.save(tmp)
@@ -194,7 +195,7 @@ def export_onnx(
     return result
 
 
-def session(path: str, threads: Optional[int] = None, spinning: bool = False) -> Any:
+def session(path: str, threads: int | None = None, spinning: bool = False) -> Any:
     """An onnxruntime CPU session of ``path``: every graph optimisation, ``threads`` intra-op
     threads (default: torch's), one inter-op thread, and (``spinning`` False) workers that wait
     passively between operators instead of spinning."""
@@ -210,7 +211,7 @@ def session(path: str, threads: Optional[int] = None, spinning: bool = False) ->
 
 def check_onnx(
     wrapper: nn.Module, path: str, names: Sequence[str], vocab: int, lengths: Sequence[int]
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Max abs difference of every output, onnxruntime vs PyTorch, at each batch size of
     :data:`CHECK_BATCHES` and each length; :class:`OnnxExportError` beyond :data:`TOLERANCE`."""
     sess = session(path)
@@ -221,7 +222,7 @@ def check_onnx(
             with torch.no_grad():
                 want = wrapper(ids, mask)
             got = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
-            row: Dict[str, Any] = {"batch": b, "seq": n}
+            row: dict[str, Any] = {"batch": b, "seq": n}
             for name, w, g in zip(names, want, got):
                 row[name] = float((torch.from_numpy(g) - w).abs().max())
             rows.append(row)
@@ -234,7 +235,7 @@ def check_onnx(
     return rows
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m linformer_ds.onnx_export EXPORT_DIR OUT.onnx``; returns the exit status."""
     p = argparse.ArgumentParser(
         description="Export a linformer_ds Hugging Face model directory to ONNX (dynamic batch "

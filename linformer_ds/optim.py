@@ -2,14 +2,14 @@
 
 import math
 from collections.abc import Callable
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
 DECAYS = ("linear", "cosine", "constant")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: no weight decay on biases, LayerNorm weights and position embeddings.
 
     Frozen parameters are left out; a parameter shared by several modules (tied embeddings,

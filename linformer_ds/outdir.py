@@ -38,7 +38,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 # The file every output of a command holds, by which it recognises its own earlier output
 # (checked in this order: a fine-tuned model also holds an export's linformer_export.json).
@@ -55,14 +55,14 @@ class OutDirError(ValueError):
     """``--out`` cannot be used; the message names what it is and what to do."""
 
 
-def _names(d: str) -> List[str]:
+def _names(d: str) -> list[str]:
     try:
         return os.listdir(d)
     except OSError:
         return []
 
 
-def identify(d: str) -> Optional[Tuple[str, Optional[str]]]:
+def identify(d: str) -> tuple[str, str | None] | None:
     """``(what d is, the command that made it or None)`` for a directory some tool of this
     project owns, else None."""
     names = _names(d)
@@ -91,7 +91,7 @@ def _under(path: str, root: str) -> bool:
 
 def check_path(
     out: str,
-    inputs: Sequence[Tuple[str, Optional[str]]] = (),
+    inputs: Sequence[tuple[str, str | None]] = (),
     flag: str = "--out",
     directory: bool = True,
     error: type = OutDirError,
@@ -157,7 +157,7 @@ def check_path(
 def check_out(
     out: str,
     command: str,
-    inputs: Sequence[Tuple[str, Optional[str]]] = (),
+    inputs: Sequence[tuple[str, str | None]] = (),
     overwrite: bool = False,
     resume: bool = False,
 ) -> str:

@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Iterator, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
 
 from linformer_ds import outdir
 
@@ -37,7 +37,7 @@ class OutPathError(ValueError):
 
 def check_out_file(
     out: str,
-    inputs: Sequence[Tuple[str, Optional[str]]] = (),
+    inputs: Sequence[tuple[str, str | None]] = (),
     overwrite: bool = False,
     flag: str = "--out",
     overwrite_flag: str = "--overwrite",
@@ -92,7 +92,7 @@ def staged(out: str) -> Iterator[str]:
             os.close(fd)
 
 
-def interrupted(prefix: str, out: Optional[str]) -> int:
+def interrupted(prefix: str, out: str | None) -> int:
     """Print the one line of a command stopped by Ctrl-C; returns :data:`EXIT_INTERRUPTED`."""
     where = f"; {out} is as it was (nothing partial written)" if out else ""
     print(f"{prefix}: interrupted (Ctrl-C){where}", file=sys.stderr, flush=True)

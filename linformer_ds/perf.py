@@ -6,12 +6,12 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from typing import Any, Optional, Set, Union
+from typing import Any
 
 import torch
 
 
-def time_call(fn: Callable[[], Any], device: Union[torch.device, str]) -> float:
+def time_call(fn: Callable[[], Any], device: torch.device | str) -> float:
     """Seconds one call of ``fn`` takes (CUDA events on GPU, perf_counter on CPU)."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -28,10 +28,10 @@ def time_call(fn: Callable[[], Any], device: Union[torch.device, str]) -> float:
 
 def measure_matmul_peak_tflops(
     dtype: torch.dtype = torch.bfloat16,
-    device: Union[torch.device, str] = "cpu",
+    device: torch.device | str = "cpu",
     size: int = 4096,
     repeats: int = 10,
-    budget_s: Optional[float] = None,
+    budget_s: float | None = None,
 ) -> float:
     """Best-of-``repeats`` TFLOP/s of one ``size^3`` matmul: the achievable peak on this device.
 
@@ -49,7 +49,7 @@ def measure_matmul_peak_tflops(
 
 
 def matmul_probe_size(
-    dtype: torch.dtype, device: Union[torch.device, str], max_size: int, per_call_s: float
+    dtype: torch.dtype, device: torch.device | str, max_size: int, per_call_s: float
 ) -> int:
     """The largest power-of-two size from 256 up to ``max_size`` whose ``size^3`` multiply takes
     at most ``per_call_s`` (each doubling costs 8x: timed at the size below)."""
@@ -66,7 +66,7 @@ def matmul_probe_size(
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX / AVX-512, Arm (Features)
 
 
-def native_bf16(device_type: str, flags: Optional[Set[str]] = None) -> Optional[str]:
+def native_bf16(device_type: str, flags: set[str] | None = None) -> str | None:
     """Why bf16 matrix multiplies are native on this machine's ``device_type`` accelerator (the
     CPU flag, e.g. ``amx_bf16``, or the CUDA architecture, ``sm_80`` and later), or None where
     they are emulated. ``flags``: the CPU's feature flags (default: :func:`cpu_flags`)."""
@@ -83,7 +83,7 @@ def native_bf16(device_type: str, flags: Optional[Set[str]] = None) -> Optional[
     return next((f for f in NATIVE_BF16_CPU_FLAGS if f in flags), None)
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Set[str]:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags (the ``flags`` line on x86, ``Features`` on Arm); empty where
     /proc/cpuinfo is missing."""
     try:
@@ -101,7 +101,7 @@ class MemoryProbe:
     """Memory of this process: CUDA allocated on GPU, resident set (RSS) on CPU. The peak is
     never below a current value reported before it (``ru_maxrss`` lags RSS by a few pages)."""
 
-    def __init__(self, device: Union[torch.device, str]):
+    def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._max_seen = 0
 

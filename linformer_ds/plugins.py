@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class PluginError(ValueError):

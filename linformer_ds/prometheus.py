@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from prometheus_client import (
@@ -42,7 +42,7 @@ class _Snapshot:
     def __init__(self, registry: Any, lock: threading.Lock):
         self.registry, self.lock = registry, lock
 
-    def describe(self) -> List[Any]:
+    def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterable[Any]:
@@ -50,12 +50,12 @@ class _Snapshot:
             return list(self.registry.collect())
 
 
-def _gather(obj: Any, world_size: int) -> List[Any]:
+def _gather(obj: Any, world_size: int) -> list[Any]:
     """``obj`` of every rank (all_gather_object), or ``[obj]`` outside a process group."""
     dist = torch.distributed
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -188,7 +188,7 @@ class PrometheusSink:
         served.register(_Snapshot(inner, self.lock))
         ProcessCollector(registry=served)
         self.httpd: Any = None
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
         self._serve(cfg, local_rank, served)
 
     def _serve(self, cfg: JobConfig, local_rank: int, served: Any) -> None:
@@ -278,7 +278,7 @@ class PrometheusSink:
             self.g.resumes.set(resumes)
 
     def record(
-        self, step: int, split: str, values: Dict[str, float], console: Dict[str, str]
+        self, step: int, split: str, values: dict[str, float], console: dict[str, str]
     ) -> None:
         g = self.g
         with self.lock:

@@ -10,7 +10,8 @@ frozen copy: nothing changes it afterwards.
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
@@ -21,8 +22,8 @@ from linformer_ds.perf import native_bf16
 def resolve(
     cfg: JobConfig,
     world_size: int,
-    seq_len: Union[None, int, Sequence[int]] = None,
-    packings: Optional[Sequence[str]] = None,
+    seq_len: None | int | Sequence[int] = None,
+    packings: Sequence[str] | None = None,
 ) -> JobConfig:
     """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len`` (the
     N of every stage in order, or one N; None: ``model.max_seq_len``), frozen; ``cfg`` itself is
@@ -54,7 +55,7 @@ def resolve(
     return freeze(job)
 
 
-def decide_isolation(job: JobConfig, packings: Sequence[str]) -> Tuple[bool, str]:
+def decide_isolation(job: JobConfig, packings: Sequence[str]) -> tuple[bool, str]:
     """``data.document_isolation`` decided and why: ``auto`` is on when every training source
     is packed ``full``; a combination the model cannot run (:func:`isolation_errors`) is refused
     (``true``) or turns ``auto`` off."""
@@ -91,7 +92,7 @@ def resolve_precision(job: JobConfig) -> None:
     ds.auto_precision = why or "no native bf16"
 
 
-def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]:
+def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> list[str]:
     zero_extra = job.deepspeed.extra_dict().get("zero_optimization", {})
     errors = config_errors(
         job.parallel.sequence_parallel_size,
@@ -108,7 +109,7 @@ def _sp_errors(job: JobConfig, world_size: int, n: int, shard: Any) -> List[str]
     return errors
 
 
-def _resolve_shard(job: JobConfig, world_size: int, ns: List[int]) -> None:
+def _resolve_shard(job: JobConfig, world_size: int, ns: list[int]) -> None:
     """``shard_sequence_parameters: auto`` becomes true or false for the sequence lengths ``ns``
     (every stage's N): true unless a rule refuses sharding only (not the run) for one of them;
     ``auto_shard`` records the choice and the reason. Nothing changes unless auto."""
@@ -169,7 +170,7 @@ def _check_global_batch(job: JobConfig, world_size: int) -> None:
 # A resolved config's records (JobConfig, its sections, ModelConfig, lists of sources/stages)
 # get a subclass whose __setattr__ refuses while the instance is marked frozen; isinstance,
 # dataclasses.fields/asdict/replace (which gives an unfrozen copy), ==, copy and pickle work.
-_FROZEN_CLASSES: Dict[type, type] = {}
+_FROZEN_CLASSES: dict[type, type] = {}
 
 
 class FrozenConfigError(dataclasses.FrozenInstanceError):
@@ -214,7 +215,7 @@ def _frozen_class(cls: type) -> type:
     return _FROZEN_CLASSES[base]
 
 
-def _rebuild(base: type, state: Dict[str, Any]) -> Any:
+def _rebuild(base: type, state: dict[str, Any]) -> Any:
     """Unpickle / copy a record: frozen again if it was."""
     obj = object.__new__(base)
     obj.__dict__.update(state)
@@ -223,7 +224,7 @@ def _rebuild(base: type, state: Dict[str, Any]) -> Any:
     return obj
 
 
-def _records(obj: Any) -> List[Any]:
+def _records(obj: Any) -> list[Any]:
     """``obj`` and every dataclass instance inside it (fields, lists, dicts)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = [obj]

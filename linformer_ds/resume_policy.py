@@ -24,8 +24,9 @@ import os
 import re
 import time
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from linformer_ds.config import JobConfig, to_dict
 from linformer_ds.fsio import atomic_write_json
@@ -43,10 +44,10 @@ class Policy:
 
     kind: str
     how: str = ""
-    allow: Optional[str] = None  # identity only: the config switch that permits the change
+    allow: str | None = None  # identity only: the config switch that permits the change
 
 
-def _i(how: str = "policy", allow: Optional[str] = None) -> Policy:
+def _i(how: str = "policy", allow: str | None = None) -> Policy:
     return Policy(IDENTITY, how, allow)
 
 
@@ -58,7 +59,7 @@ _F = Policy(FREE)
 _MODEL = _i("model")  # check_model_config: every model option
 _DATA = _i("data", "checkpoint.allow_data_change")  # check_data_change: compared by content
 
-POLICY: Dict[str, Policy] = {
+POLICY: dict[str, Policy] = {
     "name": _F,
     # ---- model: the weights' meaning (checkpoint.io.check_model_config)
     **{f"model.{k}": _MODEL for k in (
@@ -174,8 +175,8 @@ POLICY: Dict[str, Policy] = {
 
 # ======================================================================================= keys
 def _item_type(tp: Any) -> Any:
-    """The dataclass of ``List[Section]`` (else None)."""
-    if typing.get_origin(tp) in (list, List):
+    """The dataclass of ``list[Section]`` (else None)."""
+    if typing.get_origin(tp) is list:
         (arg,) = typing.get_args(tp) or (None,)
         return arg if dataclasses.is_dataclass(arg) else None
     return None
@@ -201,7 +202,7 @@ def policy_of(key: str) -> Policy:
     return POLICY[re.sub(r"\[\d+\]", "[]", key)]
 
 
-def counts() -> Dict[str, int]:
+def counts() -> dict[str, int]:
     """Keys per policy."""
     out = {IDENTITY: 0, ADJUSTABLE: 0, FREE: 0}
     for p in POLICY.values():
@@ -256,7 +257,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def changes(meta: Dict[str, Any], cfg: JobConfig) -> List[Change]:
+def changes(meta: dict[str, Any], cfg: JobConfig) -> list[Change]:
     """Every key whose value differs between the checkpoint's recorded config and ``cfg``."""
     saved = meta.get("config") or {}
     return list(_walk(saved, to_dict(cfg), ""))
@@ -269,13 +270,13 @@ def _allowed(cfg: JobConfig, p: Policy) -> bool:
     return bool(getattr(getattr(cfg, section), name))
 
 
-def effective(found: List[Change], cfg: JobConfig) -> List[Change]:
+def effective(found: list[Change], cfg: JobConfig) -> list[Change]:
     """The changes that act on the resumed run: adjustable ones and permitted identity ones."""
     return [c for c in found if c.policy.kind == ADJUSTABLE
             or (c.policy.kind == IDENTITY and _allowed(cfg, c.policy))]  # fmt: skip
 
 
-def refusal(found: List[Change], cfg: JobConfig, where: str) -> Optional[str]:
+def refusal(found: list[Change], cfg: JobConfig, where: str) -> str | None:
     """One line naming every identity key that changed (saved and new value), or None. Model,
     seed and data keys are checked first by their own functions (their messages); data paths
     are compared by content there (``check_data_change``), not here."""
@@ -299,7 +300,7 @@ def torch_optimizer(engine: Any) -> Any:
     return getattr(engine, "basic_optimizer", None) or engine.optimizer
 
 
-def apply_changes(engine: Any, cfg: JobConfig, found: List[Change]) -> None:
+def apply_changes(engine: Any, cfg: JobConfig, found: list[Change]) -> None:
     """After a checkpoint load: the config's optimizer hyper-parameters, base LRs, current LR
     (the schedule of ``cfg`` at the restored step), clipping and fp16 loss-scaler settings
     written over what DeepSpeed restored. Idempotent: unchanged values are rewritten equal;
@@ -359,7 +360,7 @@ def restart_loss_scale(engine: Any, cfg: JobConfig) -> None:
         scaler.cur_scale = float(2 ** cfg.deepspeed.initial_scale_power)
 
 
-def changed_line(found: List[Change], cfg: JobConfig) -> Optional[str]:
+def changed_line(found: list[Change], cfg: JobConfig) -> str | None:
     """``[resume] changed: optimizer.lr 0.001 -> 0.01, ...`` (None when nothing acts)."""
     acting = effective(found, cfg)
     if not acting:
@@ -369,8 +370,8 @@ def changed_line(found: List[Change], cfg: JobConfig) -> Optional[str]:
 
 # ============================================================================ the run's record
 def record_start(
-    cfg: JobConfig, step: int, tag: Optional[str], found: List[Change]
-) -> Tuple[str, str]:
+    cfg: JobConfig, step: int, tag: str | None, found: list[Change]
+) -> tuple[str, str]:
     """After a start succeeded (rank 0): ``logging.dir/config.json`` is the config in use and
     ``config_history.jsonl`` gains ``{step, time, resumed_from, changed}`` (``changed``: key ->
     [saved, new], every policy). Returns both paths."""

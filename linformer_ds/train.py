@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -59,7 +59,7 @@ EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_T
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Pretrain a Linformer encoder with DeepSpeed.",
         epilog="Overrides: key=value pairs, e.g. train.max_steps=100 model.k=128",
@@ -95,7 +95,7 @@ class SignalFlag:
 
     def __init__(self, enabled: bool):
         # (before this, launch/pretrain.py's handler ends the process at once: exit 75)
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         for s in STOP_SIGNALS:
             signal.signal(s, self._handle if enabled else signal.SIG_DFL)
 
@@ -104,8 +104,8 @@ class SignalFlag:
 
 
 def nonfinite_verdict(
-    cfg: JobConfig, step: int, nonfinite: int, applied: Optional[bool]
-) -> Optional[str]:
+    cfg: JobConfig, step: int, nonfinite: int, applied: bool | None
+) -> str | None:
     """The non-finite policy in one place. ``applied`` is None before the optimizer step (the
     all-reduced count of non-finite micro-batches is known), else whether DeepSpeed applied it.
     Returns why the run must stop, or None (a skipped step is reported here)."""
@@ -130,7 +130,7 @@ def nonfinite_verdict(
 
 
 # ========================================================================================= main
-def main(argv: Optional[List[str]] = None, restart: bool = False) -> int:
+def main(argv: list[str] | None = None, restart: bool = False) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason.
     ``restart``: the process may restart itself once for an explicit ``train.omp_wait_policy``
     (the command-line entry point; see linformer_ds.cpu_threads)."""
@@ -143,7 +143,7 @@ def main(argv: Optional[List[str]] = None, restart: bool = False) -> int:
         return 2
 
 
-def run_and_exit(argv: Optional[List[str]] = None) -> None:
+def run_and_exit(argv: list[str] | None = None) -> None:
     """The command-line entry point: :func:`main`, then leave the process without teardown.
 
     After a clean end (done, preempted, non-finite stop: every rank got there) the ranks meet
@@ -170,7 +170,7 @@ class StopTraining(Exception):
     """The run ends before ``train.max_steps`` with exit ``code`` (every rank raises it at the
     same step); ``message``: why, for a stop by the non-finite policy."""
 
-    def __init__(self, code: int, message: Optional[str] = None):
+    def __init__(self, code: int, message: str | None = None):
         super().__init__(message)
         self.code, self.message = code, message
 
@@ -187,7 +187,7 @@ def print_config(cfg: JobConfig) -> int:
     return 0
 
 
-def data_facts(cfg: JobConfig) -> Tuple[List[int], Optional[List[str]]]:
+def data_facts(cfg: JobConfig) -> tuple[list[int], list[str] | None]:
     """N of every stage of the run (its first source's train split) and the packing of every
     training source, read from the manifests before the data is opened so the config is
     resolved first; empty and None when one cannot be read (opening the data then says why)."""
@@ -213,7 +213,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig):
-        self.run_locks: List[DirLock] = []  # rank 0: logging.dir and checkpoint.dir
+        self.run_locks: list[DirLock] = []  # rank 0: logging.dir and checkpoint.dir
         try:
             self._init(cfg)
         except BaseException:  # a failed start leaves the directories to the next owner
@@ -263,7 +263,7 @@ class Trainer:
             rank0_print(to_yaml(cfg))
         self._print_setup()
         self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
-        self.sync_log: Optional[StepSyncLog] = None
+        self.sync_log: StepSyncLog | None = None
         if cfg.debug.sync_log:  # a test instrument: host syncs of debug.sync_steps counted
             self.sync_log = StepSyncLog(self.rank, self.device, cfg.debug.sync_log,
                                         cfg.debug.sync_steps, cfg.logging.dir)  # fmt: skip
@@ -294,7 +294,7 @@ class Trainer:
         self.warm = WarmStart.for_run(cfg, self.checkpoints.tag, self.train_ds)  # checked here
         self.unigram = self._context_meters() if evaluating else {}
 
-    def _context_meters(self) -> Dict[str, Any]:
+    def _context_meters(self) -> dict[str, Any]:
         """The context meter of each source (linformer_ds.context_meter): its train split's
         unigram counts from the manifest, the run directory's cache, or counted (and cached by
         rank 0) here."""
@@ -407,7 +407,7 @@ class Trainer:
         )
 
     def _forward_backward(
-        self, batch: Dict[str, torch.Tensor], step: int, denom: Optional[torch.Tensor]
+        self, batch: dict[str, torch.Tensor], step: int, denom: torch.Tensor | None
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; its ``[4]`` statistics (on the device).
 
@@ -428,7 +428,7 @@ class Trainer:
         self.engine.backward(self.loss_scaling.scale(loss))
         return stats
 
-    def _all_reduce_to_host(self, stats: torch.Tensor) -> List[float]:
+    def _all_reduce_to_host(self, stats: torch.Tensor) -> list[float]:
         """``stats`` and this rank's stop request, summed over all ranks: one small
         all-reduce and one read to the host per optimizer step (the step's only one in this
         code; tests/test_host_sync.py counts)."""
@@ -487,7 +487,7 @@ class Trainer:
         if stage_end and step < self.end:
             self._enter_stage(step + 1)
 
-    def _evaluate_sources(self, evaluate) -> Dict[str, float]:
+    def _evaluate_sources(self, evaluate) -> dict[str, float]:
         """Each source of the current stage on its valid split (at the stage's micro-batch);
         the record holds the mixture's figures and each source's (see data.stages.combine_eval)."""
 
@@ -564,13 +564,13 @@ class Trainer:
             release_locks(self.run_locks)
 
 
-def hold_run_dirs(cfg: JobConfig, rank: int) -> List[DirLock]:
+def hold_run_dirs(cfg: JobConfig, rank: int) -> list[DirLock]:
     """Rank 0: lock ``logging.dir`` and ``checkpoint.dir`` for the run's life (another run,
     data_prep or export writing there is refused in one line naming the holder; a lock whose
     holder died is taken over with a note). Other ranks: nothing."""
     if rank != 0:
         return []
-    locks: List[DirLock] = []
+    locks: list[DirLock] = []
     try:
         for what, d in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
             if any(os.path.join(os.path.realpath(d), LOCK_NAME) == lk.path for lk in locks):
@@ -586,12 +586,12 @@ def hold_run_dirs(cfg: JobConfig, rank: int) -> List[DirLock]:
     return locks
 
 
-def release_locks(locks: List[DirLock]) -> None:
+def release_locks(locks: list[DirLock]) -> None:
     for lock in reversed(locks):
         lock.release()
 
 
-def _main(argv: Optional[List[str]] = None, restart: bool = False) -> int:
+def _main(argv: list[str] | None = None, restart: bool = False) -> int:
     args = parse_args(argv)
     import_plugins(args.plugin)  # what they register is there when the config names it
     cfg = load_config(args.config, args.overrides)

@@ -11,8 +11,8 @@ torch range also admits 2.11, the device image's, for the GPU kit.
 
 import os
 import sys
+from collections.abc import Mapping
 from importlib import metadata
-from typing import Dict, List, Mapping, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -20,7 +20,7 @@ from packaging.version import InvalidVersion, Version
 from linformer_ds.dist_env import DistEnvError
 
 # package -> (tested range, why it matters); keep in step with pyproject.toml's dependencies.
-TESTED: Dict[str, Tuple[str, str]] = {
+TESTED: dict[str, tuple[str, str]] = {
     "deepspeed": (">=0.19.8,<0.20", "engine.py patches its internals"),
     "torch": (">=2.11,<2.14", "the tested releases"),
 }
@@ -35,7 +35,7 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("", "0", "false", "no", "off")
 
 
-def env_flag(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+def env_flag(name: str, env: Mapping[str, str] | None = None) -> bool:
     """The boolean environment flag ``name``, one rule for every flag: ``1/true/yes/on`` is
     on, ``0/false/no/off`` or empty (or unset) is off, case and surrounding blanks ignored;
     anything else is refused in one line (:class:`DistEnvError`)."""
@@ -50,7 +50,7 @@ def env_flag(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
                        f"{'/'.join(FALSE_WORDS[1:])} (or leave it unset)")  # fmt: skip
 
 
-def installed_version(name: str) -> Optional[str]:
+def installed_version(name: str) -> str | None:
     """The installed distribution's version, or None when it is not installed."""
     try:
         return metadata.version(name)
@@ -58,7 +58,7 @@ def installed_version(name: str) -> Optional[str]:
         return None
 
 
-def version_problems(versions: Optional[Mapping[str, Optional[str]]] = None) -> List[str]:
+def version_problems(versions: Mapping[str, str | None] | None = None) -> list[str]:
     """One message per installed dependency outside its tested range (``versions``: name ->
     version, default: what is installed)."""
     problems = []
@@ -76,8 +76,8 @@ def version_problems(versions: Optional[Mapping[str, Optional[str]]] = None) -> 
 
 
 def check_versions(
-    versions: Optional[Mapping[str, Optional[str]]] = None,
-    env: Optional[Mapping[str, str]] = None,
+    versions: Mapping[str, str | None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`UntestedVersionError` (one line) when a dependency is outside its tested
     range; with ``LINFORMER_DS_UNTESTED_DEPS=1`` print the same line as a warning instead."""

@@ -29,7 +29,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import yaml
@@ -59,7 +59,7 @@ def source_path(spec: str) -> str:
     return spec[len(HF_PREFIX) :]
 
 
-def read_source_config(path: str) -> Dict[str, Any]:
+def read_source_config(path: str) -> dict[str, Any]:
     """The source's ``config.json``, checked to be a BERT or RoBERTa encoder we can map."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path):
@@ -79,7 +79,7 @@ def read_source_config(path: str) -> Dict[str, Any]:
     return hf
 
 
-def source_problem(hf: Dict[str, Any]) -> Optional[str]:
+def source_problem(hf: dict[str, Any]) -> str | None:
     """Why ``config.json`` ``hf`` cannot be mapped onto our encoder (None: it can)."""
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
@@ -107,18 +107,18 @@ def source_problem(hf: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def position_offset(hf: Dict[str, Any]) -> int:
+def position_offset(hf: dict[str, Any]) -> int:
     """The source row of position 0: RoBERTa's positions start after its padding index."""
     pad = hf.get("pad_token_id")
     return (1 if pad is None else int(pad)) + 1 if hf["model_type"] == "roberta" else 0
 
 
-def source_positions(hf: Dict[str, Any]) -> int:
+def source_positions(hf: dict[str, Any]) -> int:
     """P, the number of learned positions of the source (BERT 512, RoBERTa 514 - 2)."""
     return int(hf["max_position_embeddings"]) - position_offset(hf)
 
 
-def model_options(hf: Dict[str, Any]) -> Dict[str, Any]:
+def model_options(hf: dict[str, Any]) -> dict[str, Any]:
     """The ``model.*`` options the source fixes (sizes, post-LN, eps, pad id, tying) and the
     ones it suggests (dropouts, initializer_range); the Linformer options are the run's."""
     return {
@@ -142,7 +142,7 @@ FIXED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_s
          "layer_norm_eps", "norm", "pad_token_id", "tie_word_embeddings")  # fmt: skip
 
 
-def check_model(model: ModelConfig, hf: Dict[str, Any], where: str) -> None:
+def check_model(model: ModelConfig, hf: dict[str, Any], where: str) -> None:
     """WarmStartError naming every ``model.*`` option that differs from the source's."""
     want = model_options(hf)
     diff = [f"model.{k}={getattr(model, k)!r} (source: {want[k]!r})"
@@ -154,8 +154,8 @@ def check_model(model: ModelConfig, hf: Dict[str, Any], where: str) -> None:
         )
 
 
-def check_vocabulary(hf: Dict[str, Any], data_vocab: Optional[int], where: str, data: str,
-                     data_ids: Optional[Dict[str, int]] = None) -> None:  # fmt: skip
+def check_vocabulary(hf: dict[str, Any], data_vocab: int | None, where: str, data: str,
+                     data_ids: dict[str, int] | None = None) -> None:  # fmt: skip
     """The data's tokenizer must be the source's: refuse another vocabulary size, or special ids
     (the data manifest's ``special_ids``) that differ from the source config's token ids or from
     the special tokens of the tokenizer saved beside the source (if any)."""
@@ -182,7 +182,7 @@ CONFIG_IDS = (("pad", "pad"), ("bos", "cls"), ("eos", "sep"), ("cls", "cls"), ("
               ("mask", "mask"), ("unk", "unk"))  # fmt: skip
 
 
-def source_tokenizer_ids(path: str) -> Dict[str, int]:
+def source_tokenizer_ids(path: str) -> dict[str, int]:
     """The special ids of the tokenizer saved beside the source (``tokenizer.json`` with its
     ``tokenizer_config.json``: what ``save_pretrained`` writes), by the data manifest's keys;
     empty when there is none. Read with ``tokenizers`` (no transformers import)."""
@@ -198,7 +198,7 @@ def source_tokenizer_ids(path: str) -> Dict[str, int]:
             config = json.load(f)
     except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
         raise WarmStartError(f"{HF_PREFIX}{path}: its tokenizer cannot be read ({e})") from None
-    out: Dict[str, int] = {}
+    out: dict[str, int] = {}
     for name, key in CONFIG_IDS:
         token = config.get(f"{name}_token")
         token = token.get("content") if isinstance(token, dict) else token
@@ -213,7 +213,7 @@ def source_tokenizer_ids(path: str) -> Dict[str, int]:
 SOURCE_VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
 
 
-def source_pieces(path: str) -> Optional[Tuple[str, List[Optional[str]]]]:
+def source_pieces(path: str) -> tuple[str, list[str | None]] | None:
     """``(file, piece of every id)`` of the tokenizer saved beside the source (tokenizer.json,
     else BERT's vocab.txt, else RoBERTa's vocab.json); None when it has none."""
     for name in SOURCE_VOCAB_FILES:
@@ -238,11 +238,11 @@ def source_pieces(path: str) -> Optional[Tuple[str, List[Optional[str]]]]:
     return None
 
 
-def _by_id(vocab: Dict[str, int]) -> List[Optional[str]]:
+def _by_id(vocab: dict[str, int]) -> list[str | None]:
     """``{piece: id}`` -> the piece of every id (None where no piece has the id)."""
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
         raise ValueError("not a {piece: id} vocabulary")
-    out: List[Optional[str]] = [None] * (max(vocab.values(), default=-1) + 1)
+    out: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
     for piece, i in vocab.items():
         if i < 0:
             raise ValueError(f"negative id {i}")
@@ -250,7 +250,7 @@ def _by_id(vocab: Dict[str, int]) -> List[Optional[str]]:
     return out
 
 
-def data_pieces(data: str, manifest: Dict[str, Any]) -> Optional[Tuple[str, List[Optional[str]]]]:
+def data_pieces(data: str, manifest: dict[str, Any]) -> tuple[str, list[str | None]] | None:
     """``(file, piece of every id)`` of a data_prep output's tokenizer (SentencePiece
     tokenizer.model or a Hugging Face tokenizer.json); None when the manifest records none."""
     tok = manifest.get("tokenizer") if isinstance(manifest, dict) else None
@@ -271,7 +271,7 @@ def data_pieces(data: str, manifest: Dict[str, Any]) -> Optional[Tuple[str, List
                              ) from None  # fmt: skip
 
 
-def check_pieces(where: str, data: str, manifest: Optional[Dict[str, Any]]) -> str:
+def check_pieces(where: str, data: str, manifest: dict[str, Any] | None) -> str:
     """The data's tokenizer has the pieces of the source's, id for id (WarmStartError naming
     how many differ and the first); returns the ``[init]`` line's note on the comparison."""
     path = source_path(where)
@@ -298,7 +298,7 @@ def check_pieces(where: str, data: str, manifest: Optional[Dict[str, Any]]) -> s
 
 
 # ====================================================================================== weights
-def _load_file(path: str) -> Dict[str, torch.Tensor]:
+def _load_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file  # optional dependency (the hf extra)
 
@@ -310,7 +310,7 @@ def _load_file(path: str) -> Dict[str, torch.Tensor]:
     return sd
 
 
-def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
+def read_source_weights(path: str) -> dict[str, torch.Tensor]:
     """The source's state dict (safetensors or pytorch_model.bin, single or sharded); any read
     error (truncated, empty, not the format its name says) is one line naming the file."""
     found = next((f for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))), None)
@@ -321,7 +321,7 @@ def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
         if found.endswith(".index.json"):
             with open(full) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-            sd: Dict[str, torch.Tensor] = {}
+            sd: dict[str, torch.Tensor] = {}
             for name in files:
                 full = os.path.join(path, name)
                 sd.update(_load_file(full))
@@ -334,18 +334,18 @@ def read_source_weights(path: str) -> Dict[str, torch.Tensor]:
 _LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.")
 
 
-def check_weights(hf: Dict[str, Any], source: Dict[str, torch.Tensor], where: str) -> None:
+def check_weights(hf: dict[str, Any], source: dict[str, torch.Tensor], where: str) -> None:
     """config.json agrees with the weights (vocabulary, width, positions, layers, FFN width,
     token types); WarmStartError naming every key that does not."""
     sd = _strip(source, hf["model_type"])
 
-    def shape(name: str) -> Optional[Tuple[int, ...]]:
+    def shape(name: str) -> tuple[int, ...] | None:
         t = sd.get(name)
         return tuple(t.shape) if t is not None else None
 
-    wrong: List[str] = []
+    wrong: list[str] = []
 
-    def agree(key: str, stored: Optional[int], what: str) -> None:
+    def agree(key: str, stored: int | None, what: str) -> None:
         if stored is not None and key in hf and hf[key] != stored:
             wrong.append(f"{key}={hf[key]!r} (the weights store {stored} {what})")
 
@@ -368,7 +368,7 @@ def check_weights(hf: Dict[str, Any], source: Dict[str, torch.Tensor], where: st
                              f"{', '.join(wrong)}: fix config.json or the weights")  # fmt: skip
 
 
-def _strip(sd: Dict[str, torch.Tensor], kind: str) -> Dict[str, torch.Tensor]:
+def _strip(sd: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
     """Names without the ``bert.`` / ``roberta.`` prefix, old ``gamma``/``beta`` renamed."""
     out = {}
     for name, t in sd.items():
@@ -388,20 +388,20 @@ def extend_positions(table: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def convert_state_dict(
-    source: Dict[str, torch.Tensor], hf: Dict[str, Any], model: ModelConfig
-) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    source: dict[str, torch.Tensor], hf: dict[str, Any], model: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our state dict (float32; E/F and conv kernels absent) from the source's, and notes on
     what was not mapped one to one (dropped pooler, missing head)."""
     kind = hf["model_type"]
     sd = _strip(source, kind)
-    notes: List[str] = []
+    notes: list[str] = []
 
     def take(name: str) -> torch.Tensor:
         if name not in sd:
             raise WarmStartError(f"the source has no weight {name!r} ({kind} layout expected)")
         return sd.pop(name).float()
 
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     word = take("embeddings.word_embeddings.weight")
     out["encoder.token_embeddings.weight"] = word
     pos = take("embeddings.position_embeddings.weight")
@@ -438,7 +438,7 @@ def convert_state_dict(
     return out, notes
 
 
-def _head_names(sd: Dict[str, torch.Tensor], kind: str) -> Optional[Dict[str, str]]:
+def _head_names(sd: dict[str, torch.Tensor], kind: str) -> dict[str, str] | None:
     """Our MLM head's names -> the source's (None: the source has no head)."""
     if kind == "bert":
         p, names = "cls.predictions.", ("transform.dense", "transform.LayerNorm", "decoder")
@@ -463,9 +463,9 @@ def _projection_param(name: str) -> bool:
     return ".shared_" in f".{name}" or ".proj_k." in name or ".proj_v." in name
 
 
-def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = "", data_ids: Optional[Dict[str, int]] = None,
-                 manifest: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:  # fmt: skip
+def check_source(spec: str, model: ModelConfig, data_vocab: int | None = None,
+                 data: str = "", data_ids: dict[str, int] | None = None,
+                 manifest: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Everything but the weights: the source maps, the model section and the data's
     vocabulary, special ids and (with the data's ``manifest``) pieces match it (WarmStartError
     otherwise); returns its config.json."""
@@ -475,9 +475,9 @@ def check_source(spec: str, model: ModelConfig, data_vocab: Optional[int] = None
     return hf
 
 
-def load_into(model: torch.nn.Module, spec: str, data_vocab: Optional[int] = None,
-              data: str = "", weights: Optional[Dict[str, torch.Tensor]] = None,
-              tokenizer_note: Optional[str] = None) -> str:  # fmt: skip
+def load_into(model: torch.nn.Module, spec: str, data_vocab: int | None = None,
+              data: str = "", weights: dict[str, torch.Tensor] | None = None,
+              tokenizer_note: str | None = None) -> str:  # fmt: skip
     """Load source ``spec`` (``hf:PATH``) into ``model`` (a task model built from its config,
     whole: before any sharding); returns the one-line summary for the run's log, which says
     what was copied. ``weights``: the source's state dict when already read (and checked)."""
@@ -523,12 +523,12 @@ class WarmStart:
     loaded by :meth:`load`. Nothing to do when ``spec`` is None (no init_from, or a resume: the
     checkpoint has the weights)."""
 
-    def __init__(self, spec: Optional[str], model: ModelConfig, data_vocab: Optional[int] = None,
-                 data: str = "", data_ids: Optional[Dict[str, int]] = None,
-                 manifest: Optional[Dict[str, Any]] = None):  # fmt: skip
+    def __init__(self, spec: str | None, model: ModelConfig, data_vocab: int | None = None,
+                 data: str = "", data_ids: dict[str, int] | None = None,
+                 manifest: dict[str, Any] | None = None):  # fmt: skip
         self.spec, self.data_vocab, self.data = spec, data_vocab, data
-        self.weights: Optional[Dict[str, torch.Tensor]] = None
-        self.note: Optional[str] = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.note: str | None = None
         if spec is not None:
             try:
                 hf = check_source(spec, model, data_vocab, data, data_ids)
@@ -540,7 +540,7 @@ class WarmStart:
                 raise WarmStartError(str(e) if str(e).startswith(key) else f"{key}: {e}") from None
 
     @classmethod
-    def for_run(cls, cfg: Any, resume_tag: Optional[str], dataset: Any) -> "WarmStart":
+    def for_run(cls, cfg: Any, resume_tag: str | None, dataset: Any) -> "WarmStart":
         """``cfg`` a job config, ``dataset`` its first train split (ShardDataset)."""
         spec = cfg.checkpoint.init_from if resume_tag is None else None
         manifest = getattr(dataset, "manifest", {}) or {}
@@ -554,7 +554,7 @@ class WarmStart:
             log(load_into(model, self.spec, self.data_vocab, self.data, weights, self.note))
 
 
-def model_section(hf: Dict[str, Any], **linformer: Any) -> Dict[str, Any]:
+def model_section(hf: dict[str, Any], **linformer: Any) -> dict[str, Any]:
     """The ``model:`` section that matches source ``hf``, with the run's Linformer options
     (max_seq_len, projection, k, sharing, projection_init, ...)."""
     section = model_options(hf)
@@ -564,7 +564,7 @@ def model_section(hf: Dict[str, Any], **linformer: Any) -> Dict[str, Any]:
 
 
 # ========================================================================= launch/convert.py
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Check a Hugging Face BERT/RoBERTa directory for a warm start and write the "
         "job config that starts from it (checkpoint.init_from, the matching model section).",
@@ -580,8 +580,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _overrides(items: List[str]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def _overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("model.") or "." in key[6:]:
@@ -590,7 +590,7 @@ def _overrides(items: List[str]) -> Dict[str, Any]:
     return out
 
 
-def job_config_text(spec: str, section: Dict[str, Any], base: Optional[str],
+def job_config_text(spec: str, section: dict[str, Any], base: str | None,
                     note: str = "") -> str:  # fmt: skip
     """The YAML of a job config: ``defaults: base``, the model section, ``init_from``."""
     head = f"# warm start from {spec} (launch/convert.py); see docs/export.md\n"
@@ -602,13 +602,13 @@ def job_config_text(spec: str, section: Dict[str, Any], base: Optional[str],
     return head + yaml.safe_dump(body, sort_keys=False)
 
 
-def _base_model(path: str) -> Dict[str, Any]:
+def _base_model(path: str) -> dict[str, Any]:
     """The ``model:`` section of job config ``path`` (with its ``defaults:`` chain)."""
     model = OmegaConf.to_container(_load_yaml(path), resolve=True).get("model") or {}
     return dict(model) if isinstance(model, dict) else {}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the config written (or printed), 2 with one line naming the problem."""
     args = parse_args(argv)
     try:

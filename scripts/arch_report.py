@@ -15,9 +15,9 @@ import argparse
 import ast
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
 
 PACKAGES = ("linformer_ds", "data_prep")
 
@@ -28,8 +28,8 @@ class Module:
     path: Path
     lines: int
     is_package: bool  # an __init__.py
-    imports: List[Tuple[str, bool]] = field(default_factory=list)  # (module, inside a function)
-    functions: List[Tuple[str, int]] = field(default_factory=list)  # (qualified name, lines)
+    imports: list[tuple[str, bool]] = field(default_factory=list)  # (module, inside a function)
+    functions: list[tuple[str, int]] = field(default_factory=list)  # (qualified name, lines)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -39,7 +39,7 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def _walk(node: ast.AST, in_function: bool, prefix: str) -> Iterator[Tuple[ast.AST, bool, str]]:
+def _walk(node: ast.AST, in_function: bool, prefix: str) -> Iterator[tuple[ast.AST, bool, str]]:
     for child in ast.iter_child_nodes(node):
         yield child, in_function, prefix
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -60,9 +60,9 @@ def _resolve(mod: Module, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def parse(root: Path, packages: Tuple[str, ...] = PACKAGES) -> Dict[str, Module]:
+def parse(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Module]:
     """Every module of ``packages`` under ``root`` with its project-internal imports."""
-    mods: Dict[str, Module] = {}
+    mods: dict[str, Module] = {}
     trees = {}
     for pkg in packages:
         for path in sorted((root / pkg).rglob("*.py")):
@@ -76,7 +76,7 @@ def parse(root: Path, packages: Tuple[str, ...] = PACKAGES) -> Dict[str, Module]
         for node, in_fn, prefix in _walk(tree, False, ""):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 mod.functions.append((prefix + node.name, node.end_lineno - node.lineno + 1))
-            targets: List[str] = []
+            targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -91,10 +91,10 @@ def parse(root: Path, packages: Tuple[str, ...] = PACKAGES) -> Dict[str, Module]
     return mods
 
 
-def import_graph(mods: Dict[str, Module]) -> Dict[str, Set[str]]:
+def import_graph(mods: dict[str, Module]) -> dict[str, set[str]]:
     """Module -> the project modules it imports (at the top or inside functions). An import of
     ``a.b.c`` counts as an edge to the deepest project module on that path."""
-    graph: Dict[str, Set[str]] = {m: set() for m in mods}
+    graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, mod in mods.items():
         for target, _ in mod.imports:
             parts = target.split(".")
@@ -105,13 +105,13 @@ def import_graph(mods: Dict[str, Module]) -> Dict[str, Set[str]]:
     return graph
 
 
-def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one member (Tarjan), sorted."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on: Set[str] = set()
-    out: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
     counter = [0]
 
     def visit(v: str) -> None:
@@ -143,9 +143,9 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return sorted(out)
 
 
-def package_graph(graph: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The same graph between top-level packages (linformer_ds <-> data_prep)."""
-    out: Dict[str, Set[str]] = {}
+    out: dict[str, set[str]] = {}
     for m, targets in graph.items():
         a = m.split(".")[0]
         out.setdefault(a, set())
@@ -171,7 +171,7 @@ def report(root: Path) -> dict:
     }
 
 
-def _all_imports(root: Path) -> Tuple[int, int]:
+def _all_imports(root: Path) -> tuple[int, int]:
     """All import statements (any module) and those inside functions, over both packages."""
     total = inside = 0
     for pkg in PACKAGES:
@@ -184,7 +184,7 @@ def _all_imports(root: Path) -> Tuple[int, int]:
     return total, inside
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--json", action="store_true")

@@ -21,7 +21,6 @@ import os
 import re
 import sys
 from html.parser import HTMLParser
-from typing import Dict, List, Optional, Tuple
 
 ROOTS = {  # package -> the directory of its HTML (the first one that exists)
     "linux-doc": ["/usr/share/doc/linux-doc/html", "/usr/share/doc/linux-doc-*/html"],
@@ -46,9 +45,9 @@ class MainText(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.depth = 0  # open elements inside the main content (0: outside)
         self.skip = 0  # open elements of a skipped kind (code, script, permalink)
-        self.parts: List[str] = []
+        self.parts: list[str] = []
 
-    def handle_starttag(self, tag: str, attrs: List[Tuple[str, Optional[str]]]) -> None:
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = dict(attrs)
         void = tag in VOID_TAGS
         if self.depth == 0:
@@ -65,7 +64,7 @@ class MainText(HTMLParser):
         if tag in BLOCK_TAGS:
             self.parts.append("\n")
 
-    def handle_startendtag(self, tag: str, attrs: List[Tuple[str, Optional[str]]]) -> None:
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self.depth and not self.skip and tag in BLOCK_TAGS:
             self.parts.append("\n")
 
@@ -99,7 +98,7 @@ def page_text(html: str) -> str:
     return parser.text()
 
 
-def find_root(package: str) -> Optional[str]:
+def find_root(package: str) -> str | None:
     for pattern in ROOTS[package]:
         hits = sorted(glob.glob(pattern))
         if hits:
@@ -107,7 +106,7 @@ def find_root(package: str) -> Optional[str]:
     return None
 
 
-def pages(root: str) -> List[str]:
+def pages(root: str) -> list[str]:
     """The HTML pages under ``root`` (relative paths, sorted), without indices and assets."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -119,14 +118,14 @@ def pages(root: str) -> List[str]:
     return sorted(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="output directory (english.jsonl, english_stats.json)")
     ap.add_argument("--root", action="append", default=[],
                     help="PACKAGE=DIR: the HTML directory of a package (default: found)")  # fmt: skip
     ap.add_argument("--min-chars", type=int, default=500, help="skip pages with less text")
     args = ap.parse_args(argv)
-    roots: Dict[str, Optional[str]] = {p: find_root(p) for p in ROOTS}
+    roots: dict[str, str | None] = {p: find_root(p) for p in ROOTS}
     for item in args.root:
         name, _, path = item.partition("=")
         roots[name] = path
@@ -136,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(install: apt-get install {' '.join(missing)})", file=sys.stderr)  # fmt: skip
         return 1
     os.makedirs(args.out, exist_ok=True)
-    stats: Dict[str, Dict[str, object]] = {}
+    stats: dict[str, dict[str, object]] = {}
     path = os.path.join(args.out, "english.jsonl")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         for package, root in roots.items():

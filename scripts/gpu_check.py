@@ -45,8 +45,9 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import yaml
 
@@ -113,7 +114,7 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-CHILDREN: List[subprocess.Popen] = []  # every process group started, for the SIGTERM handler
+CHILDREN: list[subprocess.Popen] = []  # every process group started, for the SIGTERM handler
 
 
 def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
@@ -130,7 +131,7 @@ def on_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
     os._exit(124)
 
 
-def start(cmd: List[str], log: Path, env: Dict[str, str]) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group (so a budget kill takes its children too)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     f = open(log, "w")
@@ -144,7 +145,7 @@ def start(cmd: List[str], log: Path, env: Dict[str, str]) -> subprocess.Popen:
     return proc
 
 
-def finish(proc: subprocess.Popen, timeout: Optional[float]) -> Dict[str, Any]:
+def finish(proc: subprocess.Popen, timeout: float | None) -> dict[str, Any]:
     """Wait up to ``timeout`` s (None or inf: to its end); kill the group past it. Returns
     returncode/timed_out."""
     timed_out = False
@@ -160,8 +161,8 @@ def finish(proc: subprocess.Popen, timeout: Optional[float]) -> Dict[str, Any]:
 
 
 def run(
-    cmd: List[str], log: Path, env: Dict[str, str], timeout: Optional[float]
-) -> Dict[str, Any]:
+    cmd: list[str], log: Path, env: dict[str, str], timeout: float | None
+) -> dict[str, Any]:
     """Run ``cmd`` to its end or to ``timeout`` seconds; output goes to ``log``."""
     t0 = time.perf_counter()
     res = finish(start(cmd, log, env), timeout)
@@ -177,7 +178,7 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def median(xs: List[float]) -> Optional[float]:
+def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
@@ -198,10 +199,10 @@ class Kit:
         self.steps = [s for s in STEPS if (not args.only or s in args.only) and s not in args.skip]
         self.t0 = time.perf_counter()
         self.lock = threading.Lock()
-        self.sweep_cfg: Optional[sweep.SweepConfig] = None
-        self.main_data: Optional[Path] = None
-        self.jit: Optional[subprocess.Popen] = None
-        self.results: Dict[str, Any] = {
+        self.sweep_cfg: sweep.SweepConfig | None = None
+        self.main_data: Path | None = None
+        self.jit: subprocess.Popen | None = None
+        self.results: dict[str, Any] = {
             "kit_version": 1,
             "dry_run": self.dry,
             "started_utc": utc_now(),
@@ -228,7 +229,7 @@ class Kit:
             text = json.dumps(self.results, indent=1, default=str) + "\n"
             atomic_write_text(self.out / "results.json", text)
 
-    def env(self, **extra: str) -> Dict[str, str]:
+    def env(self, **extra: str) -> dict[str, str]:
         """Environment of child processes: the repo importable; CPU accelerator in the dry run."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
         env["PYTHONPATH"] = os.pathsep.join(
@@ -246,17 +247,17 @@ class Kit:
     def log(self, msg: str) -> None:
         print(f"[gpu_check {self.elapsed():5.0f}s] {msg}", flush=True)
 
-    def step(self, name: str, fn: Callable[[Optional[float]], Dict[str, Any]]) -> None:
+    def step(self, name: str, fn: Callable[[float | None], dict[str, Any]]) -> None:
         """Run one step under its budget; record status, seconds and its numbers."""
         if name not in self.steps:
             return
-        budget: Optional[float] = None  # the dry run: no budget, the step runs to its end
+        budget: float | None = None  # the dry run: no budget, the step runs to its end
         if self.clocked:
             budget = self.budgets.get(name, 0)
             if name == "sweep":
                 budget = self.left() - RESERVE_S
             budget = min(budget, self.left() - RESERVE_S)
-        rec: Dict[str, Any] = {"budget_s": None if budget is None else round(budget, 1)}
+        rec: dict[str, Any] = {"budget_s": None if budget is None else round(budget, 1)}
         if budget is not None and budget < 5:
             rec.update(status="skipped", reason=f"only {self.left():.0f}s of the total left")
             with self.lock:
@@ -280,12 +281,12 @@ class Kit:
         self.log(f"{name}: {rec['status']} in {rec['seconds']:.0f}s {rec.get('reason', '')}")
 
     # ================================================================================ steps
-    def do_data(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_data(self, budget: float | None) -> dict[str, Any]:
         """The shards: carried ones (GPU), or tiny stdlib ones made now (dry run)."""
         if not self.dry:
             cfg = sweep.load_sweep(str(SWEEP_FILE), out=str(self.work / "sweep"))
             self.sweep_cfg = cfg
-            rec: Dict[str, Any] = {"cache_dir": str(cfg.data.cache_dir), "splits": {}}
+            rec: dict[str, Any] = {"cache_dir": str(cfg.data.cache_dir), "splits": {}}
             for n in sorted({p.seq_len for p in cfg.points()}):
                 path = sweep.data_dir(cfg.data, n)
                 if not (path / "sweep_data.json").is_file():
@@ -309,7 +310,7 @@ class Kit:
             "build_s": round(time.perf_counter() - t0, 1),
         }
 
-    def do_env(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_env(self, budget: float | None) -> dict[str, Any]:
         """Versions and devices, from a child process (this one never touches CUDA)."""
         log = self.work / "env.log"
         res = run([self.py, "-c", ENV_PROBE], log, self.env(), budget)
@@ -320,7 +321,7 @@ class Kit:
         with self.lock:
             self.results["environment"] = info
         bad = {k: v for k, v in info["imports"].items() if not v.startswith("ok")}
-        rec: Dict[str, Any] = {"returncode": res["returncode"]}
+        rec: dict[str, Any] = {"returncode": res["returncode"]}
         if bad:
             rec.update(status="failed", reason=f"imports failed: {bad}")
         elif not self.dry and not info.get("cuda_available"):
@@ -333,10 +334,10 @@ class Kit:
             )
         return rec
 
-    def jit_env(self) -> Dict[str, str]:
+    def jit_env(self) -> dict[str, str]:
         return self.env(TORCH_EXTENSIONS_DIR=str(self.work / "torch_extensions"), MAX_JOBS="8")
 
-    def do_tests(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_tests(self, budget: float | None) -> dict[str, Any]:
         """pytest -m gpu on the device (CUDA; the CPU versions in the dry run)."""
         d = self.work / "tests"
         d.mkdir(parents=True, exist_ok=True)
@@ -349,7 +350,7 @@ class Kit:
             LINFORMER_GPU_TEST_RECORD=str(record),
         )
         res = run(cmd, d / "pytest.log", env, budget)
-        rec: Dict[str, Any] = {**res, "command": shlex.join(cmd[1:]), **parse_junit(junit)}
+        rec: dict[str, Any] = {**res, "command": shlex.join(cmd[1:]), **parse_junit(junit)}
         rec["measured"] = read_jsonl(record)
         if res["timed_out"]:
             rec.update(status="timeout", reason=f"pytest passed the {budget:.0f}s budget")
@@ -360,7 +361,7 @@ class Kit:
             )
         return rec
 
-    def main_overrides(self, steps: int, logdir: Path) -> List[str]:
+    def main_overrides(self, steps: int, logdir: Path) -> list[str]:
         """The main job's overrides: few steps, the carried (or tiny) data, no checkpoints."""
         assert self.main_data is not None
         ov = [
@@ -381,7 +382,7 @@ class Kit:
         return ov
 
     def launch_main(
-        self, name: str, steps: int, extra: List[str], env: Optional[Dict[str, str]] = None
+        self, name: str, steps: int, extra: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
         """``deepspeed launch/pretrain.py --config configs/base_4096.yaml ...`` on one device."""
         logdir = self.work / name
@@ -393,7 +394,7 @@ class Kit:
         # TORCH_EXTENSIONS_DIR: where the env step's background build put FusedAdam
         return start(cmd, self.work / f"{name}.log", {**self.jit_env(), **(env or {})})
 
-    def do_main(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_main(self, budget: float | None) -> dict[str, Any]:
         """The main job: tokens/s, MFU against the trainer's GEMM peak, peak memory, loss, and
         the host synchronisations of a few steps (the trainer's debug.sync_log hook)."""
         t0 = time.perf_counter()
@@ -414,7 +415,7 @@ class Kit:
             rec.update(status="failed", reason="the trainer logged no step")
         return rec
 
-    def do_bench(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_bench(self, budget: float | None) -> dict[str, Any]:
         """bench/gpu_bench.sh, trimmed (dry run: tiny CPU sizes)."""
         d = self.work / "bench"
         cmd = ["bash", "bench/gpu_bench.sh", str(d)]
@@ -429,7 +430,7 @@ class Kit:
         else:
             cmd += ["--seq-lens", "1024", "4096", "16384", "32768", "--warmup", "2", "--iters", "5"]
         res = run(cmd, self.work / "bench.log", env, budget)
-        rec: Dict[str, Any] = {**res, "command": shlex.join(cmd)}
+        rec: dict[str, Any] = {**res, "command": shlex.join(cmd)}
         path = d / "results.json"
         if path.is_file():
             b = json.loads(path.read_text())
@@ -452,13 +453,13 @@ class Kit:
         ("peer_dense", ["ours-dense", "hf-bert"], ["headwise"]),
     )
 
-    def do_peer(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_peer(self, budget: float | None) -> dict[str, Any]:
         """bench.peer_bench at equal work: every sharing mode against lucidrains, then the dense
         pair (ours vs HF BERT SDPA). GPU: N = 4096 and 16384, the issue's sizes, the models of
         a group in this one process (``--isolation shared``: the GPU's memory holds them all,
         and a spawned process per model would spend the budget on CUDA start-ups); dry run:
         tiny CPU sizes."""
-        rec: Dict[str, Any] = {"runs": {}}
+        rec: dict[str, Any] = {"runs": {}}
         end = None if budget is None else time.perf_counter() + budget
         for name, models, sharings in self.PEER_RUNS:
             d = self.work / name
@@ -477,7 +478,7 @@ class Kit:
                 rec["runs"][name] = {"status": "skipped", "reason": "no budget left"}
                 continue
             res = run(cmd, self.work / f"{name}.log", self.env(), left)
-            run_rec: Dict[str, Any] = {**res, "command": shlex.join(cmd[1:])}
+            run_rec: dict[str, Any] = {**res, "command": shlex.join(cmd[1:])}
             path = d / "results.json"
             if not path.is_file():  # cut short: the groups that finished (written after each)
                 path = d / "partial.json"
@@ -501,7 +502,7 @@ class Kit:
                        reason=", ".join(f"{k}: {v}" for k, v in bad.items()))  # fmt: skip
         return rec
 
-    def do_sweep(self, budget: Optional[float]) -> Dict[str, Any]:
+    def do_sweep(self, budget: float | None) -> dict[str, Any]:
         """The quality sweep, ``workers`` points at a time; the optimizers step runs alongside."""
         cfg = self.sweep_cfg
         if cfg is None:
@@ -523,7 +524,7 @@ class Kit:
             self.env(),
             max(10.0, deadline + 20 - time.perf_counter()),
         )  # fmt: skip
-        rec: Dict[str, Any] = {
+        rec: dict[str, Any] = {
             "sweep_file": sweep.display_path(cfg.path),
             "workers": self.workers,
             "points": len(cfg.points()),
@@ -578,9 +579,9 @@ class OptimizerChecks:
     def __init__(self, kit: Kit):
         self.kit = kit
         self.todo = list(self.VARIANTS)
-        self.rec: Dict[str, Any] = {"runs": {}}
-        self.proc: Optional[subprocess.Popen] = None
-        self.current: Optional[str] = None
+        self.rec: dict[str, Any] = {"runs": {}}
+        self.proc: subprocess.Popen | None = None
+        self.current: str | None = None
         self.t_start = 0.0
 
     def poll(self, deadline: float) -> None:
@@ -614,7 +615,7 @@ class OptimizerChecks:
             )
             return
 
-    def _collect(self, res: Dict[str, Any]) -> None:
+    def _collect(self, res: dict[str, Any]) -> None:
         kit, name = self.kit, self.current
         assert name is not None
         d = kit.work / f"optimizers_{name}"
@@ -639,7 +640,7 @@ class OptimizerChecks:
         self.rec["runs"][name] = rec
         self.proc, self.current = None, None
 
-    def finish(self, deadline: float) -> Dict[str, Any]:
+    def finish(self, deadline: float) -> dict[str, Any]:
         """Wait for the run in flight (to the deadline), mark the rest skipped."""
         if self.proc is not None:
             self._collect(finish(self.proc, deadline - time.perf_counter()))
@@ -657,7 +658,7 @@ class OptimizerChecks:
         return self.rec
 
 
-def jit_result(kit: Kit) -> Dict[str, Any]:
+def jit_result(kit: Kit) -> dict[str, Any]:
     """How FusedAdam's background nvcc build went."""
     log = kit.work / "optimizers" / "jit_build.log"
     if kit.jit is None:
@@ -669,7 +670,7 @@ def jit_result(kit: Kit) -> Dict[str, Any]:
         return {"status": "timeout", "log_tail": tail(log, 8)}
     secs = [ln for ln in log.read_text().splitlines() if ln.startswith("JIT ")]
     ok = kit.jit.returncode == 0 and bool(secs)
-    out: Dict[str, Any] = {"status": "ok" if ok else "failed", "returncode": kit.jit.returncode}
+    out: dict[str, Any] = {"status": "ok" if ok else "failed", "returncode": kit.jit.returncode}
     if secs:
         out.update(json.loads(secs[-1][4:]))
     if not ok:
@@ -715,15 +716,15 @@ def dry_sweep_file(work: Path) -> Path:
 
 
 def run_points(
-    kit: Kit, cfg: sweep.SweepConfig, deadline: float, opt: Optional[OptimizerChecks]
-) -> Dict[str, Any]:
+    kit: Kit, cfg: sweep.SweepConfig, deadline: float, opt: OptimizerChecks | None
+) -> dict[str, Any]:
     """``run_sweep.py --point i`` for the points in order, ``kit.workers`` at a time; no point
     starts when it could not end before ``deadline`` (judged from the ones that ended), and the
     ones still running there are killed (they stay pending in the report)."""
     points = cfg.points()
     queue = list(range(len(points)))
-    running: Dict[int, tuple] = {}
-    durations: List[float] = []
+    running: dict[int, tuple] = {}
+    durations: list[float] = []
     started, killed = 0, []
     env = kit.env(OMP_NUM_THREADS="1")
     while queue or running:
@@ -760,13 +761,13 @@ def run_points(
     }
 
 
-def summarize_sweep(cfg: sweep.SweepConfig) -> Dict[str, Any]:
+def summarize_sweep(cfg: sweep.SweepConfig) -> dict[str, Any]:
     """Mean and spread over seeds per (variant, N, k); the unigram reference per N."""
     results = sweep.collect(cfg)
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["variant"], r["seq_len"], r["k"]), []).append(r)
     rows = []
@@ -821,7 +822,7 @@ def summarize_sweep(cfg: sweep.SweepConfig) -> Dict[str, Any]:
 
 
 # ============================================================================== parsing outputs
-def parse_junit(path: Path) -> Dict[str, Any]:
+def parse_junit(path: Path) -> dict[str, Any]:
     """Counts and failures from pytest's JUnit XML."""
     if not path.is_file():
         return {}
@@ -850,11 +851,11 @@ def parse_junit(path: Path) -> Dict[str, Any]:
     }
 
 
-def main_metrics(logdir: Path, log: Path) -> Dict[str, Any]:
+def main_metrics(logdir: Path, log: Path) -> dict[str, Any]:
     """Throughput, MFU, the GEMM peak and memory from a trainer's metrics.jsonl: the median
     over the logged intervals after the first (which holds start-up and warm-up)."""
     recs = [r for r in read_jsonl(logdir / "metrics.jsonl") if r.get("split") == "train"]
-    out: Dict[str, Any] = {"logged_steps": [r["step"] for r in recs]}
+    out: dict[str, Any] = {"logged_steps": [r["step"] for r in recs]}
     if not recs:
         return out
     steady = recs[1:] or recs
@@ -892,7 +893,7 @@ def main_metrics(logdir: Path, log: Path) -> Dict[str, Any]:
     return out
 
 
-def sync_counts(path: Path) -> Dict[str, Any]:
+def sync_counts(path: Path) -> dict[str, Any]:
     """The trainer's sync-log records of rank 0 (linformer_ds/testing/hostsync.py): per counted step
     its seconds, CUDA's count of synchronizing operations (set_sync_debug_mode("warn"); None
     off CUDA) and the dispatch-mode count by owner, and the seconds of the uncounted step after
@@ -900,7 +901,7 @@ def sync_counts(path: Path) -> Dict[str, Any]:
     data pipeline's host work is left out of the dispatch count (host tensors by design)."""
     recs = read_jsonl(path) if path.is_file() else []
     counted = [r for r in recs if r.get("counted")]
-    out: Dict[str, Any] = {"steps": []}
+    out: dict[str, Any] = {"steps": []}
     for r in counted:
         by_owner = r["dispatch"]["by_owner"]
         dispatch = sum(n for who, n in by_owner.items() if who != "data")
@@ -1008,7 +1009,7 @@ print("JIT " + json.dumps({"op": "fused_adam", "build_s": round(time.perf_counte
 
 
 # ========================================================================================= main
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out", help="results folder (results.json, report.md, artifacts.tar.gz)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (CI)")
@@ -1036,7 +1037,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, on_sigterm)
     kit = Kit(args)

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
 def _f(x: Any, spec: str = ".3g", none: str = "-") -> str:
@@ -22,11 +22,11 @@ def _f(x: Any, spec: str = ".3g", none: str = "-") -> str:
     return format(x, spec)
 
 
-def _mib(x: Optional[float]) -> str:
+def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**20:,.0f} MiB"
 
 
-def header(r: Dict[str, Any]) -> List[str]:
+def header(r: dict[str, Any]) -> list[str]:
     env = r.get("environment", {})
     imports = env.get("imports", {})
     ver = {k: v.split(maxsplit=1)[1] if v.startswith("ok ") else v for k, v in imports.items()}
@@ -81,7 +81,7 @@ def header(r: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def tests(s: Dict[str, Any]) -> List[str]:
+def tests(s: dict[str, Any]) -> list[str]:
     lines = [
         "### GPU tests (`pytest -m gpu tests/test_gpu.py`)",
         "",
@@ -138,7 +138,7 @@ def tests(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def main_job(s: Dict[str, Any]) -> List[str]:
+def main_job(s: dict[str, Any]) -> list[str]:
     lines = ["### Main job (`configs/base_4096.yaml`, 1 GPU, bf16, ZeRO-2, checkpointing)", ""]
     lines.append(f"`{s.get('command', '')}`")
     lines.append("")
@@ -169,7 +169,7 @@ def main_job(s: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def optimizers(s: Dict[str, Any]) -> List[str]:
+def optimizers(s: dict[str, Any]) -> list[str]:
     lines = ["### Optimizers (short main-job runs alongside the sweep: function, not speed)", ""]
     jit = s.get("jit_build")
     if jit:
@@ -191,7 +191,7 @@ def optimizers(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def bench(s: Dict[str, Any]) -> List[str]:
+def bench(s: dict[str, Any]) -> list[str]:
     lines = ["### Model-speed benchmark (`bench/gpu_bench.sh`, trimmed)", ""]
     lines.append(f"`{s.get('command', '')}`")
     lines.append("")
@@ -202,7 +202,7 @@ def bench(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def peer(s: Dict[str, Any]) -> List[str]:
+def peer(s: dict[str, Any]) -> list[str]:
     lines = ["### Equal work against lucidrains and HF BERT (`bench/peer_bench.py`)", ""]
     for name, run in s.get("runs", {}).items():
         lines += [f"`{name}`: `{run.get('command', '')}`", ""]
@@ -214,7 +214,7 @@ def peer(s: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def sweep(s: Dict[str, Any]) -> List[str]:
+def sweep(s: dict[str, Any]) -> list[str]:
     lines = [f"### Quality sweep (`{s.get('sweep_file', '')}`)", ""]
     counts = s.get("status_counts", {})
     runs = s.get("runs", {})
@@ -256,7 +256,7 @@ def sweep(s: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
-def render(results: Dict[str, Any]) -> str:
+def render(results: dict[str, Any]) -> str:
     """The whole section as markdown."""
     steps = results.get("steps", {})
     out = header(results)
@@ -275,7 +275,7 @@ def render(results: Dict[str, Any]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out_dir", help="a scripts/gpu_check.py output folder")
     p.add_argument("--out", help="write the markdown here (default: standard output)")

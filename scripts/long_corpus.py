@@ -19,15 +19,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from english_corpus import ROOTS, find_root, page_text, pages  # noqa: E402
 
 
-def cut_lines(text: str, max_chars: int) -> List[str]:
+def cut_lines(text: str, max_chars: int) -> list[str]:
     """``text`` cut at line ends into pieces of at most ``max_chars`` (a longer line whole)."""
-    pieces: List[List[str]] = [[]]
+    pieces: list[list[str]] = [[]]
     size = 0
     for line in text.split("\n"):
         if pieces[-1] and size + len(line) + 1 > max_chars:
@@ -38,11 +37,11 @@ def cut_lines(text: str, max_chars: int) -> List[str]:
     return ["\n".join(p) for p in pieces]
 
 
-def directory_documents(texts: List[Tuple[str, str]], min_chars: int, max_chars: int
-                        ) -> List[Tuple[str, str]]:  # fmt: skip
+def directory_documents(texts: list[tuple[str, str]], min_chars: int, max_chars: int
+                        ) -> list[tuple[str, str]]:  # fmt: skip
     """``[(directory, text)]`` of ``texts`` (``(relative page path, page text)``): pages joined
     per directory, short directories joined to their parent, long ones cut (see the module)."""
-    groups: Dict[str, List[Tuple[str, str]]] = {}
+    groups: dict[str, list[tuple[str, str]]] = {}
     for rel, text in texts:
         for k, piece in enumerate(cut_lines(text, max_chars)):  # (a page longer than max_chars)
             groups.setdefault(os.path.dirname(rel), []).append((f"{rel}#{k:04d}", piece))
@@ -60,7 +59,7 @@ def directory_documents(texts: List[Tuple[str, str]], min_chars: int, max_chars:
         items = sorted(groups[d])
         if sum(len(t) for _, t in items) < min_chars:
             continue
-        parts: List[List[str]] = [[]]
+        parts: list[list[str]] = [[]]
         for _, text in items:
             if parts[-1] and sum(map(len, parts[-1])) + len(text) > max_chars:
                 parts.append([])
@@ -72,7 +71,7 @@ def directory_documents(texts: List[Tuple[str, str]], min_chars: int, max_chars:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="output directory (long.jsonl, long_stats.json)")
     ap.add_argument("--root", action="append", default=[],
@@ -85,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not 0 < args.min_chars <= args.max_chars:
         print("long_corpus: need 0 < --min-chars <= --max-chars", file=sys.stderr)
         return 2
-    roots: Dict[str, Optional[str]] = {p: find_root(p) for p in ROOTS}
+    roots: dict[str, str | None] = {p: find_root(p) for p in ROOTS}
     for item in args.root:
         name, _, path = item.partition("=")
         roots[name] = path
@@ -95,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(install: apt-get install {' '.join(missing)})", file=sys.stderr)  # fmt: skip
         return 1
     os.makedirs(args.out, exist_ok=True)
-    stats: Dict[str, Dict[str, object]] = {}
+    stats: dict[str, dict[str, object]] = {}
     path = os.path.join(args.out, "long.jsonl")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         for package, root in roots.items():

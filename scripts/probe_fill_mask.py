@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBES = [
@@ -45,7 +44,7 @@ def is_content(piece: str) -> bool:
     return len(word) >= 3 and word.isalpha() and word.lower() not in STOP
 
 
-def masked_input(tok, probe: str) -> Tuple[List[int], int, int]:
+def masked_input(tok, probe: str) -> tuple[list[int], int, int]:
     """``(ids with one <mask>, its position, the target's first piece id)`` of a probe."""
     m = re.search(r"\[([^\]]+)\]", probe)
     if m is None:

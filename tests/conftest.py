@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import types
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 

@@ -4,7 +4,7 @@
 TrainData must load its checkpoint state. Production trains through TrainData."""
 
 from collections.abc import Iterator
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             self._start = 0
             self._yielded = 0
 
-    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
+    def permutation(self, epoch: int | None = None) -> np.ndarray:
         """The order of epoch ``epoch`` (default: the current one)."""
         e = self.epoch if epoch is None else int(epoch)
         if not self.shuffle:
@@ -76,11 +76,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             self._yielded += 1  # counted when handed out
             yield int(perm[start + self.rank + j * self.world_size])
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         """``{"epoch", "consumed"}``: enough to continue under any world size."""
         return {"epoch": self.epoch, "consumed": self.consumed}
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a saved position (saved under any world size)."""
         consumed = int(state["consumed"])
         if not 0 <= consumed <= self.num_samples:
@@ -113,7 +113,7 @@ class TrainBatches:
         world_size: int,
         micro_batch_size: int,
         seed: int,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
         sp_rank: int = 0,
         sp_size: int = 1,
     ) -> None:
@@ -124,14 +124,14 @@ class TrainBatches:
         self.sampler = ResumableDistributedSampler(len(dataset), rank, world_size, seed=seed)
         self.world_size = world_size
         self.epoch = 0
-        self._it: Optional[Iterator[int]] = None
+        self._it: Iterator[int] | None = None
         self.on_batch = None
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "sampler": {"epoch", "consumed"}}``: the position, for any world size."""
         return {"epoch": self.epoch, "sampler": self.sampler.state_dict()}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s result (a ``ValueError`` if it cannot apply)."""
         self.sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
@@ -154,7 +154,7 @@ class TrainBatches:
                 ) from None
             return next(self._it)
 
-    def next_batch(self) -> Dict[str, torch.Tensor]:
+    def next_batch(self) -> dict[str, torch.Tensor]:
         idx = [self._next_index() for _ in range(self.micro_batch_size)]
         if self.on_batch is not None:
             self.on_batch(self.epoch, idx)

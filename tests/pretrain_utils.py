@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from data_prep import PrepConfig
 from data_prep.distributed import World
@@ -54,7 +55,7 @@ def make_corpus(out: Path, seq_len: int = 128, vocab: int = 2000, max_docs: int 
 def run_pretrain(
     data: Path,
     run_dir: Path,
-    overrides: Optional[List[str]] = None,
+    overrides: list[str] | None = None,
     nproc: int = 2,
     launcher: str = "deepspeed",
     check: bool = True,
@@ -89,7 +90,7 @@ def run_pretrain(
 
 def start_worker_ranks(
     ranks: int, runs: Sequence[dict], out: Path, name: str, merge_stderr: bool = False
-) -> List[subprocess.Popen]:
+) -> list[subprocess.Popen]:
     """Start tests/layout_worker.py on ``ranks`` gloo ranks: one process group that trains
     ``runs`` (``{"name", "overrides"}``, each logging to ``out/<name>``) one after the other,
     so the start-up is paid once. Spec ``out/<name>.json``; rank r's stdout in
@@ -111,15 +112,15 @@ def start_worker_ranks(
 
 
 def wait_worker_ranks(
-    procs: List[subprocess.Popen], out: Path, name: str, timeout: int = 1800
-) -> Dict[str, str]:
+    procs: list[subprocess.Popen], out: Path, name: str, timeout: int = 1800
+) -> dict[str, str]:
     """Wait for :func:`start_worker_ranks`' ranks (asserts every rank exited 0); returns each
     run's stdout, every rank's part of it (rank 0's first), as a launcher prints them."""
     codes = [p.wait(timeout=timeout) for p in procs]
     logs = [(out / f"{name}.rank{r}").read_text() for r in range(len(procs))]
     err = (out / f"{name}.rank0.err").read_text()
     assert not any(codes), f"{name}: exit codes {codes}\n{logs[0][-3000:]}\n{err[-3000:]}"
-    runs: Dict[str, str] = {}
+    runs: dict[str, str] = {}
     for log in logs:
         run = None
         for line in log.splitlines(keepends=True):
@@ -131,7 +132,7 @@ def wait_worker_ranks(
     return runs
 
 
-def run_worker_ranks(ranks: int, runs: Sequence[dict], out: Path, name: str) -> Dict[str, str]:
+def run_worker_ranks(ranks: int, runs: Sequence[dict], out: Path, name: str) -> dict[str, str]:
     """:func:`start_worker_ranks`, then :func:`wait_worker_ranks`: each run's stdout."""
     return wait_worker_ranks(start_worker_ranks(ranks, runs, out, name), out, name)
 
@@ -142,18 +143,18 @@ def worker_run(name: str, data: Path, overrides: Sequence[str]) -> dict:
     return {"name": name, "overrides": [f"data.path={data}", *overrides]}
 
 
-def read_metrics(run_dir: Path, split: str = "train") -> Dict[int, dict]:
+def read_metrics(run_dir: Path, split: str = "train") -> dict[int, dict]:
     """step -> metrics record (the last one written for that step)."""
     return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == split}
 
 
 def run_ranks_in_threads(
-    cfg_kw: Dict[str, Any], ranks: int, run_id: str, timeout: float = 120.0
+    cfg_kw: dict[str, Any], ranks: int, run_id: str, timeout: float = 120.0
 ) -> None:
     """``ranks`` ranks of data_prep.parallel with ``PrepConfig(**cfg_kw)`` as threads of this
     process (srun's file transport, run ``run_id``), each joined within ``timeout`` seconds;
     asserts that no rank raised."""
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import pytest
 
@@ -55,7 +54,7 @@ class SlurmUnavailable(RuntimeError):
     """This machine cannot run the local cluster; the message says why."""
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why the local cluster cannot run here, or None when it can."""
     if os.name != "posix" or os.geteuid() != 0:
         return "the local SLURM cluster needs root (slurmd runs jobs as root here)"
@@ -68,7 +67,7 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def _pid_alive(pid_file: Path) -> Optional[int]:
+def _pid_alive(pid_file: Path) -> int | None:
     """The pid in ``pid_file`` when that process is alive, else None."""
     try:
         pid = int(pid_file.read_text().split()[0])
@@ -94,7 +93,7 @@ def _stop_pid(pid: int, timeout: float = 15.0) -> None:
             time.sleep(0.1)
 
 
-def _run(cmd: List[str], **kw) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
@@ -148,7 +147,7 @@ class JobInfo:
     """One ``scontrol show job -o`` record."""
 
     job_id: int
-    fields: Dict[str, str]
+    fields: dict[str, str]
 
     @property
     def state(self) -> str:
@@ -167,7 +166,7 @@ class JobInfo:
 class LocalSlurmCluster:
     """Start and stop munged, slurmctld and slurmd; submit and watch jobs."""
 
-    started: List[int] = field(default_factory=list)  # pids of the daemons this object started
+    started: list[int] = field(default_factory=list)  # pids of the daemons this object started
     partition: str = "ci"
 
     # ------------------------------------------------------------------ daemons
@@ -241,7 +240,7 @@ class LocalSlurmCluster:
         self.started.clear()
 
     # --------------------------------------------------------------------- jobs
-    def sbatch(self, args: List[str], env: Optional[Dict[str, str]] = None, cwd=None) -> int:
+    def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd=None) -> int:
         """Submit a batch job; return its id."""
         proc = _run(["sbatch", "--parsable", *args], env=env, cwd=cwd)
         if proc.returncode != 0:

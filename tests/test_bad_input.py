@@ -11,8 +11,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -53,7 +53,7 @@ def corpus_copy(tiny_corpus, tmp_path_factory):
     return make
 
 
-def _manifest(d: Path) -> Dict:
+def _manifest(d: Path) -> dict:
     return json.loads((d / "manifest.json").read_text())
 
 
@@ -61,7 +61,7 @@ def _shard(d: Path, split: str = "train") -> Path:
     return d / _manifest(d)["splits"][split]["shards"][0]["file"]
 
 
-def _set_manifest(d: Path, edit: Callable[[Dict], None]) -> None:
+def _set_manifest(d: Path, edit: Callable[[dict], None]) -> None:
     m = _manifest(d)
     edit(m)
     (d / "manifest.json").write_text(json.dumps(m))
@@ -109,10 +109,10 @@ def data_manifest_not_an_object(d: Path) -> None:
 def _tag(
     run: Path,
     tag: str,
-    model: Dict,
+    model: dict,
     complete: bool = True,
     meta: bool = True,
-    meta_extra: Optional[Dict] = None,
+    meta_extra: dict | None = None,
 ) -> Path:
     d = run / "checkpoints" / tag
     d.mkdir(parents=True)
@@ -126,7 +126,7 @@ def _tag(
     return d
 
 
-def _model_dict(*overrides: str) -> Dict:
+def _model_dict(*overrides: str) -> dict:
     return load_config(TINY_CONFIG, TEST_OVERRIDES + list(overrides)).model.to_dict()
 
 
@@ -584,7 +584,7 @@ def test_model_input(tiny_model, kwargs, exc, message):
 
 
 # ----------------------------------------------------------------------- export CLI
-def _export_cases(root: Path) -> List:
+def _export_cases(root: Path) -> list:
     model = _model_dict()
     good = root / "good"
     _tag(good, "step_00000002", model)
@@ -678,7 +678,7 @@ def test_validation_falls_back_from_damaged_tags(tmp_path):
 
 
 # ----------------------------------------------------------------------- data_prep CLI
-def _data_prep(argv: List[str], capsys) -> tuple:
+def _data_prep(argv: list[str], capsys) -> tuple:
     from data_prep.__main__ import main as data_prep_main
 
     # --valid-fraction 0: the inputs are a few documents, too few for a valid split

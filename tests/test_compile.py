@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 import torch
@@ -45,7 +44,7 @@ COMMON = [
     "checkpoint.save_interval=0",
 ]
 # world size -> {layout name: overrides}; each layout runs eager and compiled
-LAYOUTS: Dict[int, Dict[str, List[str]]] = {
+LAYOUTS: dict[int, dict[str, list[str]]] = {
     # dynamic shapes from the start: one inductor compilation (not a second one at step 2)
     1: {"inductor_z2": ["train.compile_backend=inductor", "deepspeed.zero.stage=2",
                         "train.compile_dynamic=true"]},
@@ -67,7 +66,7 @@ LAYOUTS: Dict[int, Dict[str, List[str]]] = {
 ZERO3_BREAK_KINDS = {"gb0008", "gb0098", "gb0116"}
 
 
-def _launch(ranks: int, spec: Path, log: Path) -> List[subprocess.Popen]:
+def _launch(ranks: int, spec: Path, log: Path) -> list[subprocess.Popen]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = []
@@ -107,7 +106,7 @@ def trained(tiny_corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _differences(run: Path, ref: Path) -> Dict[str, float]:
+def _differences(run: Path, ref: Path) -> dict[str, float]:
     """Largest absolute and relative differences of ``run`` from ``ref``: per-step loss and
     gradient norm, and every final parameter element."""
     train, want = read_metrics(run), read_metrics(ref)

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -50,7 +49,7 @@ def _env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
+def inputs(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     """The corpus, a trained run (2 steps) to export, its export to fine-tune, a labelled CSV."""
     root = tmp_path_factory.mktemp("concurrent")
     src = root / "source_run"
@@ -65,7 +64,7 @@ def inputs(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
     return {"corpus": tiny_corpus, "source": src, "model": model, "csv": root / "train.csv"}
 
 
-def command(kind: str, inputs: Dict[str, Path], d: Path, side: Path) -> List[str]:
+def command(kind: str, inputs: dict[str, Path], d: Path, side: Path) -> list[str]:
     """The command line of ``kind`` on directory ``d`` (``side``: export_run's own --out)."""
     py = sys.executable
     if kind in ("pretrain", "pretrain2"):
@@ -115,7 +114,7 @@ def check_refusal(kind: str, err: str, other_pid: int) -> None:
         assert f"(host {socket.gethostname()}, pid {other_pid} " in errors[0], (kind, errors[0])
 
 
-def leftovers(root: Path) -> List[str]:
+def leftovers(root: Path) -> list[str]:
     """Lock files and staging directories left anywhere below ``root``."""
     found = []
     for dirpath, dirs, files in os.walk(root):
@@ -125,7 +124,7 @@ def leftovers(root: Path) -> List[str]:
     return found
 
 
-def run_pair(inputs: Dict[str, Path], first: str, second: str, offset: float) -> None:
+def run_pair(inputs: dict[str, Path], first: str, second: str, offset: float) -> None:
     root = Path(tempfile.mkdtemp(prefix="pair-", dir=inputs["model"].parent))
     d, procs, logs = root / "target", [], []
     try:
@@ -149,7 +148,7 @@ def run_pair(inputs: Dict[str, Path], first: str, second: str, offset: float) ->
         for out, err in logs:
             out.close()
             err.close()
-    kinds: Tuple[str, str] = (first, second)
+    kinds: tuple[str, str] = (first, second)
     texts = [((root / f"{i}.out").read_text(), (root / f"{i}.err").read_text()) for i in (0, 1)]
     what = f"{first} then {second} after {offset:.2f} s: exit {codes}"
     print(what)

@@ -9,9 +9,10 @@ config owns, however it is spelled.
 
 import dataclasses
 import os
+import types
 import typing
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
@@ -33,9 +34,9 @@ FAST = settings(
 )
 
 
-def _leaf_keys(cls: Any = JobConfig, prefix: str = "") -> Dict[str, Any]:
+def _leaf_keys(cls: Any = JobConfig, prefix: str = "") -> dict[str, Any]:
     """``{dotted key: field type}`` of every leaf field of the schema."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(f.type):
@@ -49,8 +50,8 @@ LEAF_KEYS = _leaf_keys()
 
 
 def _number_kind(tp: Any) -> Any:
-    """int or float if ``tp`` is (Optional) int/float, else None."""
-    if typing.get_origin(tp) not in (None, typing.Union):
+    """int or float if ``tp`` is int/float or ``int | None`` / ``float | None``, else None."""
+    if typing.get_origin(tp) not in (None, typing.Union, types.UnionType):
         return None  # a list of numbers (optimizer.betas, model.layer_k): checked by code
     args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
     return args[0] if len(args) == 1 and args[0] in (int, float) else None
@@ -90,7 +91,7 @@ def test_every_number_of_the_schema_declares_its_range():
     assert undeclared == []
 
 
-def _record_types(cls: Any) -> List[Any]:
+def _record_types(cls: Any) -> list[Any]:
     """Every dataclass reachable from ``cls`` through its fields' types (lists included)."""
     out = []
     for f in dataclasses.fields(cls):
@@ -166,7 +167,7 @@ def _assert_owned_unchanged(cfg: JobConfig) -> None:
         assert read(parsed) == read(reference), what
 
 
-def _ds_names() -> List[str]:
+def _ds_names() -> list[str]:
     """Key names DeepSpeed's config knows (top-level constants, ZeRO's fields and aliases) plus
     every owned key's parts, to build deepspeed.extra mappings from."""
     from deepspeed.runtime import constants
@@ -230,9 +231,9 @@ documents = st.recursive(
 SECTION_KEYS = sorted({k.rsplit(".", 1)[0] for k in LEAF_KEYS if "." in k})
 
 
-def _nest(pairs: List[Any]) -> Dict[str, Any]:
+def _nest(pairs: list[Any]) -> dict[str, Any]:
     """``[(dotted key, value)]`` -> a nested mapping (a later key replaces an earlier one)."""
-    doc: Dict[str, Any] = {}
+    doc: dict[str, Any] = {}
     for key, value in pairs:
         node = doc
         *parents, last = key.split(".")
@@ -469,7 +470,7 @@ def test_swapped_tokenizer_is_refused_at_start(
     assert "tokenizer.model: not found; the manifest records the tokenizer" in err
 
 
-def _fake_tag(run: Path, meta_extra: Dict[str, Any]) -> Path:
+def _fake_tag(run: Path, meta_extra: dict[str, Any]) -> Path:
     """A complete tag of the test model whose metadata says what ``meta_extra`` says."""
     import json
 

@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 from sentencepiece import sentencepiece_model_pb2 as pb
@@ -28,7 +27,7 @@ from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, run_ranks_in_threa
 pytestmark = pytest.mark.usefixtures("_clean_env")  # main() fills in the rank variables
 
 
-def tree(root: Path) -> Dict[str, str]:
+def tree(root: Path) -> dict[str, str]:
     """Every file under ``root`` and beside it with its name (``.NAME.lock``, sync
     directories), with its sha256."""
     out = {}
@@ -39,7 +38,7 @@ def tree(root: Path) -> Dict[str, str]:
     return out
 
 
-def one_line_exit_2(argv: List[str], capsys, watched: List[Path]) -> str:
+def one_line_exit_2(argv: list[str], capsys, watched: list[Path]) -> str:
     """Run the trainer; assert exit 2, one line, no traceback, no file changed under
     ``watched``; return the line."""
     before = {str(w): tree(w) for w in watched}
@@ -51,7 +50,7 @@ def one_line_exit_2(argv: List[str], capsys, watched: List[Path]) -> str:
     return err
 
 
-def _argv(data: Path, run: Path, *more: str) -> List[str]:
+def _argv(data: Path, run: Path, *more: str) -> list[str]:
     return ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={data}", f"logging.dir={run}",
             *more]  # fmt: skip
 
@@ -215,7 +214,7 @@ def _big_file(path: Path, nbytes: int) -> Path:
     return path
 
 
-def _data_prep(argv: List[str], capsys) -> tuple:
+def _data_prep(argv: list[str], capsys) -> tuple:
     from data_prep.__main__ import main as data_prep_main
 
     rc = data_prep_main(["--seq-len", "32", "--vocab-size", "200", "--workers", "0", "--quiet",
@@ -307,7 +306,7 @@ def test_d_ranks_refuse_an_empty_split_alike(few_huge, tmp_path):
     kw = dict(sources=[str(few_huge)], out=str(out), seq_len=32, vocab_size=200, workers=0,
               progress=False, max_doc_bytes=204800, valid_fraction=0.1, seed=3,
               rank_timeout=60.0)  # fmt: skip
-    errors: Dict[int, BaseException] = {}
+    errors: dict[int, BaseException] = {}
 
     def rank(r: int) -> None:
         try:
@@ -327,7 +326,7 @@ def test_d_ranks_refuse_an_empty_split_alike(few_huge, tmp_path):
 
 
 # ============================================== e. a large JSON-lines file is many work units
-def _jsonl_corpus(root: Path) -> List[str]:
+def _jsonl_corpus(root: Path) -> list[str]:
     """Two JSON-lines files of about 40 KB (records of 1-60 words, blank lines, the last line
     without a newline) and a small text file; returns the --source specs."""
     rng = random.Random(5)
@@ -375,7 +374,7 @@ def test_e_units_of_large_jsonl_files_are_line_ranges(tmp_path):
     assert all(assign([(u.index, u.size) for u in units], 3))  # every rank has work
 
 
-def _ranks_equal_one_process(tmp_path: Path, specs: List[str], ranks: int, more: Dict,
+def _ranks_equal_one_process(tmp_path: Path, specs: list[str], ranks: int, more: dict,
                              min_units: int) -> None:  # fmt: skip
     """data_prep of ``specs`` on ``ranks`` ranks (srun's transport, threads), 8 KiB units
     (at least ``min_units``, work for every rank), writes the files of one process."""
@@ -391,7 +390,7 @@ def _ranks_equal_one_process(tmp_path: Path, specs: List[str], ranks: int, more:
     many = dict(out=str(tmp_path / "many"), unit_bytes=8192, rank_timeout=60.0, **kw)
     run_ranks_in_threads(many, ranks, "ranges", timeout=300)
 
-    def files(out: Path) -> Dict[str, str]:
+    def files(out: Path) -> dict[str, str]:
         got = {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
                for p in sorted(out.rglob("*")) if p.is_file()}  # fmt: skip
         m = json.loads((out / "manifest.json").read_text())
@@ -409,7 +408,7 @@ def test_e_ranks_write_the_bytes_of_one_process_on_a_few_large_files(tmp_path):
 
 
 # ================================ e. large plain-text, CSV and Parquet files are many work units
-def _mixed_corpus(root: Path) -> List[str]:
+def _mixed_corpus(root: Path) -> list[str]:
     """A plain-text file of about 60 KB (lines of words, CRLF and LF ends, a few undecodable
     bytes, no final newline), a CSV of about 40 KB (a BOM, quoted fields holding newlines,
     commas and doubled quotes, a literal quote in an unquoted field, blank lines, short rows,

@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ WORDS = (
 ).split()
 
 
-def make_docs(n: int = 40, seed: int = 0) -> List[str]:
+def make_docs(n: int = 40, seed: int = 0) -> list[str]:
     """Deterministic pseudo-text documents of varied length (some far longer than N tokens)."""
     rng = random.Random(seed)
     docs = []
@@ -51,14 +50,14 @@ def make_docs(n: int = 40, seed: int = 0) -> List[str]:
     return docs
 
 
-def write_text_corpus(directory: Path, docs: List[str]) -> Path:
+def write_text_corpus(directory: Path, docs: list[str]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for i, doc in enumerate(docs):
         (directory / f"doc_{i:04d}.txt").write_text(doc)
     return directory
 
 
-def run(tmp: Path, name: str, sources: List[str], **kw) -> Dict:
+def run(tmp: Path, name: str, sources: list[str], **kw) -> dict:
     kw.setdefault("seq_len", N)
     if "tokenizer" not in kw:
         kw.setdefault("vocab_size", VOCAB)
@@ -68,16 +67,16 @@ def run(tmp: Path, name: str, sources: List[str], **kw) -> Dict:
     return prepare(PrepConfig(sources=sources, out=str(tmp / name), **kw)).manifest
 
 
-def encode_doc(sp: spm.SentencePieceProcessor, text: str) -> List[int]:
+def encode_doc(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
     """The reference: SentencePiece on each non-blank line, ids concatenated."""
-    out: List[int] = []
+    out: list[int] = []
     for line in text.split("\n"):
         if line.strip():
             out.extend(sp.encode(line))
     return out
 
 
-def load_rows(out: Path, manifest: Dict, split: str) -> np.ndarray:
+def load_rows(out: Path, manifest: dict, split: str) -> np.ndarray:
     arrays = [np.load(out / s["file"], mmap_mode="r") for s in manifest["splits"][split]["shards"]]
     return np.concatenate(arrays) if arrays else np.zeros((0, manifest["seq_len"]), np.uint16)
 
@@ -86,7 +85,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def shard_hashes(out: Path, manifest: Dict) -> Dict[str, List[str]]:
+def shard_hashes(out: Path, manifest: dict) -> dict[str, list[str]]:
     return {
         s: [sha256(out / sh["file"]) for sh in manifest["splits"][s]["shards"]]
         for s in ("train", "valid")
@@ -94,7 +93,7 @@ def shard_hashes(out: Path, manifest: Dict) -> Dict[str, List[str]]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Dict:
+def corpus(tmp_path_factory) -> dict:
     """Generated documents as text files, plus a tokenizer trained by data_prep on them."""
     tmp = tmp_path_factory.mktemp("corpus")
     docs = make_docs()

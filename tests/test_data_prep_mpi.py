@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 from hypothesis import given, settings
@@ -38,13 +37,13 @@ RANK_FLAGS = ["--workers", "0", "--unit-bytes", "16384", "--rank-timeout", "10"]
 LAUNCH_VARS = ("OMPI_", "PMI", "PMIX_", "SLURM_")
 
 
-def clean_env(**extra: str) -> Dict[str, str]:
+def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO), **extra)
     return env
 
 
-def mpirun_cmd(ranks: int) -> List[str]:
+def mpirun_cmd(ranks: int) -> list[str]:
     exe = shutil.which("mpirun")
     if exe is None:
         if os.environ.get("LINFORMER_DS_REQUIRE_SLURM") == "1":
@@ -53,7 +52,7 @@ def mpirun_cmd(ranks: int) -> List[str]:
     return [exe, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)]
 
 
-def tree(out: Path) -> Dict[str, str]:
+def tree(out: Path) -> dict[str, str]:
     """sha256 of every file under ``out``; the manifest without its timing field."""
     files = {}
     for p in sorted(out.rglob("*")):
@@ -66,7 +65,7 @@ def tree(out: Path) -> Dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Dict:
+def corpus(tmp_path_factory) -> dict:
     import datasets
 
     tmp = tmp_path_factory.mktemp("mpi_corpus")
@@ -99,12 +98,12 @@ def corpus(tmp_path_factory) -> Dict:
     return {"tmp": tmp, "sources": sources, "refs": refs}
 
 
-def args(corpus: Dict, out: Path, local: bool = False) -> List[str]:
+def args(corpus: dict, out: Path, local: bool = False) -> list[str]:
     sources = corpus["sources"][:2] if local else corpus["sources"]
     return ["-m", "data_prep", "--source", *sources, "--out", str(out), *FLAGS]
 
 
-def launch(cmd: List[str], env: Dict[str, str], timeout: float = 120):
+def launch(cmd: list[str], env: dict[str, str], timeout: float = 120):
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -206,7 +205,7 @@ def test_mpirun_rank_killed_then_resumed_on_other_ranks(corpus, tmp_path):
 
 
 # ------------------------------------------------------------------- srun's file transport
-def start_tasks(cmd: List[str], ntasks: int, step: int, **extra: str) -> List[subprocess.Popen]:
+def start_tasks(cmd: list[str], ntasks: int, step: int, **extra: str) -> list[subprocess.Popen]:
     """The environment srun gives its tasks (what data_prep reads of it), one process each."""
     procs = []
     for r in range(ntasks):

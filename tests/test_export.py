@@ -14,7 +14,6 @@ import sys
 import sysconfig
 import textwrap
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -180,7 +179,7 @@ def _env() -> dict:
     return env
 
 
-def train_tokenizer(path: Path, vocab_size: int = VOCAB, files: Optional[list] = None) -> Path:
+def train_tokenizer(path: Path, vocab_size: int = VOCAB, files: list | None = None) -> Path:
     """A SentencePiece unigram model on stdlib source, with the project's special ids."""
     import io
 

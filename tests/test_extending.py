@@ -18,8 +18,9 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -55,14 +56,14 @@ class ZipKind(SourceKind):
     def matches(self, spec: str) -> bool:
         return spec.startswith("zip:")
 
-    def resolve(self, spec: str, source: Source) -> List[Tuple[str, int]]:
+    def resolve(self, spec: str, source: Source) -> list[tuple[str, int]]:
         path = spec[4:]
         if not zipfile.is_zipfile(path):
             raise DataPrepError(f"{spec!r}: not a zip archive")
         with zipfile.ZipFile(path) as z:
             return sorted((i.filename, i.file_size) for i in z.infolist() if not i.is_dir())
 
-    def units(self, spec: str, source: Source, unit_bytes: int) -> List[Tuple[Any, int]]:
+    def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
         units, group, size = [], [], 0
         for member, n in source.state(spec):
             group.append(member)
@@ -78,13 +79,13 @@ class ZipKind(SourceKind):
             for member in members:
                 yield z.read(member).decode("utf-8")
 
-    def describe(self, spec: str, source: Source) -> Dict[str, Any]:
+    def describe(self, spec: str, source: Source) -> dict[str, Any]:
         return {"kind": self.name, "spec": spec, "members": len(source.state(spec))}
 
-    def total_bytes(self, spec: str, source: Source) -> Optional[int]:
+    def total_bytes(self, spec: str, source: Source) -> int | None:
         return sum(n for _, n in source.state(spec))
 
-    def roots(self, spec: str) -> List[str]:
+    def roots(self, spec: str) -> list[str]:
         return [spec[4:]]
 
 
@@ -95,13 +96,13 @@ def zip_kind():
     unregister_source_kind(kind.name)
 
 
-def _prep(out: Path, sources: List[str], **kw) -> Dict:
+def _prep(out: Path, sources: list[str], **kw) -> dict:
     kw = {"seq_len": 32, "vocab_size": 120, "workers": 0, "progress": False,
           "valid_fraction": 0.2, "shard_rows": 7, **kw}  # fmt: skip
     return prepare(PrepConfig(sources=sources, out=str(out), **kw)).manifest
 
 
-def _tree(root: Path) -> Dict[str, bytes]:
+def _tree(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
@@ -257,11 +258,11 @@ def test_projection_kind_forward_backward(pool_kind):
 class CollectSink(Sink):
     """Keeps every record and event; ``path``: appended as one JSON line at close."""
 
-    def __init__(self, path: Optional[str] = None) -> None:
+    def __init__(self, path: str | None = None) -> None:
         self.path = path
-        self.records: List[Dict[str, Any]] = []
-        self.steps: List[int] = []
-        self.events: List[List[Any]] = []
+        self.records: list[dict[str, Any]] = []
+        self.steps: list[int] = []
+        self.events: list[list[Any]] = []
 
     @classmethod
     def for_rank(cls, cfg, rank: int, world_size: int) -> Optional["CollectSink"]:

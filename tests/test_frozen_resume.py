@@ -15,7 +15,6 @@ three of them shared with tests/test_resume_layout.py's chains (tests/conftest.p
 
 import shutil
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -36,7 +35,7 @@ FROZEN_SHARDED = [
 ]
 
 
-def _tree(root: Path) -> Dict[str, bytes]:
+def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
@@ -73,7 +72,7 @@ def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ck
     return Trainer(cfg)
 
 
-def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> Dict[str, torch.Tensor]:
+def _saved_frozen_whole(ckpt: Path, tag: str, p: int) -> dict[str, torch.Tensor]:
     """The frozen E/F of a checkpoint saved with them sharded over ``p`` ranks, whole."""
     mods = [torch.load(ckpt / tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"]
             for r in range(p)]  # fmt: skip
@@ -219,7 +218,7 @@ def test_frozen_sharded_zero3_resumes_on_one_rank(frozen_run3, tiny_corpus, tmp_
 # (ranks, P, E/F and positions sharded) of each hop, as tests/test_resume_layout.py's CHAIN; a
 # 4-rank hop resumes the P = 2 sharded checkpoint into another sharded layout (DP 2 x P = 2),
 # which ZeRO-3 refused before
-FROZEN_CHAIN: List[Tuple[int, int, bool]] = [
+FROZEN_CHAIN: list[tuple[int, int, bool]] = [
     (1, 1, False),  # steps 1-2 on one rank
     (2, 2, True),  # one rank -> P = 2 sharded
     (4, 2, True),  # P = 2 sharded -> DP 2 x P = 2 sharded (ZeRO-3: universal, cut per SP rank)
@@ -230,12 +229,12 @@ FROZEN_STAGES = (0, 2, 3)
 FROZEN_MORE = [f"train.max_steps={FROZEN_STEPS}", "model.freeze_projection=true"]
 
 
-def _zero3_last(runs: List[dict]) -> List[dict]:
+def _zero3_last(runs: list[dict]) -> list[dict]:
     """``runs`` with the ZeRO-3 ones after the others (the chains' own order, stage by stage)."""
     return sorted(runs, key=lambda run: "deepspeed.zero.stage=3" in run["overrides"])
 
 
-def frozen_chain_launches(data: Path, out: Path, prefix: str) -> List[dict]:
+def frozen_chain_launches(data: Path, out: Path, prefix: str) -> list[dict]:
     """Every multi-rank run of this module as 4 process-group launches of 1, 2, 4 and 2 ranks
     (``{"ranks", "runs", "before"}``, in order; run ``NAME`` logs to ``out/NAME`` and is named
     ``prefix/NAME``): the reference (one rank, ZeRO-0, uninterrupted, E/F frozen) and one frozen
@@ -245,7 +244,7 @@ def frozen_chain_launches(data: Path, out: Path, prefix: str) -> List[dict]:
     P = 1 to step 3 from copies of their checkpoints (``frozen{2,3}_dp2_ckpt``, copied by its
     ``before``). In each launch the ZeRO-3 runs come last."""
     ref_over = _overrides(data, out / "ref_ckpt", 0, 1, 1, False) + FROZEN_MORE
-    launches: List[Tuple[int, List[dict]]] = [
+    launches: list[tuple[int, list[dict]]] = [
         (1, [{"name": "ref", "overrides": ref_over + ["checkpoint.save_final=false"]}])
     ]
     for i, (ranks, p, shard) in enumerate(FROZEN_CHAIN):
@@ -278,7 +277,7 @@ def frozen_chain_launches(data: Path, out: Path, prefix: str) -> List[dict]:
 
 
 @pytest.fixture(scope="module")
-def frozen_launches(layout_chains) -> Tuple[Path, Dict[int, List[str]]]:
+def frozen_launches(layout_chains) -> tuple[Path, dict[int, list[str]]]:
     """The runs of :func:`frozen_chain_launches`, trained in launches shared with
     tests/test_resume_layout.py's chains (tests/conftest.py's ``layout_chains``). Returns the
     output directory and, per stage, rank 0's lines that name the stage's chain checkpoint

@@ -27,8 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -52,7 +52,7 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 # ====================================================================================== checks
-def tree_hashes(root: Path) -> Dict[str, str]:
+def tree_hashes(root: Path) -> dict[str, str]:
     """sha256 of every file below ``root`` (relative path -> digest); links by their target."""
     out = {}
     for dirpath, _dirs, files in os.walk(root):
@@ -71,11 +71,11 @@ def tree_hashes(root: Path) -> Dict[str, str]:
 
 
 def run_contract(
-    main: Callable[[List[str]], int],
-    argv: List[str],
+    main: Callable[[list[str]], int],
+    argv: list[str],
     root: Path,
-    replaceable: Optional[Path] = None,
-) -> Tuple[int, str]:
+    replaceable: Path | None = None,
+) -> tuple[int, str]:
     """Run ``main(argv)`` in-process under the contract; returns ``(exit code, stderr)``.
 
     ``replaceable``: a directory (the command's own earlier output) that a successful
@@ -118,7 +118,7 @@ def _clean_dist_env() -> None:
 
 # ===================================================================================== fixtures
 @pytest.fixture(scope="module")
-def base(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
+def base(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     """The pristine inputs every example copies: a text corpus, a tokenizer, a run directory
     with a stage-0 checkpoint of a tiny model, an export of it, and fine-tuning files."""
     import torch
@@ -190,7 +190,7 @@ def base(tiny_corpus, tmp_path_factory) -> Dict[str, Path]:
 
 
 @contextlib.contextmanager
-def workspace(base: Dict[str, Path]):
+def workspace(base: dict[str, Path]):
     """A fresh copy of the inputs plus a user's directory with files of their own."""
     d = Path(tempfile.mkdtemp(prefix="fuzz-"))
     try:
@@ -249,7 +249,7 @@ def _reencode(p: Path, encoding: str) -> None:
     p.write_bytes(p.read_text().encode(encoding))
 
 
-def _edit_json(p: Path, edit: Callable[[Dict], None]) -> None:
+def _edit_json(p: Path, edit: Callable[[dict], None]) -> None:
     m = json.loads(p.read_text())
     edit(m)
     p.write_text(json.dumps(m))
@@ -282,8 +282,8 @@ OUT_KINDS = ["new", "empty", "user", "user-sub", "file", "run", "in-run", "ckpt"
 
 
 # ====================================================================================== export
-def export_case(ws: Path, damage: str, out: str, extra: List[str], tokenizer: Optional[str],
-                tag: Optional[str]) -> Tuple[List[str], Optional[Path]]:  # fmt: skip
+def export_case(ws: Path, damage: str, out: str, extra: list[str], tokenizer: str | None,
+                tag: str | None) -> tuple[list[str], Path | None]:  # fmt: skip
     c = ws / "run" / "checkpoints"
     CKPT_DAMAGE[damage](c)
     o = out_path(ws, out, "export")
@@ -359,7 +359,7 @@ def test_export_seeds(base, damage, out, extra, tokenizer, tag):
 
 
 # ==================================================================================== data_prep
-def data_prep_case(ws: Path, source: str, out: str, flags: List[str]) -> List[str]:
+def data_prep_case(ws: Path, source: str, out: str, flags: list[str]) -> list[str]:
     sources = {
         "dir": [str(ws / "corpus")],
         "jsonl": [str(ws / "corpus" / "rows.jsonl")],
@@ -472,7 +472,7 @@ FT_FLAGS = st.lists(
 ).map(lambda xs: [a for x in xs for a in x])
 
 
-def finetune_case(ws: Path, train: str, out: str, flags: List[str]) -> List[str]:
+def finetune_case(ws: Path, train: str, out: str, flags: list[str]) -> list[str]:
     flags = list(flags)
     if "--epochs" not in flags:  # a real run stays a few steps long
         flags += ["--epochs", "0.05"]

@@ -17,7 +17,7 @@ import copy
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -78,7 +78,7 @@ KINDS = [("linear", s) for s in SHARING_MODES] + [("conv", s) for s in SHARING_M
 KINDS += [("hybrid", "headwise"), ("dense", "layerwise")]
 
 
-def _mlm_batch(p: Dict[str, int], device: torch.device, seed: int = 0):
+def _mlm_batch(p: dict[str, int], device: torch.device, seed: int = 0):
     """ids [B, n], attention mask [B, n] (row 0 has 1/8 padding), labels [B, n] (15 % targets)."""
     g = torch.Generator().manual_seed(seed)
     b, n = p["batch"], p["n"]
@@ -181,7 +181,7 @@ def _attention_step_bytes(n: int, masked: bool, backend: SDPBackend, device: tor
     torch.manual_seed(0)
     attn = LinformerSelfAttention(cfg).to(device, torch.bfloat16).train()
     x = torch.randn(1, n, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    mask: Optional[torch.Tensor] = None
+    mask: torch.Tensor | None = None
     if masked:
         mask = torch.ones(1, n, dtype=torch.long, device=device)
         mask[:, n - n // 8 :] = 0
@@ -264,7 +264,7 @@ def test_linformer_memory_linear_in_n(device: torch.device) -> None:
     """Transient memory of a Linformer (k fixed) MLM forward + backward is affine in N with a
     small constant part (residuals < 5 %), and doubling N about doubles it."""
     hidden, heads, k = LINEAR_WIDTH
-    rows: List[Dict[str, int]] = []
+    rows: list[dict[str, int]] = []
     for n in LINEAR_NS:
         cfg = ModelConfig(
             vocab_size=1000,

@@ -9,7 +9,6 @@ fine-tunes; a source of another vocabulary or other special ids is refused in on
 import json
 import random
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -38,7 +37,7 @@ WP_SPECIALS = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 RB_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def make_docs(n: int, seed: int) -> List[str]:
+def make_docs(n: int, seed: int) -> list[str]:
     """Documents of 1-12 lines (some blank, some spelling a special token as text)."""
     rng = random.Random(seed)
     docs = []
@@ -53,7 +52,7 @@ def make_docs(n: int, seed: int) -> List[str]:
     return docs
 
 
-def build_tokenizers(root: Path, texts: List[str]) -> Dict[str, Path]:
+def build_tokenizers(root: Path, texts: list[str]) -> dict[str, Path]:
     """A WordPiece (BertTokenizerFast) and a byte-level BPE (RobertaTokenizerFast) tokenizer
     trained on ``texts``, saved with save_pretrained."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -85,7 +84,7 @@ def build_tokenizers(root: Path, texts: List[str]) -> Dict[str, Path]:
     return out
 
 
-def own_encode(tok, text: str) -> List[int]:
+def own_encode(tok, text: str) -> list[int]:
     """The tokenizer's own encode of a document as data_prep defines it (non-blank lines,
     joined by newlines; special-token text stays text)."""
     lines = [ln for ln in text.split("\n") if ln.strip()]
@@ -94,13 +93,13 @@ def own_encode(tok, text: str) -> List[int]:
     return tok("\n".join(lines), add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def special_ids(tok) -> Dict[str, int]:
+def special_ids(tok) -> dict[str, int]:
     return {"pad": tok.pad_token_id, "unk": tok.unk_token_id, "cls": tok.cls_token_id,
             "sep": tok.sep_token_id, "mask": tok.mask_token_id}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> Dict:
+def env(tmp_path_factory) -> dict:
     """The corpus (text files), both tokenizers, and data_prep's output with each (WordPiece
     with 2 worker processes, BPE inline)."""
     root = tmp_path_factory.mktemp("hftok")
@@ -150,7 +149,7 @@ def test_rows_are_the_tokenizers_own_encoding(env, kind):
         stream = rows[:, 1:].reshape(-1).tolist()
         while stream and stream[-1] == ids["pad"]:
             stream.pop()
-        want: List[int] = []
+        want: list[int] = []
         texts = [d for d in docs if assign_split(d, VALID, 0) == split and own_encode(tok, d)]
         for d in texts:
             want += own_encode(tok, d) + [ids["sep"]]
@@ -186,7 +185,7 @@ def test_random_documents_round_trip(env, docs, kind, packing):
     want = [own_encode(tok, d) for d in docs]
     want = [w for w in want if w]
     if packing == "pad":  # [cls] + up to n-2 ids of one document + [sep] + [pad]...
-        body: List[int] = []
+        body: list[int] = []
         for row in res["tokens"].tolist():
             end = row.index(ids["sep"])
             assert row[0] == ids["cls"] and set(row[end + 1 :]) <= {ids["pad"]}
@@ -244,7 +243,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(env, tmp_path, monkeypatch):
     assert files(tmp_path / "r") == files(tmp_path / "one")
 
 
-def files(d: Path) -> Dict[str, bytes]:
+def files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 

@@ -17,7 +17,6 @@ the host...), with whose code asked. Checked here:
 import functools
 import json
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 import torch
@@ -52,7 +51,7 @@ def boolean_mask_reference(model, ids, mask, labels):
     return total / max(targets.numel(), 1), logits
 
 
-def _grads(model) -> Dict[str, torch.Tensor]:
+def _grads(model) -> dict[str, torch.Tensor]:
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
@@ -128,7 +127,7 @@ def test_sequence_parallel_slices_keep_their_labelled_positions(tiny_corpus):
         for _ in range(4):
             full = whole.next_batch()
             assert torch.equal(full["labelled_index"], labelled_positions(full["labels"]))
-            found: List[int] = []
+            found: list[int] = []
             for r, s in enumerate(ranks):
                 part = s.next_batch()
                 local = n // sp_size
@@ -148,10 +147,10 @@ STAGES = (0, 1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def counted(tiny_corpus, tmp_path_factory) -> List[dict]:
+def counted(tiny_corpus, tmp_path_factory) -> list[dict]:
     """Every run x ZeRO stage trained for STEPS steps; the hook's records of COUNTED steps."""
     out = tmp_path_factory.mktemp("host_sync")
-    by_world: Dict[int, list] = {}
+    by_world: dict[int, list] = {}
     for name, (ranks, sp, gas) in RUNS.items():
         for stage in STAGES:
             run = f"{name}_z{stage}"
@@ -187,7 +186,7 @@ def test_one_read_per_step_and_none_in_the_model(counted):
     want = {(name, RUNS[name.rsplit("_z", 1)[0]][0]) for name in runs}
     assert {(r["name"], len({x["rank"] for x in steps if x["name"] == r["name"]}))
             for r in steps} == want  # fmt: skip
-    table: Dict[str, Dict[str, dict]] = {}
+    table: dict[str, dict[str, dict]] = {}
     for r in steps:
         d = r["dispatch"]
         assert r["step"] in COUNTED

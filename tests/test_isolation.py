@@ -3,7 +3,6 @@ document gives the outputs, loss (sum of per-token cross-entropies) and every pa
 of its documents run alone, each as its own row with positions from 0 (fp32, within 1e-6)."""
 
 import json
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ TOL = 1e-6  # absolute for hidden states; gradients and the loss: relative to ma
 SHARINGS = ("none", "headwise", "kv", "layerwise")
 SCHEDULES = ("linear", "conv", "hybrid", "dense")
 N = 24  # row length (conv stride 32 / 4 = 8: windows cross document ends)
-WORST: Dict[str, float] = {}  # the largest deviation seen per quantity (printed with -s)
+WORST: dict[str, float] = {}  # the largest deviation seen per quantity (printed with -s)
 
 
 def config(projection: str, sharing: str) -> ModelConfig:
@@ -43,8 +42,8 @@ def make_model(projection: str, sharing: str) -> LinformerForMaskedLMPretraining
 
 
 def packed_row(
-    lengths: List[int], pad: int, pad_pos_zero: bool, gen: torch.Generator
-) -> Tuple[torch.Tensor, ...]:
+    lengths: list[int], pad: int, pad_pos_zero: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
     """``(ids, mask, position_ids, labels)`` ``[N]`` of documents of ``lengths`` then ``pad``
     padding tokens (positions 0, or continuing the last document)."""
     total = sum(lengths)
@@ -75,14 +74,14 @@ def note(what: str, dev: float) -> None:
     WORST[what] = max(WORST.get(what, 0.0), dev)
 
 
-def check_packed_equals_alone(model, rows: List[Tuple[List[int], int, bool]], seed: int) -> None:
+def check_packed_equals_alone(model, rows: list[tuple[list[int], int, bool]], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     built = [packed_row(lengths, pad, zero, gen) for lengths, pad, zero in rows]
     ids, mask, pos, labels = (torch.stack(t) for t in zip(*built))
     hidden, loss, grads = run(model, ids, mask, pos, labels)
     # every document alone: its own [1, L] row, positions 0..L-1, no padding
     alone_loss = torch.zeros(())
-    alone_grads: Dict[str, torch.Tensor] = {}
+    alone_grads: dict[str, torch.Tensor] = {}
     for r, (lengths, _, _) in enumerate(rows):
         start = 0
         for length in lengths:

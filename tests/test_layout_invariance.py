@@ -10,7 +10,6 @@ layouts in turn (tests/layout_worker.py). docs/reliability.md states the guarant
 
 import math
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ COMMON = [
     "checkpoint.save_interval=0",
 ]
 # name -> (ranks, sequence-parallel size, gradient accumulation steps, more overrides)
-LAYOUTS: Dict[str, Tuple[int, int, int, List[str]]] = {
+LAYOUTS: dict[str, tuple[int, int, int, list[str]]] = {
     "1rank": (1, 1, 1, []),
     "gas2": (1, 1, 2, []),
     "dp2": (2, 1, 1, []),
@@ -46,7 +45,7 @@ LAYOUTS: Dict[str, Tuple[int, int, int, List[str]]] = {
 STAGES = (0, 1, 2, 3)
 
 
-def _overrides(ranks: int, sp: int, gas: int, more: List[str], stage: int, data: Path) -> List[str]:
+def _overrides(ranks: int, sp: int, gas: int, more: list[str], stage: int, data: Path) -> list[str]:
     micro = GLOBAL_ROWS // (ranks // sp) // gas
     return (
         COMMON
@@ -66,7 +65,7 @@ def _overrides(ranks: int, sp: int, gas: int, more: List[str], stage: int, data:
 def trained(tiny_corpus, tmp_path_factory) -> Path:
     """Every layout x ZeRO stage trained; one launch per world size, all at once."""
     out = tmp_path_factory.mktemp("layouts")
-    by_world: Dict[int, list] = {}
+    by_world: dict[int, list] = {}
     for name, (ranks, sp, gas, more) in LAYOUTS.items():
         for stage in STAGES:
             run = f"{name}_z{stage}"
@@ -84,7 +83,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _differences(run: Path, ref: Path) -> Dict[str, float]:
+def _differences(run: Path, ref: Path) -> dict[str, float]:
     """Relative differences of ``run`` from ``ref``: per-step loss, accuracy and gradient norm,
     the evaluation figures, and each final parameter tensor (``|a - b| / |b|``, L2 norms)."""
     train, evals = read_metrics(run), read_metrics(run, "eval")
@@ -114,7 +113,7 @@ def test_every_layout_trains_the_same_model(trained):
     ref = trained / "1rank_z0"
     ref_train = read_metrics(ref)
     assert ref_train[STEPS]["loss"] < ref_train[1]["loss"]
-    worst: Dict[str, Tuple[float, str]] = {}  # kind -> (difference, where)
+    worst: dict[str, tuple[float, str]] = {}  # kind -> (difference, where)
     runs = [f"{name}_z{stage}" for name in LAYOUTS for stage in STAGES]
     for run in runs[1:]:
         for what, d in _differences(trained / run, ref).items():

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List
 
 import numpy as np
 import psutil
@@ -335,15 +334,15 @@ def mix_overrides(tiny_corpus, second_source):
     ]  # fmt: skip
 
 
-def sample_picks(run_dir) -> Dict[int, List]:
+def sample_picks(run_dir) -> dict[int, list]:
     """step -> the [source, row] pairs both ranks trained on (the trainer's sample log; a step
     replayed after a resume counts once, as its last record)."""
-    last: Dict[tuple, List] = {}
+    last: dict[tuple, list] = {}
     for path in sorted((run_dir / "samples").glob("samples.rank*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             last[rec["step"], rec["rank"]] = [tuple(x) for x in rec["indices"]]
-    out: Dict[int, List] = {}
+    out: dict[int, list] = {}
     for (step, _), picks in sorted(last.items()):
         out.setdefault(step, []).extend(picks)
     return out
@@ -375,7 +374,7 @@ def logged_steps(run_dir) -> set:
     return steps
 
 
-def rank_processes(proc: subprocess.Popen, timeout: float = 180) -> List[psutil.Process]:
+def rank_processes(proc: subprocess.Popen, timeout: float = 180) -> list[psutil.Process]:
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = []

@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -35,13 +34,13 @@ TOKENS_PER_RANK_STEP = 4 * 128  # TEST_OVERRIDES: micro_batch_size 4, seq_len 12
 COMMON = ["train.max_steps=40", "checkpoint.save_interval=10"]
 
 
-def scrape(endpoint: str, timeout: float = 5.0) -> Dict[str, float]:
+def scrape(endpoint: str, timeout: float = 5.0) -> dict[str, float]:
     """``{sample: value}`` of one rank's ``/metrics``; a sample's labels other than job_name
     and rank are part of its key (``linformer_memory_bytes{kind=peak}``), and ``rank`` and
     ``job_name`` are returned as values of their own."""
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=timeout) as r:
         text = r.read().decode()
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             extra = sorted((k, v) for k, v in s.labels.items() if k not in ("job_name", "rank"))
@@ -61,7 +60,7 @@ def refused(endpoint: str) -> bool:
     return False
 
 
-def popen_pretrain(data: Path, run_dir: Path, overrides: List[str], env_extra: Dict[str, str]):
+def popen_pretrain(data: Path, run_dir: Path, overrides: list[str], env_extra: dict[str, str]):
     """launch/pretrain.py under the deepspeed launcher with 2 CPU ranks, not waited for."""
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + overrides
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -90,9 +89,9 @@ def scraped_run(tiny_corpus, tmp_path_factory):
     ]
     proc, log = popen_pretrain(tiny_corpus, run, overrides, {})
     targets_file = run / TARGETS_FILE
-    endpoints: Optional[List[str]] = None
-    targets: Optional[list] = None
-    snaps: Dict[int, List[Dict[str, float]]] = {0: [], 1: []}
+    endpoints: list[str] | None = None
+    targets: list | None = None
+    snaps: dict[int, list[dict[str, float]]] = {0: [], 1: []}
     deadline = time.monotonic() + 600
     try:
         while proc.poll() is None and time.monotonic() < deadline:

@@ -15,7 +15,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List
 
 import psutil
 import pytest
@@ -42,24 +41,24 @@ COMMON = ["train.max_steps=8", "checkpoint.save_interval=2", "checkpoint.keep_la
 STEPS = range(1, 9)
 
 
-def losses(run_dir: Path, steps) -> List[float]:
+def losses(run_dir: Path, steps) -> list[float]:
     m = read_metrics(run_dir)
     return [m[s]["loss"] for s in steps]
 
 
-def samples(run_dir: Path) -> Dict[int, List[int]]:
+def samples(run_dir: Path) -> dict[int, list[int]]:
     """step -> sorted sample indices consumed by all ranks (last record of a (step, rank))."""
-    per: Dict[tuple, List[int]] = {}
+    per: dict[tuple, list[int]] = {}
     for path in sorted((run_dir / "samples").glob("samples.rank*.jsonl")):
         for rec in read_jsonl(path):
             per[(rec["step"], rec["rank"])] = rec["indices"]
-    out: Dict[int, List[int]] = {}
+    out: dict[int, list[int]] = {}
     for (step, _), idx in per.items():
         out.setdefault(step, []).extend(idx)
     return {s: sorted(v) for s, v in out.items()}
 
 
-def weights(ckpt_dir: Path, tag: str) -> Dict[str, torch.Tensor]:
+def weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with warnings.catch_warnings():
@@ -68,17 +67,17 @@ def weights(ckpt_dir: Path, tag: str) -> Dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in sd.items()}
 
 
-def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def l2(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+def l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5
 
 
-def adam_steps(tag_dir: Path) -> List[float]:
+def adam_steps(tag_dir: Path) -> list[float]:
     """Adam's step counter of every param group in every optimizer shard of a tag."""
     out = []
     for path in sorted(tag_dir.glob("*_optim_states.pt")):
@@ -107,7 +106,7 @@ def reference(tiny_corpus, tmp_path_factory):
 
 
 # ==================================================================================== SIGKILL
-def _launch(data: Path, run: Path, overrides: List[str], log: Path) -> subprocess.Popen:
+def _launch(data: Path, run: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run}", sample_log(run)] + overrides
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -118,7 +117,7 @@ def _launch(data: Path, run: Path, overrides: List[str], log: Path) -> subproces
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _ranks(proc: subprocess.Popen, timeout: float = 120) -> Dict[int, psutil.Process]:
+def _ranks(proc: subprocess.Popen, timeout: float = 120) -> dict[int, psutil.Process]:
     """rank -> training process of a deepspeed launch (waits until both exist)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -143,7 +142,7 @@ def _wait_for(cond, timeout: float, what: str, poll: float = 0.002) -> None:
         time.sleep(poll)
 
 
-def _finish_killed(proc: subprocess.Popen, ranks: Dict[int, psutil.Process]) -> int:
+def _finish_killed(proc: subprocess.Popen, ranks: dict[int, psutil.Process]) -> int:
     """The launcher must tear the other rank down and exit non-zero, well within the timeout."""
     rc = proc.wait(timeout=90)
     for p in ranks.values():
@@ -374,7 +373,7 @@ def test_resharded_sampler_neither_repeats_nor_skips(reference, resized, tiny_co
 
 
 # ================================================================================== non-finite
-def _single(data: Path, run: Path, overrides: List[str], env: Dict[str, str]):
+def _single(data: Path, run: Path, overrides: list[str], env: dict[str, str]):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)

@@ -14,7 +14,6 @@ frozen chains (tests/conftest.py's ``layout_chains``: 7 launches for both module
 
 import os
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ HOP = 2  # optimizer steps per hop
 # (ranks, P, E/F and positions sharded) of each hop, in order; each hop resumes the previous one
 # A sharded P > 1 run leaves DeepSpeed's global mpu set for the next run in the same process,
 # so within one launch the sharded hops come last.
-CHAIN: List[Tuple[int, int, bool]] = [
+CHAIN: list[tuple[int, int, bool]] = [
     (1, 1, False),  # steps 1-2 on one rank
     (2, 1, False),  # one rank -> DP 2 (ZeRO-3: 1 -> 2 partitions)
     (2, 2, False),  # DP 2 -> P = 2 whole (the same files either way: native)
@@ -54,7 +53,7 @@ COMMON = [
 ]
 
 
-def _overrides(data: Path, ckpt: Path, stage: int, ranks: int, p: int, shard: bool) -> List[str]:
+def _overrides(data: Path, ckpt: Path, stage: int, ranks: int, p: int, shard: bool) -> list[str]:
     return COMMON + [
         f"data.path={data}",
         f"checkpoint.dir={ckpt}",
@@ -65,7 +64,7 @@ def _overrides(data: Path, ckpt: Path, stage: int, ranks: int, p: int, shard: bo
     ]
 
 
-def _launch(ranks: int, runs: List[dict], out: Path, name: str) -> str:
+def _launch(ranks: int, runs: list[dict], out: Path, name: str) -> str:
     """Train ``runs`` in turn in one process group of ``ranks``; returns rank 0's log (stdout
     and stderr as written)."""
     procs = start_worker_ranks(ranks, runs, out, name, merge_stderr=True)
@@ -73,13 +72,13 @@ def _launch(ranks: int, runs: List[dict], out: Path, name: str) -> str:
     return (out / f"{name}.rank0").read_text()
 
 
-def chain_launches(data: Path, out: Path, prefix: str) -> List[Tuple[int, List[dict]]]:
+def chain_launches(data: Path, out: Path, prefix: str) -> list[tuple[int, list[dict]]]:
     """The reference (one rank, ZeRO-0, uninterrupted) and one chain per ZeRO stage as
     process-group launches ``(ranks, runs)`` in order; run ``NAME`` logs to ``out/NAME`` and
     is named ``prefix/NAME`` (``out`` is ``prefix`` under the launches' folder)."""
     ref = {"name": f"{prefix}/ref", "overrides": _overrides(data, out / "ref_ckpt", 0, 1, 1, False)}
     ref["overrides"] += ["checkpoint.save_final=false"]
-    launches: List[Tuple[int, List[dict]]] = [(1, [ref])]
+    launches: list[tuple[int, list[dict]]] = [(1, [ref])]
     for i, (ranks, p, shard) in enumerate(CHAIN):
         if launches[-1][0] != ranks:
             launches.append((ranks, []))
@@ -91,7 +90,7 @@ def chain_launches(data: Path, out: Path, prefix: str) -> List[Tuple[int, List[d
 
 
 @pytest.fixture(scope="module")
-def chains(layout_chains) -> Tuple[Path, Dict[int, List[str]]]:
+def chains(layout_chains) -> tuple[Path, dict[int, list[str]]]:
     """The reference and the chains (:func:`chain_launches`, trained in launches shared with
     tests/test_frozen_resume.py's chains: tests/conftest.py's ``layout_chains``). Returns the
     output directory and, per stage, rank 0's lines that name the stage's chain checkpoint
@@ -108,10 +107,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def read_chain(out: Path, stage: int, hops: int) -> Dict[int, dict]:
+def read_chain(out: Path, stage: int, hops: int) -> dict[int, dict]:
     """The metrics of hops ``z{stage}_hop0..`` of a chain under ``out``, joined by step; each
     hop holds exactly its own ``HOP`` steps."""
-    got: Dict[int, dict] = {}
+    got: dict[int, dict] = {}
     for i in range(hops):
         hop = read_metrics(out / f"z{stage}_hop{i}")
         assert sorted(hop) == list(range(HOP * i + 1, HOP * (i + 1) + 1)), (i, sorted(hop))

@@ -4,7 +4,6 @@ TensorBoard off, ``[setup] train_rows`` of a mixture, a resume at or past ``trai
 
 import json
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import pytest
 
@@ -14,12 +13,12 @@ from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG
 from tests.test_mixture import docs_corpus, prepare, sources_override
 
 
-def _tree(root: Path) -> Dict[str, bytes]:
+def _tree(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` (relative path -> bytes)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _train(capsys, *args: str) -> Tuple[int, str, str]:
+def _train(capsys, *args: str) -> tuple[int, str, str]:
     from linformer_ds import train
 
     rc = train.main(list(args))
@@ -67,7 +66,7 @@ def test_mixture_rows_tensorboard_line_and_resume_at_or_past_max_steps(
     def setup_line(out: str) -> str:
         return next(ln for ln in out.splitlines() if ln.startswith("[setup] "))
 
-    def done_lines(out: str) -> List[str]:
+    def done_lines(out: str) -> list[str]:
         return [ln for ln in out.splitlines() if ln.startswith("[done] ")]
 
     rc, out, err = _train(capsys, *base, "train.max_steps=2")  # TEST_OVERRIDES: TensorBoard off

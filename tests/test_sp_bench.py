@@ -6,7 +6,6 @@ import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
@@ -21,7 +20,7 @@ TINY = [
 ]  # fmt: skip
 
 
-def _tool(out: Path, argv: List[str]) -> Tuple[Path, dict]:
+def _tool(out: Path, argv: list[str]) -> tuple[Path, dict]:
     """``python -m bench.sp_bench ... --out OUT`` (in this process): OUT and its results.json."""
     assert sp_bench.main(argv + ["--out", str(out)]) == 0
     return out, json.loads((out / "results.json").read_text())

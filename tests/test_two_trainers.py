@@ -9,7 +9,6 @@ gradient norm under ZeRO 0-2 with E/F whole, a crash on the sharded mpu's model-
 """
 
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 
@@ -49,7 +48,7 @@ RUNS = {
 }  # fmt: skip
 
 
-def _runs(out: Path, data: Path, names: List[str], tag: str) -> List[dict]:
+def _runs(out: Path, data: Path, names: list[str], tag: str) -> list[dict]:
     return [
         {"name": f"{tag}/{n}",
          "overrides": COMMON + RUNS[n] + [f"data.path={data}",
@@ -61,7 +60,7 @@ def _runs(out: Path, data: Path, names: List[str], tag: str) -> List[dict]:
 @pytest.mark.slow  # 5 launches of 2 ranks at once (~1 min on 2 cores)
 def test_sp_then_dp_in_one_process_equals_fresh_processes(tiny_corpus, tmp_path):
     launches = {"same": list(RUNS)} | {f"fresh_{n}": [n] for n in RUNS}
-    procs: Dict[str, list] = {}
+    procs: dict[str, list] = {}
     for tag, names in launches.items():
         (tmp_path / tag).mkdir()
         procs[tag] = start_worker_ranks(2, _runs(tmp_path, tiny_corpus, names, tag), tmp_path, tag)

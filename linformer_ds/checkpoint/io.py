@@ -21,7 +21,7 @@ import re
 import resource
 import shutil
 from collections.abc import Iterator
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -88,7 +88,7 @@ def _reason(e: BaseException, path: str) -> str:
     return ("No space left on device: " if full else "") + f"{type(e).__name__}: {first}"
 
 
-def _fsync_tree(d: str) -> Dict[str, int]:
+def _fsync_tree(d: str) -> dict[str, int]:
     """fsync every file below ``d`` and ``d`` itself; returns {relative path: size}."""
     sizes = {}
     for root, _, files in os.walk(d):
@@ -108,7 +108,7 @@ def _fsync_tree(d: str) -> Dict[str, int]:
     return sizes
 
 
-def remove_stale(ckpt_dir: str, keep: Optional[str] = None) -> List[str]:
+def remove_stale(ckpt_dir: str, keep: str | None = None) -> list[str]:
     """Delete tag directories without ``COMPLETE`` (interrupted saves) except ``keep``."""
     removed = []
     for tag in tag_dirs(ckpt_dir):
@@ -125,9 +125,9 @@ def save(
     cfg: JobConfig,
     ckpt_dir: str,
     step: int,
-    state: Dict[str, Any],
+    state: dict[str, Any],
     train_ds,
-    extra_meta: Optional[Dict[str, Any]] = None,
+    extra_meta: dict[str, Any] | None = None,
 ) -> str:
     """Collective: every rank calls it. ``state``: the components' entries of the client state
     (``epoch`` and ``sampler`` among them, also recorded in the metadata; see
@@ -214,7 +214,7 @@ def prune(ckpt_dir: str, keep_last: int) -> None:
 
 
 # ========================================================================================= load
-def check_model_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
+def check_model_config(meta: dict[str, Any], cfg: JobConfig, where: str) -> None:
     """A :class:`CheckpointError` listing every model option that differs from the config."""
     saved, now = dict(meta.get("model", {})), cfg.model.to_dict()
     # an option newer than the checkpoint: it was trained with what the option's default does
@@ -231,7 +231,7 @@ def check_model_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None
         raise CheckpointError(f"{where} was trained with a different model config ({detail})")
 
 
-def check_run_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
+def check_run_config(meta: dict[str, Any], cfg: JobConfig, where: str) -> None:
     """A :class:`CheckpointError` if resuming would silently change the data order: the
     checkpoint's ``train.seed`` differs from the config's (unless
     ``checkpoint.allow_seed_change``)."""
@@ -247,7 +247,7 @@ def check_run_config(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
     check_data_change(meta, cfg, where)
 
 
-def data_identity(cfg: JobConfig) -> List[Dict[str, Any]]:
+def data_identity(cfg: JobConfig) -> list[dict[str, Any]]:
     """What the run trains on, recorded in each checkpoint's metadata (``data``): per data_prep
     output its path, N, vocabulary, tokenizer sha256 and a digest of every shard's sha256 (the
     manifest's content, not its timings: the same data copied elsewhere is the same data)."""
@@ -273,7 +273,7 @@ def data_identity(cfg: JobConfig) -> List[Dict[str, Any]]:
     return out
 
 
-def check_data_change(meta: Dict[str, Any], cfg: JobConfig, where: str) -> None:
+def check_data_change(meta: dict[str, Any], cfg: JobConfig, where: str) -> None:
     """A :class:`CheckpointError` naming what differs if the checkpoint was trained on other data
     (another tokenizer, N or manifest) than the config's, unless checkpoint.allow_data_change."""
     saved, now = meta.get("data"), data_identity(cfg)
@@ -306,7 +306,7 @@ def _short_value(v: Any) -> str:
 
 def select_resume(
     ckpt_dir: str, resume: str, cfg: JobConfig
-) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+) -> tuple[str | None, dict[str, Any] | None]:
     """``(tag, meta)`` to resume from, checked against the model config; ``(None, None)``."""
     tag = resolve_resume_tag(ckpt_dir, resume)
     if tag is None:
@@ -316,7 +316,7 @@ def select_resume(
     return tag, meta
 
 
-def safe_globals() -> List[Any]:
+def safe_globals() -> list[Any]:
     """The only non-tensor classes DeepSpeed 0.19.8 pickles into ZeRO 1-3 checkpoints."""
     # deepspeed is imported here, not at the top: train.py and export.py start without it
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -369,8 +369,8 @@ def install_safe_loader(engine) -> None:
 
 
 def load(
-    engine, ckpt_dir: str, tag: str, cfg: JobConfig, load_dir: Optional[str] = None
-) -> Dict[str, Any]:
+    engine, ckpt_dir: str, tag: str, cfg: JobConfig, load_dir: str | None = None
+) -> dict[str, Any]:
     """Load model/optimizer/scheduler states; returns the client state. Collective.
 
     ``load_dir``: where DeepSpeed reads the tag (default ``ckpt_dir``; the universal directory

@@ -6,7 +6,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Protocol
 
 from linformer_ds.checkpoint.io import (
     _free_space,
@@ -47,9 +47,9 @@ TOP_LEVEL_STATE = {"data": ("epoch", "sampler")}
 
 
 class Stateful(Protocol):
-    def state_dict(self) -> Dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class CheckpointManager:
@@ -68,23 +68,23 @@ class CheckpointManager:
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.dir = cfg.checkpoint.dir
         self.dataset = dataset  # its tokenizer.model and special ids go into each checkpoint
-        self.tag: Optional[str] = None
-        self.meta: Optional[Dict[str, Any]] = None
+        self.tag: str | None = None
+        self.meta: dict[str, Any] | None = None
         self.universal = False  # loaded through DeepSpeed's universal checkpoint
-        self.route: Optional[str] = None  # see layout_route
+        self.route: str | None = None  # see layout_route
         self.last_saved_step = -1
         self.load_seconds = 0.0
-        self.components: Dict[str, Stateful] = {}
-        self.changes: List[Change] = []  # config keys that differ from the checkpoint's
-        self.on_io: Optional[Callable[[str, float], None]] = None
+        self.components: dict[str, Stateful] = {}
+        self.changes: list[Change] = []  # config keys that differ from the checkpoint's
+        self.on_io: Callable[[str, float], None] | None = None
 
     def register(self, name: str, component: Stateful) -> None:
         """Save ``component.state_dict()`` as ``name`` in every checkpoint; on resume give it
         back to ``component.load_state_dict`` (a checkpoint without it leaves it as it is)."""
         self.components[name] = component
 
-    def _state(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {}
+    def _state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
         for name, component in self.components.items():
             if name in TOP_LEVEL_STATE:
                 state.update(component.state_dict())
@@ -92,7 +92,7 @@ class CheckpointManager:
                 state[name] = component.state_dict()
         return state
 
-    def _restore(self, client: Dict[str, Any]) -> None:
+    def _restore(self, client: dict[str, Any]) -> None:
         for name, component in self.components.items():
             keys = TOP_LEVEL_STATE.get(name)
             sd = {k: client[k] for k in keys} if keys else client.get(name)
@@ -103,7 +103,7 @@ class CheckpointManager:
             except ValueError as e:
                 raise CheckpointError(f"{self.dir}/{self.tag}: {e}") from None
 
-    def prepare(self) -> Optional[str]:
+    def prepare(self) -> str | None:
         """Check the directories and choose the tag to resume from (None: a fresh start)."""
         check_writable(self.dir, "checkpoint.dir")
         with warnings.catch_warnings(record=True) as caught:
@@ -138,11 +138,11 @@ class CheckpointManager:
             self.last_saved_step = int(self.meta["step"])
         return self.tag
 
-    def ds_config_overrides(self) -> Dict[str, Any]:
+    def ds_config_overrides(self) -> dict[str, Any]:
         """What the DeepSpeed config must say to load the chosen tag (fixed at initialize)."""
         return {"checkpoint": {"load_universal": True}} if self.universal else {}
 
-    def load(self, engine) -> Dict[str, Any]:
+    def load(self, engine) -> dict[str, Any]:
         """Collective: load the prepared tag into ``engine``; returns its client state."""
         # deepspeed is imported here, not at the top: train.py starts without it
         import deepspeed.comm as dist
@@ -253,7 +253,7 @@ class CheckpointManager:
         if interval and step % interval == 0:
             self.save(engine, step, "interval")
 
-    def on_signal(self, engine, step: int, signum: Optional[int]) -> None:
+    def on_signal(self, engine, step: int, signum: int | None) -> None:
         """Collective: a signal asked the run to stop after ``step``: save it (once)."""
         if self.last_saved_step != step:
             self.save(engine, step, f"signal {signum}")
@@ -263,7 +263,7 @@ class CheckpointManager:
         if self.cfg.checkpoint.save_final and self.last_saved_step != step:
             self.save(engine, step, "final")
 
-    def latest(self) -> Optional[str]:
+    def latest(self) -> str | None:
         """Path of the newest complete checkpoint, or None."""
         tag = latest_tag(self.dir)
         return os.path.join(self.dir, tag) if tag else None

@@ -18,7 +18,7 @@ import io
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -42,7 +42,7 @@ UNIVERSAL_STAGES = (1, 2)
 UNIVERSAL_PRECISIONS = ("bf16", "fp32")
 
 
-def universal_supports(saved: Tuple[int, str], now: Tuple[int, str]) -> bool:
+def universal_supports(saved: tuple[int, str], now: tuple[int, str]) -> bool:
     """Whether a checkpoint saved under ``saved`` (ZeRO stage, precision) can be resumed under
     ``now`` through DeepSpeed's universal checkpoint."""
     return all(s in UNIVERSAL_STAGES for s in (saved[0], now[0])) and all(
@@ -51,8 +51,8 @@ def universal_supports(saved: Tuple[int, str], now: Tuple[int, str]) -> bool:
 
 
 def check_engine_config(
-    ckpt_dir: str, tag: str, meta: Dict[str, Any], cfg: JobConfig
-) -> Optional[str]:
+    ckpt_dir: str, tag: str, meta: dict[str, Any], cfg: JobConfig
+) -> str | None:
     """Compare the checkpoint's ZeRO stage and precision with the config. Returns a notice
     when the change is loaded through a universal checkpoint; a :class:`CheckpointError` that
     says what changed and how to proceed when DeepSpeed cannot load it."""
@@ -82,7 +82,7 @@ def check_engine_config(
     )
 
 
-def config_layout(cfg: JobConfig) -> Dict[str, Any]:
+def config_layout(cfg: JobConfig) -> dict[str, Any]:
     """The parallel layout recorded in a checkpoint's metadata."""
     p = cfg.parallel.sequence_parallel_size
     return {
@@ -109,8 +109,8 @@ VIA_UNIVERSAL = "universal"  # ZeRO 1-3: ds_to_universal
 
 
 def layout_route(
-    ckpt_dir: str, tag: str, meta: Dict[str, Any], cfg: JobConfig, world_size: int
-) -> Optional[str]:
+    ckpt_dir: str, tag: str, meta: dict[str, Any], cfg: JobConfig, world_size: int
+) -> str | None:
     """How a checkpoint whose layout may differ from the run's loads: None (natively: same
     layout, or a change DeepSpeed's own loading covers), :data:`VIA_UNIVERSAL` or
     :data:`RESHARD_DIRECT`; a :class:`CheckpointError` naming the way out when neither can."""
@@ -132,12 +132,12 @@ def layout_route(
     )
 
 
-def saved_frozen(meta: Dict[str, Any]) -> bool:
+def saved_frozen(meta: dict[str, Any]) -> bool:
     """Whether the checkpoint's model kept E/F (or conv kernels) frozen."""
     return bool((meta.get("model") or {}).get("freeze_projection"))
 
 
-def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str, torch.Tensor]:
+def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> dict[str, torch.Tensor]:
     """Every parameter of the saved model, whole (sharded ones joined along their sequence dim):
     ZeRO 1-2 from the model-parallel files' ``module``, ZeRO-3 by DeepSpeed's zero_to_fp32
     (frozen parameters come from each rank's ``frozen_param_fragments``)."""
@@ -145,7 +145,7 @@ def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str
     if stage == 3:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        def one(d: str, t: str) -> Dict[str, torch.Tensor]:
+        def one(d: str, t: str) -> dict[str, torch.Tensor]:
             with weights_only_torch_load():
                 return dict(get_fp32_state_dict_from_zero_checkpoint(d, tag=t))
 
@@ -162,7 +162,7 @@ def _frozen_whole(ckpt_dir: str, tag: str, saved_p: int, stage: int) -> Dict[str
     return whole
 
 
-def _partition_rank(params: List[torch.nn.Parameter]) -> int:
+def _partition_rank(params: list[torch.nn.Parameter]) -> int:
     """This rank's index in the group ZeRO-3 partitions ``params`` over (the data-parallel
     group of its sequence-parallel rank; 0 without torch.distributed)."""
     dist = torch.distributed
@@ -174,7 +174,7 @@ def _partition_rank(params: List[torch.nn.Parameter]) -> int:
     return dist.get_rank(group=getattr(params[0], "ds_process_group", None))
 
 
-def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int, stage: int) -> List[str]:
+def restore_frozen_params(engine, ckpt_dir: str, tag: str, saved_p: int, stage: int) -> list[str]:
     """After a universal load: DeepSpeed restores weights from the universal copy, which holds
     only parameters with optimizer state, so every frozen parameter is copied from the saved
     files (whole, then cut for this rank's sequence-parallel slice when it is sharded now;
@@ -252,8 +252,8 @@ def convert_to_universal(ckpt_dir: str, tag: str, frozen: bool = False) -> str:
 
 
 def cut_universal_per_sequence_rank(
-    root: str, tag: str, shards: Dict[str, Tuple[int, List[int]]], sp_size: int
-) -> List[str]:
+    root: str, tag: str, shards: dict[str, tuple[int, list[int]]], sp_size: int
+) -> list[str]:
     """ZeRO-3, sharded run: ``root/tag`` (a universal checkpoint) -> ``root/sp<r>/tag`` for each
     SP rank r, the same checkpoint (links) except that the fp32 / exp_avg / exp_avg_sq files of
     every parameter in ``shards`` (name -> (sequence dim, whole shape)) hold rank r's slice.
@@ -317,7 +317,7 @@ def repair_zero3_universal_load(engine, universal_dir: str, tag: str) -> None:
             state["step"] = state["step"].clone()
 
 
-def sequence_shards(model: Any) -> Dict[str, Tuple[int, List[int]]]:
+def sequence_shards(model: Any) -> dict[str, tuple[int, list[int]]]:
     """name -> (sequence dim, whole shape) of every sharded E/F / position parameter of a live
     (possibly ZeRO-3 partitioned) model."""
     out = {}
@@ -330,7 +330,7 @@ def sequence_shards(model: Any) -> Dict[str, Tuple[int, List[int]]]:
     return out
 
 
-def optimizer_index_names(engine) -> List[str]:
+def optimizer_index_names(engine) -> list[str]:
     """The parameter name behind each index of the optimizer's state dict (torch numbers the
     parameters group by group, in order)."""
     name_of = {id(p): n for n, p in engine.module.named_parameters()}
@@ -338,7 +338,7 @@ def optimizer_index_names(engine) -> List[str]:
 
 
 def reshard_zero0(
-    ckpt_dir: str, tag: str, saved_p: int, now_p: int, index_names: List[str], out_root: str
+    ckpt_dir: str, tag: str, saved_p: int, now_p: int, index_names: list[str], out_root: str
 ) -> str:
     """ZeRO-0 fp32: ``ckpt_dir/tag``, saved with E/F and positions sharded over ``saved_p`` ranks
     (1: whole), -> ``out_root/tag`` holding the same model and AdamW state sharded over
@@ -362,7 +362,7 @@ def reshard_zero0(
         )
     dims = {n: sequence_dim(n, t.dim()) for n, t in parts[0]["module"].items()}
 
-    def whole(get: Callable[[Dict[str, Any]], torch.Tensor], name: str) -> Any:
+    def whole(get: Callable[[dict[str, Any]], torch.Tensor], name: str) -> Any:
         t = get(parts[0])
         if saved_p == 1 or dims.get(name) is None or not torch.is_tensor(t) or t.dim() == 0:
             return t

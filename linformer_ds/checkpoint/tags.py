@@ -18,7 +18,7 @@ import json
 import os
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
@@ -52,7 +52,7 @@ def is_complete(ckpt_dir: str, tag: str) -> bool:
     )
 
 
-def tag_dirs(ckpt_dir: str) -> List[str]:
+def tag_dirs(ckpt_dir: str) -> list[str]:
     """All ``step_*`` tag directories, complete or not, oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
@@ -60,7 +60,7 @@ def tag_dirs(ckpt_dir: str) -> List[str]:
     return sorted((t for t in tags if os.path.isdir(os.path.join(ckpt_dir, t))), key=_tag_step)
 
 
-def complete_tags(ckpt_dir: str) -> List[str]:
+def complete_tags(ckpt_dir: str) -> list[str]:
     """Tags with a ``COMPLETE`` marker, oldest first."""
     return [t for t in tag_dirs(ckpt_dir) if is_complete(ckpt_dir, t)]
 
@@ -70,7 +70,7 @@ def _read_json(path: str) -> Any:
         return json.load(f)
 
 
-def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
+def tag_problem(ckpt_dir: str, tag: str) -> str | None:
     """Why ``ckpt_dir/tag`` cannot be resumed from, or None if it validates."""
     bad = tag_name_problem(tag)
     if bad:
@@ -125,7 +125,7 @@ def tag_problem(ckpt_dir: str, tag: str) -> Optional[str]:
     return None
 
 
-def tag_name_problem(tag: str) -> Optional[str]:
+def tag_name_problem(tag: str) -> str | None:
     """Why ``tag`` is not a plain name inside a checkpoint directory (a path, ``..``, control
     characters), or None. Tags are never paths: another run's checkpoint cannot be named."""
     if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or "\\" in tag:
@@ -135,7 +135,7 @@ def tag_name_problem(tag: str) -> Optional[str]:
     return None
 
 
-def read_pointer(ckpt_dir: str) -> Optional[str]:
+def read_pointer(ckpt_dir: str) -> str | None:
     """The tag named by ``ckpt_dir/latest``: None when there is none, ``""`` when the file does
     not hold a plain tag name (damaged: bytes that are not UTF-8, a path, ...). A ``latest``
     that is not a regular file is a :class:`CheckpointError` (the next save could not write it).
@@ -156,7 +156,7 @@ def read_pointer(ckpt_dir: str) -> Optional[str]:
     return "" if tag_name_problem(named) else named
 
 
-def latest_tag(ckpt_dir: str) -> Optional[str]:
+def latest_tag(ckpt_dir: str) -> str | None:
     """The tag named by ``latest`` if it validates, else the newest valid one (with a warning).
     A ``latest`` that does not hold a plain tag name (``../../other/step_4``, bytes that are
     not text) is never followed: it counts as naming an unusable tag."""
@@ -183,7 +183,7 @@ def latest_tag(ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def resolve_resume_tag(ckpt_dir: str, resume: str) -> Optional[str]:
+def resolve_resume_tag(ckpt_dir: str, resume: str) -> str | None:
     """The tag ``checkpoint.resume`` selects (``auto``: newest valid; ``never``: none)."""
     read_pointer(ckpt_dir)  # a 'latest' that is a directory fails now, not at the first save
     if resume == "never":
@@ -204,7 +204,7 @@ def resolve_resume_tag(ckpt_dir: str, resume: str) -> Optional[str]:
     return resume
 
 
-def read_meta(ckpt_dir: str, tag: str) -> Dict[str, Any]:
+def read_meta(ckpt_dir: str, tag: str) -> dict[str, Any]:
     """The ``linformer_meta.json`` of a tag (a :class:`CheckpointError` if unusable)."""
     where = os.path.join(ckpt_dir, tag)
     path = os.path.join(where, META_FILE)
@@ -224,14 +224,14 @@ def read_meta(ckpt_dir: str, tag: str) -> Dict[str, Any]:
     return meta
 
 
-def sharded_sp_size(layout: Dict[str, Any]) -> int:
+def sharded_sp_size(layout: dict[str, Any]) -> int:
     """P when a checkpoint's (or a config's) E/F columns and position rows are sharded over P
     sequence-parallel ranks (DeepSpeed writes one model-parallel file per SP rank), else 1."""
     p = int(layout.get("sequence_parallel_size", 1) or 1)
     return p if p > 1 and layout.get("shard_sequence_parameters") else 1
 
 
-def resolve_checkpoint(checkpoint: str, tag: Optional[str] = None) -> Tuple[str, str]:
+def resolve_checkpoint(checkpoint: str, tag: str | None = None) -> tuple[str, str]:
     """``(checkpoint_dir, tag)`` for a reader (export): ``checkpoint`` is a ``checkpoint.dir`` or
     a tag directory itself; ``tag`` None means the newest usable one. The tag must validate
     like a resume would (marker, metadata, inventory); a :class:`CheckpointError` says why not."""

@@ -2,7 +2,6 @@
 row depend only on (seed, epoch, row index), never on the rank or the batch."""
 
 from collections.abc import Sequence
-from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ class MLMMasking:
         seed: int = 0,
         pad_id: int = 0,
         short_seq_prob: float = 0.0,
-        document_sep_id: Optional[int] = None,
+        document_sep_id: int | None = None,
     ) -> None:
         self.document_sep_id = document_sep_id
         if not 0.0 < mlm_probability < 1.0:
@@ -74,7 +73,7 @@ class MLMMasking:
 
     def __call__(
         self, tokens: torch.Tensor, sample_indices: torch.Tensor, epoch: int
-    ) -> Dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor]:
         """``tokens [B, N]`` -> ``input_ids, attention_mask, labels`` (all ``[B, N]`` long)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, N], got shape {tuple(tokens.shape)}")

@@ -25,7 +25,7 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def check_weight(x: float) -> None:
         raise ValueError(f"weight {x} is negative")
 
 
-def normalized_weights(weights: Sequence[float]) -> List[float]:
+def normalized_weights(weights: Sequence[float]) -> list[float]:
     """``weights / sum(weights)``; ValueError for negative, non-finite or all-zero weights,
     weights whose sum overflows, and a positive weight whose share underflows to 0."""
     w = [float(x) for x in weights]
@@ -104,8 +104,8 @@ class MixtureSampler:
         rank: int,
         world_size: int,
         seed: int = 0,
-        positions: Optional[Dict[str, Dict[str, int]]] = None,
-        legacy: Optional[bool] = None,
+        positions: dict[str, dict[str, int]] | None = None,
+        legacy: bool | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad rank {rank} for world_size {world_size}")
@@ -126,7 +126,7 @@ class MixtureSampler:
             if src.size < 1 and w > 0:
                 raise ValueError(f"source {src.name!r} has no rows")
         self.position = 0  # positions of the global stream consumed by all ranks together
-        self._perms: Dict[int, Tuple[int, np.ndarray]] = {}
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}
         if positions:
             for src in self.sources:
                 if src.name in positions:
@@ -153,7 +153,7 @@ class MixtureSampler:
         self._perms[i] = (epoch, perm)
         return perm
 
-    def next(self) -> Tuple[int, int, int]:
+    def next(self) -> tuple[int, int, int]:
         """This rank's next ``(source index, source epoch, row)``; advances one round."""
         w = self.world_size
         if self.legacy:  # today's rule: an epoch ends when fewer than W rows are left
@@ -179,17 +179,17 @@ class MixtureSampler:
         return i, epoch, int(self.permutation(i, epoch)[offset])
 
     # ----------------------------------------------------------------------------- reports
-    def shares(self) -> Dict[str, float]:
+    def shares(self) -> dict[str, float]:
         """Realized share of each source in this mixture's stream so far."""
         n = max(self.position, 1)
         return {s.name: s.count / n for s in self.sources}
 
-    def epochs(self) -> Dict[str, float]:
+    def epochs(self) -> dict[str, float]:
         """Epochs of each source seen so far (completed epochs + the current one's fraction)."""
         return {s.name: s.epoch + s.consumed / max(s.size, 1) for s in self.sources}
 
     # ------------------------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """``{"position", "sources": {name: {"epoch", "consumed", "count", "rows"}}}``: the
         global stream's position, the same on every rank, valid under any world size."""
         return {
@@ -200,7 +200,7 @@ class MixtureSampler:
             },
         }
 
-    def _set_position(self, src: _SourceState, st: Dict[str, Any]) -> None:
+    def _set_position(self, src: _SourceState, st: dict[str, Any]) -> None:
         consumed, epoch = int(st["consumed"]), int(st["epoch"])
         if not 0 <= consumed <= src.size or epoch < 0:
             raise ValueError(
@@ -214,7 +214,7 @@ class MixtureSampler:
             )
         src.epoch, src.consumed = epoch, consumed
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (saved under any world size)."""
         saved = dict(state["sources"])
         names = [s.name for s in self.sources]

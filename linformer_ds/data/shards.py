@@ -7,7 +7,7 @@ import os
 from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -49,7 +49,7 @@ class ShardDataset(torch.utils.data.Dataset):
     """
 
     def __init__(
-        self, path: Union[str, os.PathLike], split: str = "train", verify_checksums: bool = False
+        self, path: str | os.PathLike, split: str = "train", verify_checksums: bool = False
     ) -> None:
         self.path = Path(path)
         self.split = split
@@ -61,7 +61,7 @@ class ShardDataset(torch.utils.data.Dataset):
         ids = m["special_ids"]
         self.pad_id, self.unk_id = int(ids["pad"]), int(ids["unk"])
         self.cls_id, self.sep_id, self.mask_id = int(ids["cls"]), int(ids["sep"]), int(ids["mask"])
-        self.special_ids: List[int] = [
+        self.special_ids: list[int] = [
             self.pad_id,
             self.unk_id,
             self.cls_id,
@@ -74,7 +74,7 @@ class ShardDataset(torch.utils.data.Dataset):
             )
         info = m["splits"][split]
         try:
-            self.shards: List[Dict[str, Any]] = list(info["shards"])
+            self.shards: list[dict[str, Any]] = list(info["shards"])
             rows = [int(s["rows"]) for s in self.shards]
             [str(s["file"]) for s in self.shards]
             int(info["rows"])
@@ -93,12 +93,12 @@ class ShardDataset(torch.utils.data.Dataset):
         for shard in self.shards:
             self._check_shard(shard)
         self._starts = np.cumsum([0] + rows).tolist()
-        self._arrays: Optional[List[np.ndarray]] = None
+        self._arrays: list[np.ndarray] | None = None
         if verify_checksums:
             self.verify()
 
     # ------------------------------------------------------------------------------ checks
-    def _load_manifest(self) -> Dict[str, Any]:
+    def _load_manifest(self) -> dict[str, Any]:
         mpath = self.path / "manifest.json"
         if not mpath.is_file():
             hint = (
@@ -165,10 +165,10 @@ class ShardDataset(torch.utils.data.Dataset):
         except (KeyError, TypeError, ValueError):  # a manifest without the counts
             return "make a larger corpus or change --valid-fraction"
 
-    def _shard_path(self, shard: Dict[str, Any]) -> str:
+    def _shard_path(self, shard: dict[str, Any]) -> str:
         return str(self.path / shard["file"])
 
-    def _check_shard(self, shard: Dict[str, Any]) -> None:
+    def _check_shard(self, shard: dict[str, Any]) -> None:
         path = self._shard_path(shard)
         if not os.path.isfile(path):
             raise DataError(f"shard {path} is missing")
@@ -207,12 +207,12 @@ class ShardDataset(torch.utils.data.Dataset):
                 )
 
     # ----------------------------------------------------------------------------- access
-    def _open(self) -> List[np.ndarray]:
+    def _open(self) -> list[np.ndarray]:
         if self._arrays is None:
             self._arrays = [np.load(self._shard_path(s), mmap_mode="r") for s in self.shards]
         return self._arrays
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_arrays"] = None  # re-mapped lazily in the receiving process
         return state
@@ -260,7 +260,7 @@ def check_compatible(dataset: ShardDataset, model_config: Any) -> None:
     check_tokenizer(dataset, vocab)
 
 
-def file_sha256(path: Union[str, os.PathLike]) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -350,7 +350,7 @@ def check_tokenizer_model(path: Path, data: bytes, vocab_size: int, redo: str) -
                         f"{SPECIAL_IDS} (linformer_ds/special_tokens.py); {redo}")  # fmt: skip
 
 
-def tokenizer_name(manifest: Dict[str, Any]) -> str:
+def tokenizer_name(manifest: dict[str, Any]) -> str:
     """What a data_prep output's tokenizer is called in it, and in checkpoints and exports made
     from it: ``tokenizer.model`` (SentencePiece) or ``tokenizer`` (a Hugging Face tokenizer
     directory, ``tokenizer/tokenizer.json``)."""
@@ -361,7 +361,7 @@ def tokenizer_name(manifest: Dict[str, Any]) -> str:
 
 
 # ================================================================================ opening data
-def tokenizer_sha256(dataset: ShardDataset) -> Optional[str]:
+def tokenizer_sha256(dataset: ShardDataset) -> str | None:
     tok = dataset.manifest.get("tokenizer")
     return tok.get("sha256") if isinstance(tok, dict) else None
 
@@ -397,7 +397,7 @@ def open_sources(
     model_config: Any = None,
     verify_checksums: bool = False,
     same_seq_len: bool = True,
-) -> List[ShardDataset]:
+) -> list[ShardDataset]:
     """Open one split of every source, checked against the model and against each other
     (same tokenizer; same N with ``same_seq_len``); :class:`DataError` names the source."""
     datasets = []

@@ -4,7 +4,7 @@ resolved and checked from the job config, opened, and their evaluations combined
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from linformer_ds.config import ConfigError
 from linformer_ds.data.sampler import check_weight, normalized_weights
@@ -19,9 +19,9 @@ class Stage:
     ``paths``, normalized ``weights``) with ``micro_batch_size`` rows per rank."""
 
     end_step: int
-    names: List[str]
-    paths: List[str]
-    weights: List[float]
+    names: list[str]
+    paths: list[str]
+    weights: list[float]
     micro_batch_size: int
 
 
@@ -33,13 +33,13 @@ def _path_name(path: str) -> str:
     return os.path.basename(os.path.normpath(str(path))) or str(path)
 
 
-def _catalogue(cfg: Any) -> Tuple[Dict[str, Tuple[str, float]], List[str]]:
+def _catalogue(cfg: Any) -> tuple[dict[str, tuple[str, float]], list[str]]:
     """``data.sources`` (or ``data.path``, the one-source shorthand) as ``name -> (path,
     weight)`` plus the names in order; a :class:`ConfigError` for a malformed entry."""
     sources = list(getattr(cfg.data, "sources", None) or [])
     if not sources:
         return {_path_name(cfg.data.path): (str(cfg.data.path), 1.0)}, [_path_name(cfg.data.path)]
-    cat: Dict[str, Tuple[str, float]] = {}
+    cat: dict[str, tuple[str, float]] = {}
     for i, s in enumerate(sources):
         key = f"data.sources[{i}]"
         name, path, weight = str(s.name or "").strip(), str(s.path or "").strip(), s.weight
@@ -64,8 +64,8 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 def _stage_path_name(
-    k: int, path: str, cat: Dict[str, Tuple[str, float]], order: List[str], raw: List[Any],
-    taken: Dict[str, str],
+    k: int, path: str, cat: dict[str, tuple[str, float]], order: list[str], raw: list[Any],
+    taken: dict[str, str],
 ) -> str:
     """The source name of ``train.stages[k].path``: the source with that directory (in
     data.sources, or an earlier stage path), else the folder's name, which must not name another
@@ -89,7 +89,7 @@ def _stage_path_name(
     return name
 
 
-def resolve_stages(cfg: Any) -> List[Stage]:
+def resolve_stages(cfg: Any) -> list[Stage]:
     """The run's stages from ``data.sources`` / ``data.path`` and ``train.stages`` (none: one
     stage over every source to ``train.max_steps``); a :class:`ConfigError` naming the key for
     unknown source names, bad weights and end steps."""
@@ -103,9 +103,9 @@ def resolve_stages(cfg: Any) -> List[Stage]:
         except ValueError as e:
             _fail(f"data.sources: {e}")
         return [Stage(max_steps, order, [cat[n][0] for n in order], weights, mb0)]
-    stages: List[Stage] = []
+    stages: list[Stage] = []
     prev = 0
-    taken: Dict[str, str] = {}  # names given to stage paths so far -> their path
+    taken: dict[str, str] = {}  # names given to stage paths so far -> their path
     for k, st in enumerate(raw):
         key = f"train.stages[{k}]"
         names = list(st.sources or [])
@@ -168,7 +168,7 @@ def resolve_stages(cfg: Any) -> List[Stage]:
 
 
 def check_stage_lengths(
-    cfg: Any, stages: List[Stage], seq_lens: List[int], world_size: int
+    cfg: Any, stages: list[Stage], seq_lens: list[int], world_size: int
 ) -> None:
     """What the data's N per stage must satisfy: N <= model.max_seq_len, every conv layer's
     stride divides N (a staged run; conv windows never straddle padding), and the
@@ -203,8 +203,8 @@ def check_stage_lengths(
 
 
 def combine_eval(
-    stage: Stage, figures: Dict[str, Dict[str, float]], legacy: bool
-) -> Dict[str, float]:
+    stage: Stage, figures: dict[str, dict[str, float]], legacy: bool
+) -> dict[str, float]:
     """The ``[eval]`` record of a stage from each source's figures (``loss``, ``perplexity``,
     ``mlm_accuracy``): the mixture's ``loss`` and ``mlm_accuracy`` are the means weighted by the
     training weights (``perplexity`` = exp(loss)), plus ``loss/NAME`` etc. per source (not for
@@ -221,7 +221,7 @@ def combine_eval(
 
 def open_stages(
     cfg: Any, world_size: int, with_valid: bool
-) -> Tuple[List[Stage], Dict[str, ShardDataset], Dict[str, ShardDataset]]:
+) -> tuple[list[Stage], dict[str, ShardDataset], dict[str, ShardDataset]]:
     """The run's stages and the train (and, ``with_valid``, valid) split of every source they
     use, checked: same tokenizer everywhere, one N per stage, each stage's N against the model
     (:func:`check_stage_lengths`). :class:`DataError` / ``ConfigError`` name the problem."""
@@ -235,7 +235,7 @@ def open_stages(
     for s in stages:
         check_same_tokenizer(s.names, [train[n] for n in s.names])
     check_stage_lengths(cfg, stages, [train[s.names[0]].seq_len for s in stages], world_size)
-    valid: Dict[str, ShardDataset] = {}
+    valid: dict[str, ShardDataset] = {}
     if with_valid:
         opened = open_sources(names, [paths[n] for n in names], d.valid_split, cfg.model,
                               d.verify_checksums, same_seq_len=False)  # fmt: skip

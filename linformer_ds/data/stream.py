@@ -2,8 +2,8 @@
 (:class:`TrainData`), each a mixture of sources (:class:`MixtureBatches`): sampler -> rows ->
 MLM masking -> device tensors."""
 
-from collections.abc import Sequence
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +15,7 @@ from linformer_ds.model import labelled_positions
 from linformer_ds.parallel.sharding import shard_batch
 
 
-def to_device(batch: Dict[str, torch.Tensor], device: Union[str, torch.device]) -> Dict[str, Any]:
+def to_device(batch: dict[str, torch.Tensor], device: str | torch.device) -> dict[str, Any]:
     """A host batch (``input_ids, attention_mask, labels`` ``[B, n]``) on ``device``, with
     ``labelled_index``: the flat indices ``[M]`` of its labelled positions, computed here on
     the host (:func:`linformer_ds.model.labelled_positions`) so that the model's forward never
@@ -51,13 +51,13 @@ class MixtureBatches:
         world_size: int,
         micro_batch_size: int,
         seed: int,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
         mlm_probability: float = 0.15,
         short_seq_prob: float = 0.0,
         sp_rank: int = 0,
         sp_size: int = 1,
-        positions: Optional[Dict[str, Dict[str, int]]] = None,
-        legacy: Optional[bool] = None,
+        positions: dict[str, dict[str, int]] | None = None,
+        legacy: bool | None = None,
         document_isolation: bool = False,
     ) -> None:
         self.names, self.datasets = list(names), list(datasets)
@@ -82,32 +82,32 @@ class MixtureBatches:
         self.micro_batch_size = int(micro_batch_size)
         self.device = torch.device(device)
         self.sp_rank, self.sp_size = int(sp_rank), int(sp_size)
-        self.on_batch: Optional[Callable[[Any, List[Any]], None]] = None
+        self.on_batch: Callable[[Any, list[Any]], None] | None = None
 
     @property
     def epoch(self) -> int:
         """One source: its epoch. Several: the highest source epoch (the most repeated)."""
         return max(s.epoch for s in self.sampler.sources)
 
-    def shares(self) -> Dict[str, float]:
+    def shares(self) -> dict[str, float]:
         return self.sampler.shares()
 
-    def epochs(self) -> Dict[str, float]:
+    def epochs(self) -> dict[str, float]:
         return self.sampler.epochs()
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
 
-    def next_rows(self) -> Tuple[torch.Tensor, List[Tuple[int, int, int]]]:
+    def next_rows(self) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """This rank's next micro-batch of rows ``[B, N]`` and their ``(source, epoch, row)``."""
         picks = [self.sampler.next() for _ in range(self.micro_batch_size)]
         tokens = torch.stack([self.datasets[i][row] for i, _, row in picks])
         return tokens, picks
 
-    def next_batch(self) -> Dict[str, torch.Tensor]:
+    def next_batch(self) -> dict[str, torch.Tensor]:
         """``input_ids, attention_mask, labels`` ``[micro_batch, N]`` and their
         ``labelled_index`` on the device (:func:`to_device`)."""
         tokens, picks = self.next_rows()
@@ -125,14 +125,14 @@ class MixtureBatches:
         return to_device(batch, self.device)  # labelled_index of this rank's slice
 
     def _mask_rows(
-        self, tokens: torch.Tensor, picks: List[Tuple[int, int, int]]
-    ) -> Dict[str, torch.Tensor]:
+        self, tokens: torch.Tensor, picks: list[tuple[int, int, int]]
+    ) -> dict[str, torch.Tensor]:
         """Mask each row with its source's masker and epoch (grouped; the masks of a row depend
         only on (source seed, epoch, row), so grouping changes nothing)."""
-        groups: Dict[Tuple[int, int], List[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for r, (i, e, _) in enumerate(picks):
             groups.setdefault((i, e), []).append(r)
-        out: Dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
         for (i, e), rows in groups.items():
             sel = torch.tensor(rows)
             part = self.maskers[i](tokens[sel], torch.tensor([picks[r][2] for r in rows]), e)
@@ -156,12 +156,12 @@ class TrainData:
 
     def __init__(
         self,
-        stages: List[Stage],
-        datasets: Dict[str, ShardDataset],
+        stages: list[Stage],
+        datasets: dict[str, ShardDataset],
         rank: int,
         world_size: int,
         seed: int,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
         mlm_probability: float = 0.15,
         short_seq_prob: float = 0.0,
         sp_rank: int = 0,
@@ -174,8 +174,8 @@ class TrainData:
             mlm_probability=mlm_probability, short_seq_prob=short_seq_prob, sp_rank=sp_rank,
             sp_size=sp_size, document_isolation=document_isolation,
         )  # fmt: skip
-        self._on_batch: Optional[Callable[[Any, List[Any]], None]] = None
-        self.positions: Dict[str, Dict[str, int]] = {}  # sources' positions, across stages
+        self._on_batch: Callable[[Any, list[Any]], None] | None = None
+        self.positions: dict[str, dict[str, int]] = {}  # sources' positions, across stages
         # one source in the whole run: today's stream; else mixture rules in every stage
         self.legacy = len({n for s in stages for n in s.names}) == 1
         self.stage_index = 0
@@ -204,11 +204,11 @@ class TrainData:
         return self.mixture.epoch
 
     @property
-    def on_batch(self) -> Optional[Callable[[Any, List[Any]], None]]:
+    def on_batch(self) -> Callable[[Any, list[Any]], None] | None:
         return self._on_batch
 
     @on_batch.setter
-    def on_batch(self, fn: Optional[Callable[[Any, List[Any]], None]]) -> None:
+    def on_batch(self, fn: Callable[[Any, list[Any]], None] | None) -> None:
         self._on_batch = fn
         self.mixture.on_batch = fn
 
@@ -233,14 +233,14 @@ class TrainData:
         for name, st in self.mixture.state_dict()["sources"].items():
             self.positions[name] = {"epoch": st["epoch"], "consumed": st["consumed"]}
 
-    def next_batch(self) -> Dict[str, torch.Tensor]:
+    def next_batch(self) -> dict[str, torch.Tensor]:
         return self.mixture.next_batch()
 
-    def log_values(self) -> Dict[str, float]:
+    def log_values(self) -> dict[str, float]:
         """What the ``[train]`` record adds: ``stage`` and ``seq_len`` (a staged run), the
         realized ``share/NAME`` and ``epochs/NAME`` of each source (a run on several sources);
         nothing for a one-source run."""
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         if len(self.stages) > 1:
             out.update(stage=self.stage_index, seq_len=self.seq_len)
         if not self.legacy:
@@ -263,13 +263,13 @@ class TrainData:
             f"micro_batch_size={s.micro_batch_size}, sources {mix}"
         )
 
-    def shares(self) -> Dict[str, float]:
+    def shares(self) -> dict[str, float]:
         return self.mixture.shares()
 
-    def epochs(self) -> Dict[str, float]:
+    def epochs(self) -> dict[str, float]:
         return self.mixture.epochs()
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         mix = self.mixture.state_dict()
         if self.mixture.sampler.legacy:
             only = next(iter(mix["sources"].values()))
@@ -288,7 +288,7 @@ class TrainData:
             },
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` output, or a one-source state from before mixtures
         (``ValueError`` when it does not fit these sources)."""
         s = dict(state["sampler"])

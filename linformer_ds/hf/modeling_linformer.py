@@ -21,7 +21,8 @@ row: one document per row (unchanged).
 """
 
 import contextlib
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ UNSUPPORTED = {
 }
 
 
-def _check_kwargs(kwargs: Dict[str, Any]) -> None:
+def _check_kwargs(kwargs: dict[str, Any]) -> None:
     """Refuse, by name, any argument this model would otherwise silently ignore.
 
     ``None``/``False`` values are accepted (callers pass defaults), and so are all-zero
@@ -80,7 +81,7 @@ def _check_kwargs(kwargs: Dict[str, Any]) -> None:
         raise ValueError(f"{name} is not supported: {why}")
 
 
-def _compaction_order(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _compaction_order(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """``[B, n]`` gather order that moves every row's real tokens to the front (stable), or
     ``None`` when all padding is already on the right. Traced (ONNX export): always the order
     (the identity on right-padded rows), from distinct keys, with no branch on the mask's values."""
@@ -96,7 +97,7 @@ def _compaction_order(attention_mask: Optional[torch.Tensor]) -> Optional[torch.
     return torch.argsort((~real).to(torch.int8), dim=1, stable=True)
 
 
-def _gather(x: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Tensor]:
+def _gather(x: torch.Tensor | None, order: torch.Tensor) -> torch.Tensor | None:
     """``x [B, n, ...]`` reordered along dim 1 by ``order [B, n]``."""
     if x is None:
         return None
@@ -104,7 +105,7 @@ def _gather(x: Optional[torch.Tensor], order: torch.Tensor) -> Optional[torch.Te
     return x.gather(1, idx)
 
 
-def _restore(x: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+def _restore(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """Undo :func:`_gather`: ``out[b, order[b, j]] = x[b, j]``, as whole rows: the inverse
     order (a ``[B, n]`` scatter) picks the rows of ``x [B, n, ...]`` (one ``index_select``; an
     element-wise scatter of the logits was 42 % of onnxruntime's time: BENCHMARKS.md)."""
@@ -171,12 +172,12 @@ class LinformerPreTrainedModel(PreTrainedModel):
 
     def _encode(
         self,
-        input_ids: Optional[torch.Tensor],
-        attention_mask: Optional[torch.Tensor],
-        inputs_embeds: Optional[torch.Tensor],
-        output_hidden_states: Optional[bool],
-        kwargs: Dict[str, Any],
-    ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]], Optional[torch.Tensor]]:
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        output_hidden_states: bool | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None, torch.Tensor | None]:
         """Run the encoder on compacted rows.
 
         Returns ``hidden [B, n, D]`` in compacted order (row ``b``'s real tokens first), the
@@ -202,7 +203,7 @@ class LinformerPreTrainedModel(PreTrainedModel):
             input_ids, inputs_embeds = _gather(input_ids, order), _gather(inputs_embeds, order)
             attention_mask = attention_mask.gather(1, order)
             position_ids = _gather(position_ids, order)
-        states: Optional[list] = [] if output_hidden_states else None
+        states: list | None = [] if output_hidden_states else None
         with self._attention_backend():
             hidden = self.encoder(
                 input_ids, attention_mask, inputs_embeds, states, position_ids=position_ids
@@ -210,7 +211,7 @@ class LinformerPreTrainedModel(PreTrainedModel):
         all_states = tuple(_restore(h, order) for h in states) if states is not None else None
         return hidden, all_states, order
 
-    def _check_embeds(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> None:
+    def _check_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         d, n_max = self.config.hidden_size, self.config.max_seq_len
         if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
             raise TypeError("inputs_embeds must be a floating-point torch.Tensor [batch, seq, D]")
@@ -225,7 +226,7 @@ class LinformerPreTrainedModel(PreTrainedModel):
                 f"shape {tuple(embeds.shape[:2])}"
             )
 
-    def _return_dict(self, return_dict: Optional[bool]) -> bool:
+    def _return_dict(self, return_dict: bool | None) -> bool:
         return return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
 
 
@@ -239,11 +240,11 @@ class LinformerModel(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutput:
         hidden, states, order = self._encode(
@@ -275,12 +276,12 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> MaskedLMOutput:
         hidden, states, order = self._encode(
@@ -313,7 +314,7 @@ def _classifier_dropout(config: LinformerConfig) -> float:
     return config.classifier_dropout if config.classifier_dropout is not None else config.dropout
 
 
-def _output(return_dict: bool, loss: Optional[torch.Tensor], outputs: tuple, cls: type, **kw: Any):
+def _output(return_dict: bool, loss: torch.Tensor | None, outputs: tuple, cls: type, **kw: Any):
     """``cls(loss=..., **kw)``, or the tuple ``(loss?, *outputs)`` (``None`` entries dropped)."""
     if return_dict:
         return cls(loss=loss, **kw)
@@ -352,12 +353,12 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> SequenceClassifierOutput:
         hidden, states, _ = self._encode(
@@ -395,12 +396,12 @@ class LinformerForTokenClassification(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> TokenClassifierOutput:
         hidden, states, order = self._encode(
@@ -432,13 +433,13 @@ class LinformerForQuestionAnswering(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        start_positions: Optional[torch.Tensor] = None,
-        end_positions: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> QuestionAnsweringModelOutput:
         hidden, states, order = self._encode(
@@ -475,12 +476,12 @@ class LinformerForMultipleChoice(LinformerPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
     ) -> MultipleChoiceModelOutput:
         given = input_ids if input_ids is not None else inputs_embeds

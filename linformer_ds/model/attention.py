@@ -9,7 +9,7 @@ on a kind's name.
 
 import math
 from collections.abc import Callable
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,16 +42,16 @@ class Window(NamedTuple):
     radius: int
     query_doc: torch.Tensor
     key_doc: torch.Tensor
-    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
-    block_mask: Optional[torch.Tensor] = None
-    has_key: Optional[torch.Tensor] = None
+    halo: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    block_mask: torch.Tensor | None = None
+    has_key: torch.Tensor | None = None
 
 
 def make_window(
     radius: int,
     query_doc: torch.Tensor,
     key_doc: torch.Tensor,
-    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
+    halo: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> Window:
     """A :class:`Window` with its block mask: query block ``j`` (positions ``[j r, j r + r)``)
     reads the keys ``[j r - r, j r + 2r)``; a query may see a key of its own document within
@@ -71,13 +71,13 @@ class LocalContext(NamedTuple):
     ``window`` (None: no layer has one) and ``rotary`` (``cos, sin [B or 1, n, 1, d_h / 2]``,
     None: learned positions)."""
 
-    window: Optional[Window] = None
-    rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    window: Window | None = None
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rotary_tables(
     positions: torch.Tensor, head_dim: int, base: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``positions [n]`` or ``[B, n]`` -> ``cos, sin [B or 1, n, 1, head_dim / 2]`` (fp32)."""
     inv = base ** (-torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = positions.float()[..., None] * inv  # [.., n, d/2]
@@ -86,7 +86,7 @@ def rotary_tables(
     return angles.cos()[:, :, None], angles.sin()[:, :, None]
 
 
-def rotate(x: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE of ``x [B, n, h, d]`` (halves rotated as pairs, GPT-NeoX layout), in fp32."""
     cos, sin = rotary
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -125,10 +125,10 @@ class LinformerSelfAttention(nn.Module):
         self.windowed = self.kind != "dense" and config.local_window > 0
         self.masked_projection = self.kind != "dense" and get_projection(self.kind).masked
         self.summarised = self.kind != "dense" and get_projection(self.kind).summaries
-        self.proj_k: Optional[nn.Module] = None
-        self.proj_v: Optional[nn.Module] = None
+        self.proj_k: nn.Module | None = None
+        self.proj_v: nn.Module | None = None
         # layout, set from outside (linformer_ds.parallelize.apply_sequence_parallel)
-        self.sequence_parallel: Optional[Any] = None
+        self.sequence_parallel: Any | None = None
         if self.kind != "dense" and config.sharing != "layerwise":
             heads = config.num_heads if config.sharing == "none" else 1
             self.proj_k = _make_projection(config, layer_idx, self.kind, heads)
@@ -138,10 +138,10 @@ class LinformerSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        shared_projection: Optional[nn.Module] = None,
-        documents: Optional[Documents] = None,
-        local: Optional[LocalContext] = None,
+        attention_mask: torch.Tensor | None = None,
+        shared_projection: nn.Module | None = None,
+        documents: Documents | None = None,
+        local: LocalContext | None = None,
     ) -> torch.Tensor:
         """``documents`` (:func:`document_spans`): each token attends only within its own
         document (its own summaries, windows or tokens); None: the whole row. ``local``: the
@@ -186,7 +186,7 @@ class LinformerSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, n, self.hidden_size))
 
     # ------------------------------------------------------------------------------- pieces
-    def _projection(self, shared_projection: Optional[nn.Module]) -> nn.Module:
+    def _projection(self, shared_projection: nn.Module | None) -> nn.Module:
         if self.proj_k is not None:
             return self.proj_k
         if shared_projection is None:
@@ -200,9 +200,9 @@ class LinformerSelfAttention(nn.Module):
         self,
         proj_k: nn.Module,
         kv: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        documents: Optional[Documents],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        mask: torch.Tensor | None,
+        documents: Documents | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected keys and values: ``[B, m, h, d]`` each (isolated: the kind's per-span
         layout, e.g. ``[S, m, h, d]``)."""
         b, n = kv.shape[:2]
@@ -219,8 +219,8 @@ class LinformerSelfAttention(nn.Module):
     def _dense(
         self,
         qkv: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        documents: Optional[Documents],
+        mask: torch.Tensor | None,
+        documents: Documents | None,
         local: LocalContext,
         dropout_p: float,
     ) -> torch.Tensor:
@@ -261,7 +261,7 @@ class LinformerSelfAttention(nn.Module):
         kp: torch.Tensor,
         vp: torch.Tensor,
         proj_k: nn.Module,
-        mask: Optional[torch.Tensor],
+        mask: torch.Tensor | None,
         documents: Documents,
         dropout_p: float,
     ) -> torch.Tensor:
@@ -302,10 +302,10 @@ class LinformerSelfAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         proj_k: nn.Module,
-        kp: Optional[torch.Tensor],
-        vp: Optional[torch.Tensor],
-        mask: Optional[torch.Tensor],
-        documents: Optional[Documents],
+        kp: torch.Tensor | None,
+        vp: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        documents: Documents | None,
         local: LocalContext,
         dropout_p: float,
     ) -> torch.Tensor:
@@ -401,7 +401,7 @@ class LinformerSelfAttention(nn.Module):
         proj_k: nn.Module,
         kp: torch.Tensor,
         vp: torch.Tensor,
-        mask: Optional[torch.Tensor],
+        mask: torch.Tensor | None,
         local: LocalContext,
     ) -> torch.Tensor:
         """:meth:`_local_global` for ``torch.export`` (one row = one document, one rank): the
@@ -444,9 +444,9 @@ class LinformerSelfAttention(nn.Module):
         qs: torch.Tensor,
         proj_k: nn.Module,
         kp: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        documents: Optional[Documents],
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        mask: torch.Tensor | None,
+        documents: Documents | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scores of ``qs [B, n, h, d]`` against each query's summaries ``[B, h, n, M]`` and
         which are valid (``[B, 1, n or 1, M]`` bool, None: all); isolated: each span's against
         its own (padded to the most of one span)."""
@@ -457,8 +457,8 @@ class LinformerSelfAttention(nn.Module):
             return s, None if blocks is None else blocks[:, None, None, :]
         ks = span_summaries(proj_k, kp, documents)
         most = max(t.shape[0] for t in ks)
-        scores: List[torch.Tensor] = []
-        valid: List[torch.Tensor] = []
+        scores: list[torch.Tensor] = []
+        valid: list[torch.Tensor] = []
         for s, qi, ki in zip(documents.spans, documents.split(qs), ks):
             si = torch.einsum("lhd,mhd->lhm", qi, ki)
             ok = torch.ones(ki.shape[0], dtype=torch.bool, device=qs.device)
@@ -477,7 +477,7 @@ class LinformerSelfAttention(nn.Module):
         p: torch.Tensor,
         vp: torch.Tensor,
         proj_k: nn.Module,
-        documents: Optional[Documents],
+        documents: Documents | None,
     ) -> torch.Tensor:
         """``p [B, h, n, M]`` weights of the summaries -> ``[B, h, n, d]``."""
         if documents is None:

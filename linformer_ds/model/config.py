@@ -3,7 +3,7 @@
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, List, Optional
+from typing import Any
 
 from .projections import ModelConfigError, get_projection, projection_names
 
@@ -56,7 +56,7 @@ _FLOAT_RANGES = {
 }
 
 
-def _range_problem(name: str, value: Any) -> Optional[str]:
+def _range_problem(name: str, value: Any) -> str | None:
     """Why option ``name`` = ``value`` is outside its range (None: inside, or unset)."""
     if value is None:
         return None
@@ -94,13 +94,13 @@ class ModelConfig:
     # Attention schedule: "linear", "conv", "dense" for every layer, or "hybrid": linear in the
     # first `hybrid_linear_layers` layers and conv in the rest (Conv-Linformer hybrid).
     projection: str = "linear"
-    hybrid_linear_layers: Optional[int] = None  # default: half of the layers (rounded up)
-    layer_projections: Optional[List[str]] = None  # explicit per-layer schedule, overrides above
+    hybrid_linear_layers: int | None = None  # default: half of the layers (rounded up)
+    layer_projections: list[str] | None = None  # explicit per-layer schedule, overrides above
     k: int = 256  # projected length for linear layers; conv stride = max_seq_len // k
-    layer_k: Optional[List[int]] = None  # per-layer k, overrides `k`
+    layer_k: list[int] | None = None  # per-layer k, overrides `k`
     sharing: str = "layerwise"
     freeze_projection: bool = False  # keep E/F (or conv kernels) fixed at their init
-    projection_init_std: Optional[float] = None  # default 1/sqrt(max_seq_len) ("normal" init)
+    projection_init_std: float | None = None  # default 1/sqrt(max_seq_len) ("normal" init)
     # E/F and conv kernels at init: "normal" (random, std projection_init_std) or "pooling"
     # (summary j = the mean of the j-th window of N/k positions; conv = mean over each block)
     projection_init: str = "normal"
@@ -131,7 +131,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     pad_token_id: int = 0
     num_labels: int = 2
-    classifier_dropout: Optional[float] = None  # default: `dropout`
+    classifier_dropout: float | None = None  # default: `dropout`
     tie_word_embeddings: bool = True
     format_version: int = MODEL_FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form metadata, ignored by the model
@@ -140,7 +140,7 @@ class ModelConfig:
         self.validate()
 
     # ----------------------------------------------------------------------------- schedule
-    def projection_schedule(self) -> List[str]:
+    def projection_schedule(self) -> list[str]:
         """The attention type of every layer."""
         if self.layer_projections is not None:
             return list(self.layer_projections)

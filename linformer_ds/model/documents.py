@@ -1,7 +1,7 @@
 """Document isolation in packed rows: the documents of a batch (:func:`document_spans`), their
 chunking for batched per-document work (:func:`document_chunks`) and the dense block mask."""
 
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -34,11 +34,11 @@ class Documents(NamedTuple):
     of the row (exactly the work of each document alone: the CPU choice); False: batched over
     :class:`DocumentChunks` (a few large ops, plus the chunks' padding and gathers)."""
 
-    spans: List[DocumentSpan]
+    spans: list[DocumentSpan]
     num_shared: int = 0
     whole_rows: bool = False
-    block_mask: Optional[torch.Tensor] = None
-    plans: Optional[dict] = None  # chunk plans by size (document_chunks), built once per batch
+    block_mask: torch.Tensor | None = None
+    plans: dict | None = None  # chunk plans by size (document_chunks), built once per batch
     per_span: bool = False
 
     def split(self, t: torch.Tensor) -> tuple:
@@ -72,7 +72,7 @@ class DocumentChunks(NamedTuple):
 
 
 def document_chunks(
-    spans: List[DocumentSpan], size: int, tokens: int, device: torch.device
+    spans: list[DocumentSpan], size: int, tokens: int, device: torch.device
 ) -> DocumentChunks:
     """The :class:`DocumentChunks` of ``spans`` (covering ``tokens`` flat tokens in order),
     computed on the host and copied to ``device`` once."""
@@ -112,7 +112,7 @@ def document_chunks(
 
 
 def document_starts(
-    position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    position_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """``[B, N]`` bool: where a document starts (each row start, every unmasked position 0).
     Masked positions never start one (padding joins the document before it)."""
@@ -125,10 +125,10 @@ def document_starts(
 
 def document_spans(
     position_ids: torch.Tensor,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: torch.Tensor | None = None,
     offset: int = 0,
-    n_local: Optional[int] = None,
-    max_position: Optional[int] = None,
+    n_local: int | None = None,
+    max_position: int | None = None,
 ) -> Documents:
     """The documents of ``position_ids [B, N]`` (a new one at every row start and every unmasked
     position 0), read to the host once. With ``n_local`` (sequence parallel) the inputs are the
@@ -146,7 +146,7 @@ def document_spans(
         raise ValueError(f"position_ids must lie in [0, max_seq_len={max_position})")
     n_local = n if n_local is None else n_local
     lo, hi = offset, offset + n_local
-    spans: List[DocumentSpan] = []
+    spans: list[DocumentSpan] = []
     num_shared, whole = 0, True
     pad = host[1]
     for r in range(b):
@@ -165,7 +165,7 @@ def document_spans(
 
 
 def document_block_mask(
-    position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    position_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """``[B, 1, N, N]`` bool: query i may attend to key j (same document, j not padding; a row
     with no allowed key may attend everywhere, its output is ignored)."""

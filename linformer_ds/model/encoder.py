@@ -1,7 +1,7 @@
 """The encoder: embeddings, the layers, document isolation and local mixing set up per batch."""
 
 from collections.abc import Callable
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from .projections import _make_projection, projection_names, tracing
 def check_inputs(
     config: ModelConfig,
     input_ids: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
+    attention_mask: torch.Tensor | None,
     check_ids: bool = True,
 ) -> None:
     """Clear errors for bad model input, before anything deep inside torch can fail.
@@ -69,18 +69,18 @@ class LinformerEncoder(nn.Module):
         self.check_token_ids = True
         # document isolation: one product and attention per span (True), batched over chunks
         # (False), or None: per span on the CPU (measured faster there), chunks on accelerators
-        self.document_per_span: Optional[bool] = None
+        self.document_per_span: bool | None = None
         # linformer_ds.parallelize.apply_sequence_parallel
-        self.sequence_parallel: Optional[Any] = None
+        self.sequence_parallel: Any | None = None
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings: Optional[nn.Embedding] = None
+        self.position_embeddings: nn.Embedding | None = None
         if config.positions == "learned":
             self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
             # init_weights reads the flag (module-local: any order of initialisation gives it)
             self.position_embeddings.sinusoidal_init = config.position_init == "sinusoidal"
         self.embed_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
-        self.mixer: Optional[LocalMixer] = None
+        self.mixer: LocalMixer | None = None
         if config.local_mixer == "embed":
             self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
         schedule = config.projection_schedule()
@@ -97,14 +97,14 @@ class LinformerEncoder(nn.Module):
             if config.norm == "pre"
             else nn.Identity()
         )
-        self._checkpoint_fn: Optional[Callable[..., Any]] = None
+        self._checkpoint_fn: Callable[..., Any] | None = None
         self._checkpoint_layers: set = set()
         self._checkpoint_granularity = "layer"
 
     def set_activation_checkpointing(
         self,
-        fn: Optional[Callable[..., Any]],
-        layers: Optional[List[int]] = None,
+        fn: Callable[..., Any] | None,
+        layers: list[int] | None = None,
         granularity: str = "layer",
     ) -> None:
         """Wrap layer calls in ``fn(layer, x, mask, shared_projection)`` while training.
@@ -125,9 +125,9 @@ class LinformerEncoder(nn.Module):
 
     def embed(
         self,
-        input_ids: Optional[torch.Tensor],
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        inputs_embeds: Optional[torch.Tensor] = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token (or ``inputs_embeds``) plus position embeddings, LayerNorm, dropout:
         ``[B, n]`` ids and ``[n]`` (or per token ``[B, n]``) rows of the position table
@@ -141,10 +141,10 @@ class LinformerEncoder(nn.Module):
     def _documents(
         self,
         position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
+        attention_mask: torch.Tensor | None,
         n: int,
         offset: int,
-    ) -> Tuple[Documents, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    ) -> tuple[Documents, tuple[torch.Tensor, torch.Tensor | None]]:
         """The document spans of this batch (of this rank's slice, from the whole rows gathered
         over the sequence-parallel group), and the ``(position_ids, mask)`` rows they come from
         (whole rows under sequence parallelism; the local mixer reads them too)."""
@@ -181,8 +181,8 @@ class LinformerEncoder(nn.Module):
         batch: int,
         n: int,
         offset: int,
-        attention_mask: Optional[torch.Tensor],
-        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
+        attention_mask: torch.Tensor | None,
+        rows: tuple[torch.Tensor, torch.Tensor | None] | None,
         device: torch.device,
     ) -> LocalMixing:
         """The local mixers' shared inputs for this batch: ``rows`` are the ``(position_ids,
@@ -204,9 +204,9 @@ class LinformerEncoder(nn.Module):
     def _whole_rows(
         self,
         n: int,
-        attention_mask: Optional[torch.Tensor],
-        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
-    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]:
+        attention_mask: torch.Tensor | None,
+        rows: tuple[torch.Tensor, torch.Tensor | None] | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(position_ids, mask, length)`` of the whole rows this slice belongs to: ``rows``
         from :meth:`_documents` (None: one document per row; the mask gathered over the
         sequence-parallel group)."""
@@ -223,8 +223,8 @@ class LinformerEncoder(nn.Module):
         batch: int,
         n: int,
         offset: int,
-        attention_mask: Optional[torch.Tensor],
-        rows: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
+        attention_mask: torch.Tensor | None,
+        rows: tuple[torch.Tensor, torch.Tensor | None] | None,
         device: torch.device,
     ) -> Window:
         """The windowed layers' shared inputs (:class:`Window`): each token's document number
@@ -249,16 +249,16 @@ class LinformerEncoder(nn.Module):
             return Window(r, doc[:, offset : offset + n], key_doc, halo)
         return make_window(r, doc[:, offset : offset + n], key_doc, halo)
 
-    def _shared_for(self, layer: EncoderLayer) -> Optional[nn.Module]:
+    def _shared_for(self, layer: EncoderLayer) -> nn.Module | None:
         return self.shared.get(layer.attention.kind)
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor],
-        attention_mask: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        hidden_states: Optional[List[torch.Tensor]] = None,
-        position_ids: Optional[torch.Tensor] = None,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        hidden_states: list[torch.Tensor] | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``inputs_embeds [B, n, D]`` (checked by the caller) replaces the token lookup of
         ``input_ids``; a ``hidden_states`` list receives ``num_layers + 1`` tensors ``[B, n, D]``:

@@ -2,7 +2,7 @@
 weight initialisation and the FLOPs count."""
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from .registry import tracing
 # NamedTuples, not dataclasses: ZeRO-3's module hooks see the tensors inside tuples (and warn
 # about, and skip, unknown output types)
 class MaskedLMOutput(NamedTuple):
-    loss: Optional[torch.Tensor]  # mean cross-entropy over positions with label != -100
+    loss: torch.Tensor | None  # mean cross-entropy over positions with label != -100
     logits: torch.Tensor  # [B, n, V], every position
 
 
@@ -30,7 +30,7 @@ class LabelledMLMOutput(NamedTuple):
 
 
 class SequenceClassifierOutput(NamedTuple):
-    loss: Optional[torch.Tensor]
+    loss: torch.Tensor | None
     logits: torch.Tensor  # [B, num_labels]
 
 
@@ -73,7 +73,7 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_classification_loss(
-    logits: torch.Tensor, labels: torch.Tensor, problem_type: Optional[str] = None
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None
 ) -> torch.Tensor:
     """Loss of ``logits [B, C]``: regression (C = 1 or ``problem_type='regression'``),
     multi-label (``'multi_label_classification'``, BCE) or single-label cross-entropy."""
@@ -104,7 +104,7 @@ class LinformerPreTrainedModel(nn.Module):
             total += _numel(p)
         return total
 
-    def flops_per_token(self, seq_len: Optional[int] = None, mlm_fraction: float = 1.0) -> float:
+    def flops_per_token(self, seq_len: int | None = None, mlm_fraction: float = 1.0) -> float:
         return flops_per_token(self.config, seq_len, mlm_fraction)
 
 
@@ -175,9 +175,9 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> MaskedLMOutput:
         _check_labels(labels, input_ids)
         logits = self.lm_head(self.encoder(input_ids, attention_mask, position_ids=position_ids))
@@ -209,11 +209,11 @@ class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        loss_denominator: Optional[torch.Tensor] = None,
-        labelled_index: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_denominator: torch.Tensor | None = None,
+        labelled_index: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> LabelledMLMOutput:
         if labels is None:
             raise ValueError("LinformerForMaskedLMPretraining needs labels ([B, n], -100 = ignore)")
@@ -236,7 +236,7 @@ class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
         )
 
 
-def _check_labels(labels: Optional[torch.Tensor], input_ids: torch.Tensor) -> None:
+def _check_labels(labels: torch.Tensor | None, input_ids: torch.Tensor) -> None:
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(
             f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}"
@@ -246,7 +246,7 @@ def _check_labels(labels: Optional[torch.Tensor], input_ids: torch.Tensor) -> No
 class LinformerForSequenceClassification(LinformerPreTrainedModel):
     """Encoder + :class:`ClassificationHead` (first token): ``[B, num_labels]``."""
 
-    def __init__(self, config: ModelConfig, problem_type: Optional[str] = None):
+    def __init__(self, config: ModelConfig, problem_type: str | None = None):
         super().__init__()
         self.config = config
         self.problem_type = problem_type
@@ -258,9 +258,9 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> SequenceClassifierOutput:
         hidden = self.encoder(input_ids, attention_mask, position_ids=position_ids)
         logits = self.classifier(hidden)
@@ -271,7 +271,7 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
 
 
 def flops_per_token(
-    config: ModelConfig, seq_len: Optional[int] = None, mlm_fraction: float = 1.0
+    config: ModelConfig, seq_len: int | None = None, mlm_fraction: float = 1.0
 ) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token of an MLM step.
 

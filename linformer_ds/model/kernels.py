@@ -16,7 +16,7 @@ block count against 1, and onnxruntime ran both graphs at the same speed).
 
 import contextlib
 import math
-from typing import Dict, Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +28,16 @@ KERNELS = ("sdpa", "explicit")
 # (the first row that holds it) runs the explicit product while the query axis n <= n_max;
 # beyond the last row, and on devices/dtypes not listed, SDPA. Measured with
 # bench/attention_kernel_bench.py (BENCHMARKS.md, "SDPA or the explicit product").
-EXPLICIT_UP_TO: Dict[Tuple[str, torch.dtype], Tuple[Tuple[int, int], ...]] = {
+EXPLICIT_UP_TO: dict[tuple[str, torch.dtype], tuple[tuple[int, int], ...]] = {
     ("cpu", torch.bfloat16): ((64, 2048), (128, 1024), (256, 512), (512, 256)),
     ("cpu", torch.float32): (),  # SDPA at or above the explicit product at every measured size
 }
 TRACED_KERNEL = "sdpa"  # torch.export / ONNX: no branch on a symbolic length
-_forced: Optional[str] = None
+_forced: str | None = None
 
 
 @contextlib.contextmanager
-def attention_kernel(name: Optional[str]) -> Iterator[None]:
+def attention_kernel(name: str | None) -> Iterator[None]:
     """Run every short-key attention inside with kernel ``name`` (one of :data:`KERNELS`;
     None: the rule). For benchmarks and tests."""
     global _forced
@@ -66,7 +66,7 @@ def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d) + mask) v`` in the inputs' dtype, SDPA's signature (``[.., n,
@@ -85,7 +85,7 @@ def short_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention of ``q [.., n, d]`` against ``k, v [.., m, d]`` by the kernel

@@ -1,7 +1,7 @@
 """The blocks around attention: the feed-forward network, the local mixer and the encoder layer."""
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +55,15 @@ class LocalMixing(NamedTuple):
     zero padding; sequence parallel: the neighbouring ranks' rows)."""
 
     valid: torch.Tensor
-    halo: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
+    halo: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
 def local_mixer_valid(
     radius: int,
     n: int,
     batch: int,
-    attention_mask: Optional[torch.Tensor],
-    position_ids: Optional[torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
     device: torch.device,
 ) -> torch.Tensor:
     """``[2r + 1, B, n]`` bool: True where token ``i + o`` (``o = j - r``) may feed token ``i``:
@@ -102,8 +102,8 @@ class EncoderLayer(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
-        self.mixer: Optional[LocalMixer] = None
-        self.ln_mix: Optional[nn.LayerNorm] = None
+        self.mixer: LocalMixer | None = None
+        self.ln_mix: nn.LayerNorm | None = None
         if config.local_mixer == "layers":
             self.mixer = LocalMixer(config.hidden_size, config.local_mixer_kernel)
             self.ln_mix = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -111,11 +111,11 @@ class EncoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        shared_projection: Optional[nn.Module] = None,
-        documents: Optional[Documents] = None,
-        mixing: Optional[LocalMixing] = None,
-        local: Optional[LocalContext] = None,
+        attention_mask: torch.Tensor | None = None,
+        shared_projection: nn.Module | None = None,
+        documents: Documents | None = None,
+        mixing: LocalMixing | None = None,
+        local: LocalContext | None = None,
     ) -> torch.Tensor:
         return self.ffn_block(
             self.attention_block(x, attention_mask, shared_projection, documents, mixing, local)
@@ -124,11 +124,11 @@ class EncoderLayer(nn.Module):
     def attention_block(
         self,
         x: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        shared_projection: Optional[nn.Module] = None,
-        documents: Optional[Documents] = None,
-        mixing: Optional[LocalMixing] = None,
-        local: Optional[LocalContext] = None,
+        attention_mask: torch.Tensor | None = None,
+        shared_projection: nn.Module | None = None,
+        documents: Documents | None = None,
+        mixing: LocalMixing | None = None,
+        local: LocalContext | None = None,
     ) -> torch.Tensor:
         """The attention sub-layer with its residual and LayerNorm: ``[B, n, D] -> [B, n, D]``
         (``local_mixer: layers``: the mixing sub-layer first, with its own)."""

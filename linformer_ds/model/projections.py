@@ -7,7 +7,7 @@ never branches on a kind's name.
 """
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +37,13 @@ class Projection(nn.Module):
     Layout, set from outside: ``sequence_parallel`` (linformer_ds.parallelize).
     """
 
-    sequence_dim: Optional[int] = None  # weight's dim indexed by sequence position, if any
+    sequence_dim: int | None = None  # weight's dim indexed by sequence position, if any
 
     def __init__(self) -> None:
         super().__init__()
-        self.sequence_parallel: Optional[Any] = None
+        self.sequence_parallel: Any | None = None
 
-    def summary_mask(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    def summary_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
         """``mask [B, n]`` bool (this rank's slice) -> ``[B, m]``: the summaries that hold a real
         token (None: all of them)."""
         return None
@@ -52,7 +52,7 @@ class Projection(nn.Module):
         """The output of ``forward(x, documents)`` -> each span's summaries ``[m_i, h, d]``."""
         return list(y.unbind(0))
 
-    def span_summary_mask(self, real: torch.Tensor) -> Optional[torch.Tensor]:
+    def span_summary_mask(self, real: torch.Tensor) -> torch.Tensor | None:
         """``real [L]`` bool (one span's tokens) -> ``[m_i]``: its summaries that hold a real
         token (None: all)."""
         return None
@@ -62,16 +62,16 @@ class Projection(nn.Module):
         kp: torch.Tensor,
         vp: torch.Tensor,
         documents: Documents,
-        mask: Optional[torch.Tensor],
+        mask: torch.Tensor | None,
         plan: "Any",
         tokens: int,
-    ) -> "tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]":
+    ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
         """Summaries of each query chunk of ``plan`` (:class:`DocumentChunks`): ``[C, m, h, d]``
         keys and values and a ``[C, 1, 1, m]`` mask (None: all valid)."""
         return kp.index_select(0, plan.span), vp.index_select(0, plan.span), None
 
 
-def summary_mask(proj: nn.Module, mask: torch.Tensor) -> Optional[torch.Tensor]:
+def summary_mask(proj: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
     """:meth:`Projection.summary_mask` of any projection module (a registered one that is not a
     :class:`Projection` keeps its summaries clear of padding itself)."""
     return proj.summary_mask(mask) if isinstance(proj, Projection) else None
@@ -83,7 +83,7 @@ def span_summaries(proj: nn.Module, y: torch.Tensor, documents: Documents) -> li
     return list(y.unbind(0))
 
 
-def span_summary_mask(proj: nn.Module, real: torch.Tensor) -> Optional[torch.Tensor]:
+def span_summary_mask(proj: nn.Module, real: torch.Tensor) -> torch.Tensor | None:
     return proj.span_summary_mask(real) if isinstance(proj, Projection) else None
 
 
@@ -136,7 +136,7 @@ class LinearProjection(Projection):
         with torch.no_grad():
             self.weight.copy_(w.to(self.weight.dtype).expand_as(self.weight))
 
-    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """``[B, n, h, d] -> [B, k, h, d]``; with ``documents``: each span's own summaries
         ``[S, k, h, d]`` (E's columns from the span's document position on; a document split
         over sequence-parallel ranks gets the sum of its parts)."""
@@ -245,7 +245,7 @@ class ConvProjection(Projection):
             nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.stride * self.head_dim))
         nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """``[B, n, h, d] -> [B, c, h, d]``; with ``documents``: every span's blocks, windows
         starting at its own start (its tail zero-padded), concatenated: ``[sum c_i, h, d]``."""
         if documents is not None:
@@ -289,7 +289,7 @@ class ConvProjection(Projection):
                 y = torch.matmul(x.reshape(b, c, h, 1, r * d), w).view(b, c, h, d)
         return y + self.bias
 
-    def summary_mask(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    def summary_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
         """Blocks made only of padding are ignored (under sequence parallelism: every block of
         the sequence, gathered)."""
         b, n = mask.shape
@@ -303,7 +303,7 @@ class ConvProjection(Projection):
         """``[sum c_i, h, d]`` -> span i's ``c_i = ceil(L_i / r)`` windows."""
         return list(y.split([-(-(s.end - s.start) // self.stride) for s in documents.spans]))
 
-    def span_summary_mask(self, real: torch.Tensor) -> Optional[torch.Tensor]:
+    def span_summary_mask(self, real: torch.Tensor) -> torch.Tensor | None:
         r = self.stride
         return F.pad(real, (0, -(-real.shape[0] // r) * r - real.shape[0])).view(-1, r).any(-1)
 
@@ -337,7 +337,7 @@ class LocalProjection(Projection):
 
     projection_kind = "local"
 
-    def forward(self, x: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         rows = x.shape[0] if documents is None else len(documents.spans)
         return x.new_zeros((rows, 0) + tuple(x.shape[2:]))
 
@@ -367,8 +367,8 @@ class DynamicProjection(Projection):
     def forward(
         self,
         x: torch.Tensor,
-        documents: Optional[Documents] = None,
-        mask: Optional[torch.Tensor] = None,
+        documents: Documents | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, n, h, d]`` (``h`` may be ``2 * heads``: keys and values together, each set
         weighing itself); ``mask [B, n]`` bool; with ``documents``: ``[S, k, h, d]``."""
@@ -404,7 +404,7 @@ def _conv(config: Config, layer_idx: int, heads: int) -> nn.Module:
     )  # fmt: skip
 
 
-def _conv_check(config: Config, i: int) -> Optional[str]:
+def _conv_check(config: Config, i: int) -> str | None:
     k = config.k_for_layer(i)
     if config.max_seq_len % k:
         return (

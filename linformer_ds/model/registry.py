@@ -4,7 +4,7 @@ Torch and the standard library only; the built-in kinds register in ``projection
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,11 +45,11 @@ class ProjectionKind:
 
     name: str
     factory: Callable[[Config, int, int], nn.Module]
-    stride: Optional[Callable[[Config, int], int]] = None
+    stride: Callable[[Config, int], int] | None = None
     stride_rule: str = ""
-    check: Optional[Callable[[Config, int], Optional[str]]] = None
-    num_parameters: Optional[Callable[[Config, int], int]] = None
-    flops: Optional[Callable[[Config, int, int], float]] = None
+    check: Callable[[Config, int], str | None] | None = None
+    num_parameters: Callable[[Config, int], int] | None = None
+    flops: Callable[[Config, int, int], float] | None = None
     sequence_parallel: bool = False
     summaries: bool = (
         True  # False: no summaries, the layer attends through its window alone (local)
@@ -106,7 +106,7 @@ def projection_names() -> tuple:
     return tuple(_PROJECTION_KINDS) + ("dense",)
 
 
-def projection_stride(config: Config, layer_idx: int) -> Optional[int]:
+def projection_stride(config: Config, layer_idx: int) -> int | None:
     """The stride every N (and sequence-parallel slice) must be a multiple of at layer
     ``layer_idx`` (conv: max_seq_len / k), or None (dense, linear: any N)."""
     kind = config.projection_schedule()[layer_idx]

@@ -4,7 +4,7 @@ messages naming the key (``config_errors``, ``isolation_errors``), and the error
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 from linformer_ds.model import ModelConfig, get_projection, projection_stride
 
@@ -19,14 +19,14 @@ class SequenceParallelConfigError(ValueError):
 def config_errors(
     sp_size: int,
     *,
-    world_size: Optional[int],
+    world_size: int | None,
     seq_len: int,
     model: ModelConfig,
     zero_stage: int = 0,
     zero_reduce_scatter: bool = True,
     shard: Any = False,
     precision: str = "fp32",
-) -> List[str]:
+) -> list[str]:
     """Every reason ``sp_size`` cannot run, as one-line messages (empty: it can).
 
     ``seq_len`` is the data's sequence length N (every row is N tokens, right-padded);
@@ -112,7 +112,7 @@ def config_errors(
 ISOLATION_KEY = "data.document_isolation"
 
 
-def isolation_errors(sp_size: int, model: ModelConfig, shard: Any) -> List[str]:
+def isolation_errors(sp_size: int, model: ModelConfig, shard: Any) -> list[str]:
     """Why document isolation cannot run with ``sp_size`` ranks per sequence (empty: it can):
     linear layers sum each document's partial summaries over the group, dense layers mask the
     gathered documents; conv windows that cross a slice boundary are not implemented, and

@@ -20,7 +20,7 @@ over the group (:func:`sum_over_group`).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class _AllReduceSum(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(g, group=ctx.group)
         return g, None
@@ -78,7 +78,7 @@ class _AllGatherBlocks(torch.autograd.Function):
         return _gather_dim1(x, group, ctx.world)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         p = ctx.world
         b, c = grad.shape[0], grad.shape[1] // p
         rest = tuple(grad.shape[2:])
@@ -96,7 +96,7 @@ class _LocalAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attn_mask: Optional[torch.Tensor] = None,
+        attn_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0,
     ) -> torch.Tensor:
         y = F.scaled_dot_product_attention(
@@ -119,7 +119,7 @@ class SequenceParallel:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._ulysses: Optional[nn.Module] = None
+        self._ulysses: nn.Module | None = None
 
     def offset(self, n_local: int) -> int:
         """Global position of this rank's first token (equal slices)."""
@@ -152,8 +152,8 @@ class SequenceParallel:
         return _gather_dim1(mask.to(torch.uint8), self.group, self.world_size).bool()
 
     def gather_documents(
-        self, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, position_ids: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This slice's ``position_ids`` and mask ``[B, n/P]`` -> the whole rows ``[B, n]``
         (one all-gather; document isolation finds the documents from them)."""
         local = position_ids.long()
@@ -184,7 +184,7 @@ class SequenceParallel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attn_mask: Optional[torch.Tensor],
+        attn_mask: torch.Tensor | None,
         dropout_p: float,
     ) -> torch.Tensor:
         """Ulysses attention: ``q, k, v [B, n/P, h, d]`` -> ``[B, n/P, h, d]``.

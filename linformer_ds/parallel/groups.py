@@ -7,7 +7,7 @@ queries for them (:class:`SequenceParallelMPU`, :class:`ShardedSequenceParallelM
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch.distributed as dist
 
@@ -35,7 +35,7 @@ class SequenceParallelGroups:
     single_group: Any  # this rank alone (DeepSpeed's model-parallel group of size 1)
 
 
-def group_layout(world_size: int, sp_size: int) -> Tuple[List[List[int]], List[List[int]]]:
+def group_layout(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """``(sp_groups, dp_groups)`` as rank lists: SP groups are consecutive ranks."""
     if sp_size < 1 or world_size % sp_size:
         raise SequenceParallelConfigError(

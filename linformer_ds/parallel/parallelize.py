@@ -23,8 +23,9 @@ collectives, groups and parameter sharding themselves are in the other modules o
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,7 +107,7 @@ class LossScaling:
 
     def denominator(
         self, labels: Sequence[torch.Tensor], device: torch.device
-    ) -> Optional[torch.Tensor]:
+    ) -> torch.Tensor | None:
         """``C``: the labelled tokens of the step's micro-batches' ``labels`` (``[B, n]`` each,
         this rank's rows or slices) summed over all ranks by one all-reduce on the device; a
         float32 scalar, at least 1. None on one rank with one micro-batch (the model counts)."""
@@ -138,9 +139,9 @@ def resolved_shard(cfg: JobConfig) -> bool:
 def parallelize(
     model: nn.Module,
     cfg: JobConfig,
-    ds_config: Dict[str, Any],
-    groups: Optional[SequenceParallelGroups] = None,
-) -> Optional[SequenceParallelMPU]:
+    ds_config: dict[str, Any],
+    groups: SequenceParallelGroups | None = None,
+) -> SequenceParallelMPU | None:
     """Apply this job's layout to the plain ``model`` in place; returns the ``mpu`` to hand to
     ``deepspeed.initialize`` (None without sequence parallelism).
 
@@ -149,7 +150,7 @@ def parallelize(
     (:func:`partition_for_zero3`); then the layers split the sequence over the SP group
     (:func:`apply_sequence_parallel`). Activation checkpointing as configured, in every layout.
     Call once per model, before ``deepspeed.initialize``."""
-    mpu: Optional[SequenceParallelMPU] = None
+    mpu: SequenceParallelMPU | None = None
     if groups is not None:
         sharded = resolved_shard(cfg)
         if cfg.parallel.auto_shard and groups.rank == 0:
@@ -167,7 +168,7 @@ def parallelize(
     return mpu
 
 
-def use_deepspeed_mpu(mpu: Optional[SequenceParallelMPU]) -> None:
+def use_deepspeed_mpu(mpu: SequenceParallelMPU | None) -> None:
     """Make ``mpu`` (None: plain data parallelism) DeepSpeed's process-wide one
     (``deepspeed.utils.groups.mpu``), which its engine and ZeRO optimizers query for the
     data-parallel group and size. ``deepspeed.initialize`` sets it only when given an mpu, so
@@ -179,7 +180,7 @@ def use_deepspeed_mpu(mpu: Optional[SequenceParallelMPU]) -> None:
     ds_groups.mpu = mpu
 
 
-def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequenceParallel]:
+def apply_sequence_parallel(model: nn.Module, group: Any) -> SequenceParallel | None:
     """Make every encoder, attention and projection module of ``model`` split the sequence over
     ``group`` (an instance attribute per module). ``group=None`` removes it again (the
     unmodified P = 1 path). Returns the hooks."""
@@ -199,7 +200,7 @@ def apply_sequence_parallel(model: nn.Module, group: Any) -> Optional[SequencePa
     return hooks
 
 
-def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> List[str]:
+def shard_for_deepspeed(model: nn.Module, groups: SequenceParallelGroups) -> list[str]:
     """Sharded sequence parallelism under DeepSpeed: shard E/F and the positions
     (:func:`~linformer_ds.parallel.sharding.shard_sequence_parameters`), mark them
     model-parallel, and make every other parameter's gradient the sum over the SP group (a hook
@@ -251,7 +252,7 @@ def partition_for_zero3(model: nn.Module, groups: SequenceParallelGroups, ds_con
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: JobConfig, ds_config: Dict) -> None:
+def apply_activation_checkpointing(model: nn.Module, cfg: JobConfig, ds_config: dict) -> None:
     """Wrap encoder layers in activation checkpointing as configured (no-op when disabled).
 
     torch's non-reentrant checkpoint by default: correct with the layerwise-shared projection

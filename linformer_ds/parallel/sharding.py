@@ -11,7 +11,8 @@ import glob
 import os
 import re
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,8 @@ from linformer_ds.parallel.checks import KEY, SequenceParallelConfigError
 
 # ========================================================================================= batches
 def shard_batch(
-    batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int
-) -> Tuple[Dict[str, torch.Tensor], int]:
+    batch: dict[str, torch.Tensor], sp_rank: int, sp_size: int
+) -> tuple[dict[str, torch.Tensor], int]:
     """This rank's ``[B, N/P]`` slice of every ``[B, N]`` tensor in ``batch``, and its offset.
 
     Tensors of another shape (none in an MLM batch) are kept whole.
@@ -49,7 +50,7 @@ def shard_batch(
 SHARD_ATTR = "sequence_shard"  # on a sharded parameter: (dim, full size along dim)
 
 
-def sequence_parameters(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
+def sequence_parameters(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """``(name, module, dim)`` of every parameter indexed by sequence position: the weight of
     every projection whose class sets ``sequence_dim`` (linear E/F, any sharing mode, per-layer
     ones too; columns, dim 2) and the position table (rows, dim 0). Conv kernels are not: they
@@ -73,7 +74,7 @@ def _sequence_shaped(module: nn.Module) -> bool:
     )
 
 
-def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> List[str]:
+def shard_sequence_parameters(model: nn.Module, rank: int, world: int) -> list[str]:
     """Keep only this rank's ``N_max / P`` columns of every E/F and rows of the position table.
 
     Rank r of the SP group keeps positions ``[r N_max / P, (r+1) N_max / P)``: with N = N_max,
@@ -114,7 +115,7 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.T
     return full.narrow(dim, rank * width, width)
 
 
-def full_state_dict(model: nn.Module, group: Any) -> Dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """The model's state dict with every sharded parameter whole again (all-gathered over the
     SP ``group`` in rank order): what one rank holding the whole model has. Collective."""
     sd = model.state_dict()
@@ -129,7 +130,7 @@ def full_state_dict(model: nn.Module, group: Any) -> Dict[str, torch.Tensor]:
     return sd
 
 
-def sequence_dim(name: str, ndim: int) -> Optional[int]:
+def sequence_dim(name: str, ndim: int) -> int | None:
     """The sequence dim of a parameter of the Linformer models by its name and rank: 2 for a
     linear projection's E/F ``[H, k, N_max]``, 0 for the position table, None otherwise."""
     if name.endswith("position_embeddings.weight") and ndim == 2:
@@ -139,7 +140,7 @@ def sequence_dim(name: str, ndim: int) -> Optional[int]:
     return None
 
 
-def mark_universal_sequence_dims(universal_tag_dir: str) -> List[str]:
+def mark_universal_sequence_dims(universal_tag_dir: str) -> list[str]:
     """Make a universal checkpoint written from an unsharded run loadable by a sharded one:
     each E/F and position-table state file gets ``cat_dim`` = its sequence dim, along which
     DeepSpeed's universal loading cuts the rank's piece (``chunk(P, cat_dim)[sp_rank]``).
@@ -172,8 +173,8 @@ def consolidate_sharded(
     checkpoint_dir: str,
     tag: str,
     sp_size: int,
-    consolidate_one: Callable[[str, str], Dict[str, torch.Tensor]],
-) -> Dict[str, torch.Tensor]:
+    consolidate_one: Callable[[str, str], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
     """The whole fp32 state dict of a checkpoint saved with E/F and positions sharded over
     ``sp_size`` ranks. DeepSpeed wrote each SP rank's files as model-parallel rank ``r``; each
     rank's files are linked, as rank 00, into a temporary directory and consolidated there by
@@ -203,7 +204,7 @@ def consolidate_sharded(
     return out
 
 
-def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
+def universal_checkpoint_info(model: nn.Module, sp_size: int) -> dict[str, Any]:
     """How DeepSpeed's ``ds_to_universal`` merges the SP ranks' pieces (they are its "tensor
     parallel" slices under :class:`ShardedSequenceParallelMPU`): every sharded parameter
     is one sub-parameter split evenly along its sequence dim (columns of E/F: dim 2, rows of the
@@ -219,7 +220,7 @@ def universal_checkpoint_info(model: nn.Module, sp_size: int) -> Dict[str, Any]:
             replicated.append(pattern)
             continue
         dim, size = getattr(p, SHARD_ATTR)
-        shape: List[Any] = list(p.shape)
+        shape: list[Any] = list(p.shape)
         shape[dim] = (size,)
         shards.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
         shard_widths[pattern] = [[size // sp_size] * sp_size]

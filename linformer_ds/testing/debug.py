@@ -4,7 +4,7 @@ that normal runs never set, and attached only then: the sample-index log
 
 import json
 import os
-from typing import List, Optional, TextIO
+from typing import TextIO
 
 import torch
 
@@ -18,14 +18,14 @@ class DebugHooks:
     def __init__(
         self,
         rank: int,
-        sample_log: Optional[str] = None,
-        nan_at_step: Optional[int] = None,
-        nan_rank: Optional[int] = None,
+        sample_log: str | None = None,
+        nan_at_step: int | None = None,
+        nan_rank: int | None = None,
     ) -> None:
         self.rank = rank
         self.nan_step, self.nan_rank = nan_at_step, nan_rank
         self.active = nan_at_step is not None
-        self._sample_log: Optional[TextIO] = None
+        self._sample_log: TextIO | None = None
         if sample_log:
             path = os.path.join(sample_log, f"samples.rank{rank}.jsonl")
             try:
@@ -41,7 +41,7 @@ class DebugHooks:
             return None
         log = self._sample_log
 
-        def observe(epoch: int, indices: List[int]) -> None:
+        def observe(epoch: int, indices: list[int]) -> None:
             rec = {"step": step_fn(), "epoch": epoch, "rank": self.rank, "indices": indices}
             log.write(json.dumps(rec) + "\n")
             log.flush()

@@ -25,7 +25,8 @@ import sys
 import time
 import warnings
 from collections import Counter
-from typing import Any, Dict, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,7 +53,7 @@ _INDEX.add(aten._index_put_impl_.default)
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
-def sync_reason(func: Any, args: tuple, kwargs: dict) -> Optional[str]:
+def sync_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
     """Why ``func(*args, **kwargs)`` makes the host wait for an accelerator, or None.
 
     Also counted on the CPU (where nothing waits): boolean-mask indexing (its size comes from
@@ -127,7 +128,7 @@ def owner(frame: Any) -> str:
     return "other"
 
 
-def _deepspeed_phase(frames: List[Any]) -> str:
+def _deepspeed_phase(frames: list[Any]) -> str:
     """``deepspeed.forward`` / ``.backward`` / ``.step``: the engine method (outermost) that
     the call came from, so per-micro-batch work and per-step work are told apart."""
     phase = ""
@@ -185,7 +186,7 @@ class SyncCounter(TorchDispatchMode):
             self.sites[(who, why, _site(frame))] += 1
         return func(*args, **kwargs)
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """JSON-ready: totals per owner, per owner and reason, and the call sites."""
         return {
             "by_owner": dict(self.counts),
@@ -198,11 +199,11 @@ CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 @contextlib.contextmanager
-def count_cuda_syncs(device: Any) -> Iterator[Dict[str, Any]]:
+def count_cuda_syncs(device: Any) -> Iterator[dict[str, Any]]:
     """CUDA's own count of synchronizing operations inside the block (``set_sync_debug_mode
     ("warn")``, the warnings counted and their Python call sites); ``{"count": None}`` on
     other devices. The dict is filled when the block ends."""
-    result: Dict[str, Any] = {"count": None, "sites": {}}
+    result: dict[str, Any] = {"count": None, "sites": {}}
     if torch.device(device).type != "cuda":
         yield result
         return
@@ -225,7 +226,7 @@ class StepSyncLog:
     step seconds) per rank, in ``directory/syncs.rank{R}.jsonl``."""
 
     def __init__(
-        self, rank: int, device: Any, directory: str, steps: List[int], run: str = ""
+        self, rank: int, device: Any, directory: str, steps: list[int], run: str = ""
     ) -> None:
         self.rank, self.device, self.run = rank, device, run
         self.dir, self.steps = directory, list(steps)
@@ -250,7 +251,7 @@ class StepSyncLog:
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         if step in self.steps:
-            counter: Optional[SyncCounter] = SyncCounter(self.device)
+            counter: SyncCounter | None = SyncCounter(self.device)
             with count_cuda_syncs(self.device) as syncs, counter:
                 yield
         else:
