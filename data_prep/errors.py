@@ -1,7 +1,9 @@
 """The one exception type data_prep raises for bad input or a bad output directory."""
 
+from linformer_ds.errors import LinformerError
 
-class DataPrepError(ValueError):
+
+class DataPrepError(LinformerError, ValueError):
     """Bad input, configuration or output directory; the message names the problem."""
 
 

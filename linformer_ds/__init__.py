@@ -7,9 +7,12 @@ The model classes are imported on first use (PEP 562), so that torch-free helper
 import importlib
 from typing import Any
 
+from linformer_ds.errors import LinformerError  # standard library only: no torch
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "LinformerError",
     "ModelConfig",
     "LinformerSelfAttention",
     "LinformerEncoder",
@@ -21,6 +24,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in __all__:  # the model's names (LinformerError is bound above)
         return getattr(importlib.import_module("linformer_ds.model"), name)
     raise AttributeError(f"module 'linformer_ds' has no attribute {name!r}")

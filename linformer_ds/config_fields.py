@@ -10,8 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from linformer_ds.errors import LinformerError
 
-class ConfigError(ValueError):
+
+class ConfigError(LinformerError, ValueError):
     """A job config problem, in one line; the message names the key path."""
 
     def __init__(self, message: Any):

@@ -48,13 +48,14 @@ import torch
 import torch.nn.functional as F
 
 from linformer_ds.data.masking import MLMMasking, document_positions
+from linformer_ds.errors import LinformerError
 
 DEFAULT_WINDOWS = "128,512,1024,2048,N"
 GAIN_FROM = 512  # long_context_gain = loss(512) - loss(longest)
 JSON_FILE, PNG_FILE = "context_curve.json", "context_curve.png"
 
 
-class ContextCurveError(ValueError):
+class ContextCurveError(LinformerError, ValueError):
     """Bad input (model, data, windows): one line naming it."""
 
 

@@ -25,11 +25,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from linformer_ds import outdir
+from linformer_ds.errors import LinformerError
 
 LOCK_NAME = ".linformer.lock"
 
 
-class LockError(RuntimeError):
+class LockError(LinformerError, RuntimeError):
     """The directory is in use by another process; the message names the holder."""
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from linformer_ds.errors import LinformerError
+
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
 PORT_SPAN = 15000
@@ -41,7 +43,7 @@ LOOPBACK = "127.0.0.1"
 SLURM_SPECIAL_STEPS = 0xFFFFFFF0  # step ids from here up: batch, extern, interactive (no srun)
 
 
-class DistEnvError(RuntimeError):
+class DistEnvError(LinformerError, RuntimeError):
     """The launcher's environment is inconsistent or incomplete; the message names the variable."""
 
 

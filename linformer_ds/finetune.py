@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from linformer_ds import dirlock, outdir
+from linformer_ds.errors import LinformerError
 from linformer_ds.export import portable_paths
 from linformer_ds.model import ModelConfig
 from linformer_ds.model_dir import ExportError, apply_umask, check_remote_code, write_model_dir
@@ -56,7 +57,7 @@ HEAD_PREFIX = "classifier."
 OTHER_HEADS = ("lm_head.", "classifier.", "pooler.", "qa_outputs.")
 
 
-class FinetuneError(ValueError):
+class FinetuneError(LinformerError, ValueError):
     """Bad fine-tuning input; the message names the option or file."""
 
 

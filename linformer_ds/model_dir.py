@@ -18,6 +18,7 @@ import sentencepiece as spm
 import torch
 from sentencepiece import sentencepiece_model_pb2 as pb
 
+from linformer_ds.errors import LinformerError
 from linformer_ds.model import ModelConfig
 from linformer_ds.outdir import error_line
 from linformer_ds.special_tokens import (
@@ -70,7 +71,7 @@ AUTO_MAP = {
 }
 
 
-class ExportError(RuntimeError):
+class ExportError(LinformerError, RuntimeError):
     """The export cannot proceed; the message names the problem and the path."""
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from linformer_ds.errors import LinformerError
 from linformer_ds.outdir import write_error
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
@@ -49,7 +50,7 @@ CHECK_BATCHES = (1, 2, 7)
 TOLERANCE = 1e-4  # max |onnxruntime - PyTorch| accepted by the check (float32)
 
 
-class OnnxExportError(RuntimeError):
+class OnnxExportError(LinformerError, RuntimeError):
     """The ONNX export cannot proceed or its check failed; the message says why."""
 
 

@@ -40,6 +40,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from linformer_ds.errors import LinformerError
+
 # The file every output of a command holds, by which it recognises its own earlier output
 # (checked in this order: a fine-tuned model also holds an export's linformer_export.json).
 OWN_FILES = {
@@ -51,7 +53,7 @@ _TAG_RE = re.compile(r"^step_\d{8,}$")
 _WALK_LIMIT = 10_000  # entries looked at when checking what an --overwrite target contains
 
 
-class OutDirError(ValueError):
+class OutDirError(LinformerError, ValueError):
     """``--out`` cannot be used; the message names what it is and what to do."""
 
 

@@ -27,11 +27,12 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 from linformer_ds import outdir
+from linformer_ds.errors import LinformerError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
-class OutPathError(ValueError):
+class OutPathError(LinformerError, ValueError):
     """The output path cannot be used; the message names it and what to do."""
 
 

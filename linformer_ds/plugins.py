@@ -13,8 +13,10 @@ import os
 import sys
 from collections.abc import Iterable
 
+from linformer_ds.errors import LinformerError
 
-class PluginError(ValueError):
+
+class PluginError(LinformerError, ValueError):
     """A plugin module that cannot be imported: one line, exit 2."""
 
 

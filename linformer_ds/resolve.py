@@ -15,6 +15,7 @@ from typing import Any
 
 from linformer_ds.config import ConfigError, JobConfig, Resolved, data_parallel_size, validate
 from linformer_ds.ds_config import check_deepspeed_extra
+from linformer_ds.errors import LinformerError
 from linformer_ds.parallel.checks import config_errors, isolation_errors
 from linformer_ds.perf import native_bf16
 
@@ -173,7 +174,7 @@ def _check_global_batch(job: JobConfig, world_size: int) -> None:
 _FROZEN_CLASSES: dict[type, type] = {}
 
 
-class FrozenConfigError(dataclasses.FrozenInstanceError):
+class FrozenConfigError(LinformerError, dataclasses.FrozenInstanceError):
     """An attempt to change a resolved (frozen) job config."""
 
 

@@ -20,6 +20,8 @@ import re
 import warnings
 from typing import Any
 
+from linformer_ds.errors import LinformerError
+
 FORMAT_VERSION = 1
 META_FILE = "linformer_meta.json"
 COMPLETE_FILE = "COMPLETE"
@@ -30,7 +32,7 @@ TAG_RE = re.compile(r"^step_(\d{8,})$")
 META_KEYS = ("format_version", "step", "epoch", "sampler", "world_size", "zero_stage", "model")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(LinformerError, RuntimeError):
     """A checkpoint cannot be used or written; the message says which and why."""
 
 

@@ -14,6 +14,7 @@ import sentencepiece as spm
 import torch
 
 from linformer_ds.data.splits import empty_split_fix
+from linformer_ds.errors import LinformerError
 from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
 
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
@@ -22,7 +23,7 @@ SPECIAL_KEYS = ("pad", "unk", "cls", "sep", "mask")  # manifest special_ids, all
 HF_KIND = "huggingface"  # manifest tokenizer.kind of a Hugging Face tokenizer directory
 
 
-class DataError(ValueError):
+class DataError(LinformerError, ValueError):
     """A dataset is missing, corrupt, truncated or does not match its manifest or the model."""
 
 

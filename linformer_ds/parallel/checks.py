@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from linformer_ds.errors import LinformerError
 from linformer_ds.model import ModelConfig, get_projection, projection_stride
 
 KEY = "parallel.sequence_parallel_size"
 SHARD_KEY = "parallel.shard_sequence_parameters"
 
 
-class SequenceParallelConfigError(ValueError):
+class SequenceParallelConfigError(LinformerError, ValueError):
     """An impossible sequence-parallel setting; the message names the key."""
 
 
