@@ -177,8 +177,12 @@ def parse_args(argv: Sequence[str] | None = None) -> IsolationBenchConfig:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dropout", type=float, default=d.dropout)
     p.add_argument("--out", default=d.out)
-    p.add_argument("--per-span", default=d.per_span, choices=["auto", "true", "false"],
-                   help="document isolation path (LinformerEncoder.document_per_span)")
+    p.add_argument(
+        "--per-span",
+        default=d.per_span,
+        choices=["auto", "true", "false"],
+        help="document isolation path (LinformerEncoder.document_per_span)",
+    )
     a = p.parse_args(argv)
     return IsolationBenchConfig(**{k: v for k, v in vars(a).items()})
 

@@ -558,7 +558,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"FFN {c['intermediate']}, V={c['vocab']}, {c['precision']}, "
         f"batch {c['batch']}; {env.get('gpu') or env['cpu']} ({env['cpu_count']} CPUs, "
         f"{env['torch_threads']} threads), torch {env['torch']}, linformer {env.get('linformer')}"
-        + (f", transformers {env['transformers']}" if env.get("transformers") else "") + "; "
+        + (f", transformers {env['transformers']}" if env.get("transformers") else "")
+        + "; "
         f"median of {c['iters']} interleaved steps (fwd + bwd + AdamW) after {c['warmup']} "
         f"warm-up; isolation {c.get('isolation', 'shared')}; GEMM peak "
         f"{results['gemm_peak_flops'] / 1e12:.2f} TFLOP/s ({results['gemm_dtype']}); "
@@ -572,8 +573,11 @@ def markdown_table(results: dict[str, Any]) -> str:
     for r in results["rows"]:
         sp, hf = r.get("speedup_vs_lucidrains"), r.get("speedup_vs_hf_bert")
         dense = r["model"] in DENSE_MODELS
-        peer = "- (dense)" if dense else r.get("lucidrains_config", "") + (
-            "" if r.get("equal_work", True) else " (NOT equal work)"
+        peer = (
+            "- (dense)"
+            if dense
+            else r.get("lucidrains_config", "")
+            + ("" if r.get("equal_work", True) else " (NOT equal work)")
         )
         rss = r.get("peak_rss_gib")
         lines.append(

@@ -302,7 +302,7 @@ def _grad_bytes(engine: Any, model: torch.nn.Module) -> int:
     ts += [t.grad for t in getattr(opt, "single_partition_of_fp32_groups", []) or []
            if t.grad is not None]  # fmt: skip
     averaged = getattr(opt, "averaged_gradients", None)  # ZeRO 1-2: the partition's gradients
-    for g in (averaged.values() if isinstance(averaged, dict) else []):
+    for g in averaged.values() if isinstance(averaged, dict) else []:
         ts += [g] if torch.is_tensor(g) else [t for t in g or [] if torch.is_tensor(t)]
     return _union_bytes(ts)
 

@@ -43,9 +43,7 @@ def assign_split(text: str, valid_fraction: float, seed: int) -> str:
     return "valid" if int.from_bytes(digest, "little") / 2.0**64 < valid_fraction else "train"
 
 
-def empty_split(
-    counters: dict[str, Any], valid_fraction: float, max_doc_bytes: int
-) -> str | None:
+def empty_split(counters: dict[str, Any], valid_fraction: float, max_doc_bytes: int) -> str | None:
     """The refusal of an output whose train split (or valid split, when ``valid_fraction`` > 0)
     got no document, naming the flag that fixes it; None when both have documents."""
     docs = sum(counters["splits"][s]["documents"] for s in SPLITS)
@@ -96,7 +94,6 @@ _worker: dict[str, Any] = {}
 def init_worker(model_proto: Any, settings: EncodeSettings, worker: bool = True) -> None:
     """Pool initializer: load the tokenizer once per worker process (``worker=False``: in the
     main process, for ``--workers 0``)."""
-
 
     if worker:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the main process

@@ -613,7 +613,6 @@ def _train(
     tok_info: dict[str, Any] = {}
     proto = b""
     if ctx.rank == 0:
-
         pieces: dict[int, str] = {}
         for p in parts or []:
             pieces.update(p)
@@ -667,7 +666,6 @@ def _copy_tokenizer(ctx: _Ctx) -> tuple[Any, dict[str, Any]]:
     if ctx.rank == 0 and hft.is_hf_tokenizer(cfg.tokenizer):
         proto, info = hft.copy_tokenizer(cfg.tokenizer, cfg.out, cfg.vocab_size)
     elif ctx.rank == 0:
-
         dest = os.path.join(cfg.out, TOKENIZER)
         sp = copy_given_tokenizer(cfg, dest)
         info = tokenizer_info(dest, sp, None)

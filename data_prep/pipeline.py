@@ -20,7 +20,6 @@ the packer carry. A rerun with ``resume=True`` truncates the partial shards to t
 skips the recorded documents and continues; the result is byte-identical to an uninterrupted run.
 """
 
-
 import os
 import shutil
 import sys
@@ -88,7 +87,8 @@ def prepare(cfg: PrepConfig) -> PrepResult:
         except OSError as e:  # writing the output failed (disk full, file system gone read-only)
             kept = _documents_done(cfg.out)
             raise DataPrepError(
-                outdir.write_error(e, f"to --out {cfg.out}") + "; "
+                outdir.write_error(e, f"to --out {cfg.out}")
+                + "; "
                 + (
                     f"the {kept} documents packed so far are kept: fix it and rerun with --resume"
                     if kept

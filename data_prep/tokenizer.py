@@ -184,7 +184,6 @@ def train_tokenizer(
     path: the model is written from memory.
     """
 
-
     if model_type not in MODEL_TYPES:
         raise DataPrepError(f"--model-type must be one of {MODEL_TYPES}, got {model_type!r}")
     if vocab_size <= len(SPECIAL_IDS):

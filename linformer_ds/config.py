@@ -251,7 +251,9 @@ DIST_BACKENDS = ("gloo", "nccl", "mpi", "ccl", "hccl")
 class DeepSpeedConfig(Section):
     key: ClassVar[str] = "deepspeed"
     precision: str = one_of(  # auto: decided by linformer_ds.resolve
-        "bf16", PRECISIONS, "or auto: bf16 where this machine multiplies bf16 natively, else fp32",
+        "bf16",
+        PRECISIONS,
+        "or auto: bf16 where this machine multiplies bf16 natively, else fp32",
         also=("auto",),
     )
     auto_precision: str | None = None  # set by resolve when precision was auto: why

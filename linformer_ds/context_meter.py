@@ -143,9 +143,7 @@ def _recorded(dataset: Any, excluded: Sequence[int]) -> "tuple[np.ndarray | None
     return counts, ""
 
 
-def _cached(
-    cache: Path, want: str | None, vocab_size: int
-) -> "tuple[np.ndarray | None, str]":
+def _cached(cache: Path, want: str | None, vocab_size: int) -> "tuple[np.ndarray | None, str]":
     """The cache file's counts when its bytes have the manifest's sha256 (``want``), else the
     sha256 its sidecar (``.sha256``) recorded when it was written; ``(None, why not)``."""
     try:

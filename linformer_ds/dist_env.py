@@ -344,7 +344,6 @@ def init_process_group(
     (a rank died or never started). ``deepspeed.init_distributed`` then adopts the group.
     """
 
-
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise DistEnvError(f"parallel.init_timeout_s must be > 0 seconds, got {timeout_s!r}")
     if dist.is_initialized():

@@ -205,9 +205,7 @@ def _job_section(key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(node)]
 
 
-def _items(
-    d: dict[str, Any], prefix: str = "", leaves: bool = False
-) -> list[tuple[str, Any]]:
+def _items(d: dict[str, Any], prefix: str = "", leaves: bool = False) -> list[tuple[str, Any]]:
     """``(key path, value)`` of every key of a nested dict, parents before children
     (``leaves``: only those whose values are not non-empty dicts)."""
     out: list[tuple[str, Any]] = []

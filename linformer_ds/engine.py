@@ -69,7 +69,6 @@ def init_world(cfg: JobConfig, rank: int, world_size: int, local_rank: int) -> W
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-
     check_accelerator(cfg)
     acc = get_accelerator()
     on_cpu = acc.device_name() == "cpu"

@@ -16,7 +16,13 @@ from linformer_ds.parallel.sharding import shard_batch
 
 @torch.no_grad()
 def evaluate(
-    engine, valid_ds, cfg: JobConfig, rank: int, world: int, device, sp_group=None,
+    engine,
+    valid_ds,
+    cfg: JobConfig,
+    rank: int,
+    world: int,
+    device,
+    sp_group=None,
     unigram: UnigramMeter | None = None,
     document_isolation: bool = False,
 ) -> dict[str, float]:
@@ -36,7 +42,6 @@ def evaluate(
     the rows' documents are isolated (``position_ids`` restarting after every sep), as in
     training."""
     import deepspeed.comm as dist
-
 
     masker = MLMMasking(
         valid_ds.vocab_size,

@@ -201,7 +201,9 @@ class PrometheusSink:
         where = f"(rank {self.rank}, local rank {local_rank})"
         problem = None
         if port > 65535:
-            problem = f"logging.prometheus_port: port {base} + local rank {local_rank} is above 65535"
+            problem = (
+                f"logging.prometheus_port: port {base} + local rank {local_rank} is above 65535"
+            )
         else:
             try:
                 self.httpd, self.thread = start_http_server(port, addr=addr, registry=served)

@@ -62,14 +62,42 @@ _DATA = _i("data", "checkpoint.allow_data_change")  # check_data_change: compare
 POLICY: dict[str, Policy] = {
     "name": _F,
     # ---- model: the weights' meaning (checkpoint.io.check_model_config)
-    **{f"model.{k}": _MODEL for k in (
-        "vocab_size", "max_seq_len", "hidden_size", "num_layers", "num_heads",
-        "intermediate_size", "dropout", "attention_dropout", "layer_norm_eps", "norm",
-        "projection", "hybrid_linear_layers", "layer_projections", "k", "layer_k", "sharing",
-        "freeze_projection", "projection_init_std", "projection_init", "position_init",
-        "output_bias_init", "local_mixer", "local_mixer_kernel", "local_window", "positions",
-        "rope_base", "initializer_range",
-        "pad_token_id", "num_labels", "classifier_dropout", "tie_word_embeddings")},  # fmt: skip
+    **{
+        f"model.{k}": _MODEL
+        for k in (
+            "vocab_size",
+            "max_seq_len",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "dropout",
+            "attention_dropout",
+            "layer_norm_eps",
+            "norm",
+            "projection",
+            "hybrid_linear_layers",
+            "layer_projections",
+            "k",
+            "layer_k",
+            "sharing",
+            "freeze_projection",
+            "projection_init_std",
+            "projection_init",
+            "position_init",
+            "output_bias_init",
+            "local_mixer",
+            "local_mixer_kernel",
+            "local_window",
+            "positions",
+            "rope_base",
+            "initializer_range",
+            "pad_token_id",
+            "num_labels",
+            "classifier_dropout",
+            "tie_word_embeddings",
+        )
+    },  # fmt: skip
     "model.format_version": _F,  # the schema version: older formats load (check_model_config)
     "model.extra": _F,  # free-form metadata, ignored by the model
     # ---- data: what is trained on (paths compared by content: a copy elsewhere is the same)
@@ -230,8 +258,11 @@ def _show(v: Any) -> str:
 
 
 def _walk(saved: Any, now: Any, key: str) -> Iterator[Change]:
-    if isinstance(saved, dict) and isinstance(now, dict) and key not in ("model.extra",
-                                                                          "deepspeed.extra"):
+    if (
+        isinstance(saved, dict)
+        and isinstance(now, dict)
+        and key not in ("model.extra", "deepspeed.extra")
+    ):
         for k in now:  # a key the checkpoint did not record (added since): nothing to compare
             if k in saved:
                 yield from _walk(saved[k], now[k], f"{key}.{k}" if key else k)
@@ -284,7 +315,9 @@ def refusal(found: list[Change], cfg: JobConfig, where: str) -> str | None:
                and not _allowed(cfg, c.policy)]  # fmt: skip
     if not refused:
         return None
-    keys = "; ".join(f"{c.key}: checkpoint {_show(c.saved)}, config {_show(c.now)}" for c in refused)
+    keys = "; ".join(
+        f"{c.key}: checkpoint {_show(c.saved)}, config {_show(c.now)}" for c in refused
+    )
     allows = sorted({c.policy.allow for c in refused if c.policy.allow})
     hint = f" (or set {' / '.join(f'{a}=true' for a in allows)})" if allows else ""
     return (
@@ -357,7 +390,7 @@ def restart_loss_scale(engine: Any, cfg: JobConfig) -> None:
     """``deepspeed.initial_scale_power`` changed on an fp16 resume: the scale restarts there."""
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None and getattr(scaler, "dynamic", False):
-        scaler.cur_scale = float(2 ** cfg.deepspeed.initial_scale_power)
+        scaler.cur_scale = float(2**cfg.deepspeed.initial_scale_power)
 
 
 def changed_line(found: list[Change], cfg: JobConfig) -> str | None:

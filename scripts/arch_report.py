@@ -68,8 +68,9 @@ def parse(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, Module]
         for path in sorted((root / pkg).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             name = module_name(root, path)
-            mods[name] = Module(name, path, text.count("\n") + (not text.endswith("\n")),
-                                path.name == "__init__.py")
+            mods[name] = Module(
+                name, path, text.count("\n") + (not text.endswith("\n")), path.name == "__init__.py"
+            )
             trees[name] = ast.parse(text, filename=str(path))
     for name, tree in trees.items():
         mod = mods[name]
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep, indent=1))
         return 0
     big = {k: v for k, v in rep["modules"].items() if v > 600}
-    print(f"modules: {len(rep['modules'])}; over 600 lines: "
-          + (", ".join(f"{k} {v}" for k, v in big.items()) or "none"))
+    print(
+        f"modules: {len(rep['modules'])}; over 600 lines: "
+        + (", ".join(f"{k} {v}" for k, v in big.items()) or "none")
+    )
     print(f"import cycles: {len(rep['cycles'])}")
     for c in rep["cycles"]:
         print("  " + " <-> ".join(c))

@@ -160,9 +160,7 @@ def finish(proc: subprocess.Popen, timeout: float | None) -> dict[str, Any]:
     return {"returncode": None if timed_out else proc.returncode, "timed_out": timed_out}
 
 
-def run(
-    cmd: list[str], log: Path, env: dict[str, str], timeout: float | None
-) -> dict[str, Any]:
+def run(cmd: list[str], log: Path, env: dict[str, str], timeout: float | None) -> dict[str, Any]:
     """Run ``cmd`` to its end or to ``timeout`` seconds; output goes to ``log``."""
     t0 = time.perf_counter()
     res = finish(start(cmd, log, env), timeout)
@@ -208,7 +206,9 @@ class Kit:
             "started_utc": utc_now(),
             "command": shlex.join([Path(self.py).name, *sys.argv]),
             "budgets_s": {
-                **self.budgets, "total": self.total, "reserve": RESERVE_S if self.clocked else None
+                **self.budgets,
+                "total": self.total,
+                "reserve": RESERVE_S if self.clocked else None,
             },
             "steps": {},
         }
@@ -1057,9 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
     chain = ("data", "main", "sweep")  # each needs the one before (the sweep: the data)
     free = ("env", "tests", "bench", "peer")  # need no other step
     if kit.dry:  # no clock to share: the free steps run beside the chain, on the other core
-        side = threading.Thread(
-            target=lambda: [kit.step(s, getattr(kit, f"do_{s}")) for s in free]
-        )
+        side = threading.Thread(target=lambda: [kit.step(s, getattr(kit, f"do_{s}")) for s in free])
         side.start()
         for s in chain:
             kit.step(s, getattr(kit, f"do_{s}"))

@@ -72,8 +72,14 @@ def main(argv=None) -> int:
             tag = None
             if os.path.isfile(os.path.join(path, "linformer_meta.json")):  # one tag
                 path, tag = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-            cmd = [sys.executable, os.path.join(REPO, "launch", "export.py"), "--checkpoint",
-                   path, "--out", os.path.join(tmp, "export")] + (["--tag", tag] if tag else [])
+            cmd = [
+                sys.executable,
+                os.path.join(REPO, "launch", "export.py"),
+                "--checkpoint",
+                path,
+                "--out",
+                os.path.join(tmp, "export"),
+            ] + (["--tag", tag] if tag else [])
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
             path = os.path.join(tmp, "export")
         return probe(path, args.top)

@@ -20,6 +20,7 @@ export DS_ACCELERATOR=cpu
 # as root (CI) the SLURM/MPI tests must run: a missing cluster is a failure, not a skip
 if [ "$(id -u)" = 0 ]; then export LINFORMER_DS_REQUIRE_SLURM=1; fi
 ruff check .
+ruff format --check .  # Markdown excluded (pyproject): code blocks there are as measured
 if [ "$quick" = 1 ]; then
   python -m pytest -q -m "not slow and not gpu" "$@"
 else

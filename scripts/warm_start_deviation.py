@@ -84,7 +84,7 @@ def compare(src, ours, ids: torch.Tensor, seed: int) -> dict:
     """Relative errors over the real tokens (the last 3 of each row's 4 padded away in row 1)
     and both MLM losses on the same masks."""
     mask = (ids != PAD_ID).long()
-    mask[1, ids.shape[1] * 3 // 4:] = 0  # one padded row
+    mask[1, ids.shape[1] * 3 // 4 :] = 0  # one padded row
     inp, labels = masked(ids, seed)
     inp = torch.where(mask.bool(), inp, torch.full_like(inp, PAD_ID))
     labels = torch.where(mask.bool(), labels, torch.full_like(labels, -100))

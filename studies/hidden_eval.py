@@ -33,8 +33,14 @@ def score(path: str, data: str, rows: int, isolated: bool, seed: int) -> dict:
 
     valid, train = ShardDataset(data, "valid"), ShardDataset(data, "train")
     meter = UnigramMeter.for_dataset(train, None, write_cache=False)
-    masker = MLMMasking(valid.vocab_size, valid.mask_id, valid.special_ids, seed=seed,
-                        pad_id=valid.pad_id, document_sep_id=valid.sep_id if isolated else None)
+    masker = MLMMasking(
+        valid.vocab_size,
+        valid.mask_id,
+        valid.special_ids,
+        seed=seed,
+        pad_id=valid.pad_id,
+        document_sep_id=valid.sep_id if isolated else None,
+    )
     n = min(rows, len(valid))
     tokens = torch.stack([valid[i] for i in range(n)])
     batch = masker(tokens, torch.arange(n), 0)

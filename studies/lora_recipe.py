@@ -82,19 +82,24 @@ KEYWORD_GRID: Dict[str, Setting] = {
     "head": Setting("head", lr=5e-3, **KEYWORD),
     "lora_qkvout_r8_lr1e-3": Setting("lora", lr=1e-3, targets=("qkv", "out"), **KEYWORD),
     "lora_qkvout_r8_lr5e-3": Setting("lora", lr=5e-3, targets=("qkv", "out"), **KEYWORD),
-    "lora_qkvout_r16a32_lr5e-3": Setting("lora", lr=5e-3, targets=("qkv", "out"), r=16,
-                                         alpha=32, **KEYWORD),  # fmt: skip
+    "lora_qkvout_r16a32_lr5e-3": Setting(
+        "lora", lr=5e-3, targets=("qkv", "out"), r=16, alpha=32, **KEYWORD
+    ),  # fmt: skip
     "lora_all_r8_lr1e-3": Setting("lora", lr=1e-3, targets=ALL_LINEAR, **KEYWORD),
     "lora_all_r8_lr5e-3": Setting("lora", lr=5e-3, targets=ALL_LINEAR, **KEYWORD),
-    "lora_all_r16a16_lr5e-3": Setting("lora", lr=5e-3, targets=ALL_LINEAR, r=16, alpha=16,
-                                      **KEYWORD),  # fmt: skip
-    "lora_all_r16a32_lr1e-3": Setting("lora", lr=1e-3, targets=ALL_LINEAR, r=16, alpha=32,
-                                      **KEYWORD),  # fmt: skip
-    "lora_all_r16a32_lr2e-3": Setting("lora", lr=2e-3, targets=ALL_LINEAR, r=16, alpha=32,
-                                      **KEYWORD),  # fmt: skip
+    "lora_all_r16a16_lr5e-3": Setting(
+        "lora", lr=5e-3, targets=ALL_LINEAR, r=16, alpha=16, **KEYWORD
+    ),  # fmt: skip
+    "lora_all_r16a32_lr1e-3": Setting(
+        "lora", lr=1e-3, targets=ALL_LINEAR, r=16, alpha=32, **KEYWORD
+    ),  # fmt: skip
+    "lora_all_r16a32_lr2e-3": Setting(
+        "lora", lr=2e-3, targets=ALL_LINEAR, r=16, alpha=32, **KEYWORD
+    ),  # fmt: skip
     "lora_all_r16a32_lr5e-3": dataclasses.replace(RECIPE, **KEYWORD),
-    "lora_all_r16a32_lr1e-2": Setting("lora", lr=1e-2, targets=ALL_LINEAR, r=16, alpha=32,
-                                      **KEYWORD),  # fmt: skip
+    "lora_all_r16a32_lr1e-2": Setting(
+        "lora", lr=1e-2, targets=ALL_LINEAR, r=16, alpha=32, **KEYWORD
+    ),  # fmt: skip
 }
 COLOURS = ("red", "green", "blue", "pink")
 GREEK = ("alpha", "beta", "gamma", "delta")
@@ -201,7 +206,9 @@ def train_eval(
                 break
             idx = order[i : i + batch_size]
             x, mask = ft.pad_batch([tr_s[j] for j in idx], pad_id)
-            out = model(input_ids=x, attention_mask=mask, labels=torch.tensor([tr_l[j] for j in idx]))
+            out = model(
+                input_ids=x, attention_mask=mask, labels=torch.tensor([tr_l[j] for j in idx])
+            )
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -214,7 +221,9 @@ def train_eval(
                       f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
     train_s = time.time() - t0
     acc = ft.evaluate(model, te_s, te_l, pad_id, 64)
-    moved = {n: float((p.detach() - head0[n]).norm()) for n, p in model.named_parameters() if n in head0}
+    moved = {
+        n: float((p.detach() - head0[n]).norm()) for n, p in model.named_parameters() if n in head0
+    }
     tail = losses[-max(1, len(losses) // 10) :]
     return {
         "test_accuracy": acc,

@@ -844,12 +844,21 @@ def test_finetune_bad_flags(argv, message, tmp_path, capsys):
 @pytest.mark.parametrize(
     "setup,override,message",
     [
-        (lambda c: (c / "latest").mkdir(parents=True), [],
-         r"latest is not a regular file \(the trainer writes the newest tag's name there\)"),
-        (lambda c: c.mkdir(parents=True), ["checkpoint.resume=../.."],
-         r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)"),
-        (lambda c: c.mkdir(parents=True), ["checkpoint.resume=../../other/step_00000004"],
-         r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)"),
+        (
+            lambda c: (c / "latest").mkdir(parents=True),
+            [],
+            r"latest is not a regular file \(the trainer writes the newest tag's name there\)",
+        ),
+        (
+            lambda c: c.mkdir(parents=True),
+            ["checkpoint.resume=../.."],
+            r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)",
+        ),
+        (
+            lambda c: c.mkdir(parents=True),
+            ["checkpoint.resume=../../other/step_00000004"],
+            r"checkpoint.resume: .*(is not a tag name|a tag name inside checkpoint.dir)",
+        ),
     ],
     ids=["latest-is-a-directory", "resume-dotdot", "resume-other-run"],
 )

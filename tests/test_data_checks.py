@@ -143,12 +143,18 @@ def test_b_stage_paths_that_are_the_source_keep_its_name(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "n64" / "wiki")
     src = f"data.sources=[{{name: wiki, path: {tmp_path}/n64/wiki}}]"
     for spelled in (f"{tmp_path}/n64/wiki/", f"{tmp_path}/n64/./wiki"):
-        st = _stages("train.max_steps=4", src,
-                     f"train.stages=[{{end_step: 2, sources: [wiki]}}, {{path: '{spelled}'}}]")
+        st = _stages(
+            "train.max_steps=4",
+            src,
+            f"train.stages=[{{end_step: 2, sources: [wiki]}}, {{path: '{spelled}'}}]",
+        )
         assert [s.names for s in st] == [["wiki"], ["wiki"]]
-    st = _stages("train.max_steps=6", src,
-                 f"train.stages=[{{end_step: 2, path: {tmp_path}/n128/other}}, "
-                 f"{{end_step: 4, sources: [wiki]}}, {{path: {tmp_path}/n128/other}}]")
+    st = _stages(
+        "train.max_steps=6",
+        src,
+        f"train.stages=[{{end_step: 2, path: {tmp_path}/n128/other}}, "
+        f"{{end_step: 4, sources: [wiki]}}, {{path: {tmp_path}/n128/other}}]",
+    )
     assert [s.names for s in st] == [["other"], ["wiki"], ["other"]]
     # a stage path whose folder is named like a source no stage lists: that source is unused
     st = _stages("train.max_steps=4", src, "train.stages=[{end_step: 2, path: b/x}, "
@@ -237,8 +243,10 @@ def test_d_data_prep_refuses_an_empty_valid_split_and_its_fix_works(few_huge, tm
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("data_prep: error: the valid split would be empty: 4 documents "), err
-    assert "at --valid-fraction 0.1 put none in valid; rerun data_prep with --max-doc-bytes 4096" \
-        in err, err
+    assert (
+        "at --valid-fraction 0.1 put none in valid; rerun data_prep with --max-doc-bytes 4096"
+        in err
+    ), err
     assert not out.exists() and tree(out) == {}, tree(out)  # nothing left behind
     # an existing empty --out is left empty
     out.mkdir()

@@ -135,8 +135,10 @@ def test_finetune_refuses_config_that_disagrees_with_weights(
     before = _tree(tmp_path)
     assert main(_finetune_argv(base, model, tmp_path / "ft")) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith(f"finetune failed: --model {model}: its weights do not match its "
-                           "config.json (only the task head classifier.* may be newly initialised)")
+    assert line.startswith(
+        f"finetune failed: --model {model}: its weights do not match its "
+        "config.json (only the task head classifier.* may be newly initialised)"
+    )
     assert tensors in line, line
     assert _tree(tmp_path) == before
 
@@ -146,8 +148,9 @@ def test_finetune_refuses_foreign_architecture(base, tmp_path, capsys):
 
     bert = tmp_path / "bert"
     bert.mkdir()
-    (bert / "config.json").write_text(json.dumps(
-        {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 32}))
+    (bert / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 32})
+    )
     before = _tree(tmp_path)
     assert main(_finetune_argv(base, bert, tmp_path / "ft")) == 2
     line = _one_line(capsys.readouterr().err)
@@ -190,7 +193,8 @@ def test_finetune_runs_export_code_only_when_it_matches_the_recorded_sha256(
     line = _one_line(capsys.readouterr().err)
     assert line.startswith(f"finetune failed: --model {model}: refusing to run its code: "), line
     assert expect in line and line.endswith(
-        "export it again, or pass --trust-remote-code if you trust the code in it")
+        "export it again, or pass --trust-remote-code if you trust the code in it"
+    )
     assert not ran.exists() and _tree(tmp_path) == before
     if how == "edited":  # the explicit flag runs it
         out = tmp_path / "ft"
@@ -320,7 +324,8 @@ def test_lock_names_holder_and_is_taken_over_when_holder_is_killed(tmp_path):
             dirlock.run_dir_lock(str(run), "logging.dir", "training").acquire()
         host = socket.gethostname()
         assert str(e.value).startswith(
-            f"logging.dir {run} is in use by training (host {host}, pid {holder.pid} since ")
+            f"logging.dir {run} is in use by training (host {host}, pid {holder.pid} since "
+        )
     finally:
         holder.kill()  # kill -9: the kernel releases the flock; the record stays
         holder.wait()
@@ -350,8 +355,9 @@ def test_export_finetune_and_data_prep_refuse_an_out_in_use(base, tmp_path, caps
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=300)  # fmt: skip
         assert proc.returncode == 2, proc.stderr
-        assert _one_line(proc.stderr).startswith(f"data_prep: error: --out {out} is in use by "
-                                                 f"export (host {socket.gethostname()}, pid ")
+        assert _one_line(proc.stderr).startswith(
+            f"data_prep: error: --out {out} is in use by export (host {socket.gethostname()}, pid "
+        )
         assert _tree(tmp_path) == before
         # finetune reading a model that an export is writing: refused too
         model_holder = _holder("out", tmp_path / "model", "export")
@@ -533,7 +539,9 @@ def test_export_while_training_saves_and_prunes_every_step(tiny_corpus, tmp_path
             first = int(pinned.name[5:])
             deadline = time.monotonic() + 300
             while int(latest.read_text().strip()[5:]) < first + 2:
-                assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[
+                    -3000:
+                ]
                 time.sleep(0.2)
             assert (pinned / "COMPLETE").exists(), sorted(p.name for p in pinned.parent.iterdir())
         tags = []

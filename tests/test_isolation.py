@@ -210,7 +210,7 @@ def check_export_on_packed_row(exported) -> tuple:
     training.load_state_dict(exported.state_dict(), strict=False)
     lengths, pad = [9, 20, 4, 15], 16
     ids = torch.randint(5, 1000, (1, sum(lengths) + pad))
-    ids[:, sum(lengths):] = 0
+    ids[:, sum(lengths) :] = 0
     mask = (ids != 0).long()
     pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
     with torch.no_grad():

@@ -29,7 +29,9 @@ from tests.test_isolation import (
 )
 
 
-def mixer_config(projection: str, mixer: str, kernel: int, sharing: str = "layerwise") -> ModelConfig:
+def mixer_config(
+    projection: str, mixer: str, kernel: int, sharing: str = "layerwise"
+) -> ModelConfig:
     return ModelConfig(
         vocab_size=40, max_seq_len=32, hidden_size=16, num_layers=3, num_heads=2,
         intermediate_size=24, k=4, dropout=0.0, attention_dropout=0.0, sharing=sharing,
@@ -128,7 +130,8 @@ def test_no_mixer_means_no_new_parameters():
     assert embed == ["encoder.mixer.weight"]
     assert len(layers) == 3 * 3  # per layer: the mixer weight, its LayerNorm's weight and bias
     assert dict(make_model("linear", "layers", 5).named_parameters())[
-        "encoder.layers.0.mixer.weight"].shape == (5, 16)
+        "encoder.layers.0.mixer.weight"
+    ].shape == (5, 16)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,9 @@ def test_sequence_parallel_refuses_slices_shorter_than_the_reach():
                       local_mixer="layers", local_mixer_kernel=9)  # fmt: skip
     errors = config_errors(8, world_size=8, seq_len=16, model=cfg)
     assert any("local mixer" in e and "N/P=2" in e for e in errors), errors
-    assert not any("local mixer" in e for e in config_errors(4, world_size=4, seq_len=16, model=cfg))
+    assert not any(
+        "local mixer" in e for e in config_errors(4, world_size=4, seq_len=16, model=cfg)
+    )
 
 
 @pytest.mark.parametrize("mixer", ["embed", "layers"])

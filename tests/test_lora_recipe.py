@@ -48,7 +48,7 @@ def test_lora_recipe_reaches_full_finetuning(export):
     finally:
         torch.set_num_threads(threads)
     acc = {k: r["test_accuracy"] for k, r in res.items()}
-    print(f"accuracy {acc}; trainable {({k: r['trainable_params'] for k, r in res.items()})}")
+    print(f"accuracy {acc}; trainable { ({k: r['trainable_params'] for k, r in res.items()}) }")
     assert {r["steps"] for r in res.values()} == {60}
     assert acc["full"] >= 0.95, acc  # the task is learnable (chance: 0.5)
     assert acc["recipe"] >= 0.9 and acc["recipe"] >= 0.9 * acc["full"], acc

@@ -303,8 +303,17 @@ def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
 def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path,
                                             tmp_path_factory):  # fmt: skip
     docs = docs_corpus(tmp_path_factory)
-    other = prepare(tmp_path / "other_tok", docs, 64, "--vocab-size", "300", "--max-docs", "6",
-                    "--valid-fraction", "0")  # 6 documents: no valid split (else refused empty)
+    other = prepare(
+        tmp_path / "other_tok",
+        docs,
+        64,
+        "--vocab-size",
+        "300",
+        "--max-docs",
+        "6",
+        "--valid-fraction",
+        "0",
+    )  # 6 documents: no valid split (else refused empty)
     a, b = ShardDataset(tiny_corpus), ShardDataset(other)
     with pytest.raises(DataError, match="different tokenizers"):
         check_same_tokenizer(["a", "b"], [a, b])
@@ -453,8 +462,17 @@ def other_sources(tiny_corpus, tmp_path_factory):
     """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
     base = tmp_path_factory.mktemp("others")
     docs = docs_corpus(tmp_path_factory)
-    other = prepare(base / "other_tok", docs, 128, "--vocab-size", "300", "--max-docs", "6",
-                    "--valid-fraction", "0")  # 6 documents: no valid split (else refused empty)
+    other = prepare(
+        base / "other_tok",
+        docs,
+        128,
+        "--vocab-size",
+        "300",
+        "--max-docs",
+        "6",
+        "--valid-fraction",
+        "0",
+    )  # 6 documents: no valid split (else refused empty)
     short = prepare(base / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
                     "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
     return other, short

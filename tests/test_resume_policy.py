@@ -280,8 +280,12 @@ def _expected(key_values, cfg_set, r):
             out.append((key, t["gradient_accumulation_steps"], v["gas"]))
         elif key == "train.global_batch_size":
             out.append((key, t["global_batch_size"], v["train_batch"]))
-        elif key in ("train.log_interval", "train.eval_interval", "train.eval_batches",
-                     "train.nonfinite"):
+        elif key in (
+            "train.log_interval",
+            "train.eval_interval",
+            "train.eval_batches",
+            "train.nonfinite",
+        ):
             out.append((key, t[key.split(".")[1]], v["loop"][key.split(".")[1]]))
         elif key == "checkpoint.save_interval":
             out.append((key, cfg["checkpoint"]["save_interval"], v["loop"]["save_interval"]))
@@ -306,8 +310,12 @@ def _expected(key_values, cfg_set, r):
         elif key == "deepspeed.fp32_grad_accum":
             fp32 = ds["fp32_grad_accum"] or ds["precision"] == "fp32"
             out.append((key, fp32, v["grad_accum_dtype"] == "torch.float32"))
-        elif key in ("deepspeed.initial_scale_power", "deepspeed.loss_scale_window",
-                     "deepspeed.hysteresis", "deepspeed.min_loss_scale"):
+        elif key in (
+            "deepspeed.initial_scale_power",
+            "deepspeed.loss_scale_window",
+            "deepspeed.hysteresis",
+            "deepspeed.min_loss_scale",
+        ):
             assert not v["fp16"], "an fp16 run: read the loss scaler back"  # (no fp16 on CPU)
             out.append((key, False, v["fp16"]))  # no loss scaling in this precision
         elif key in ("data.sources[].weight", "train.stages[].weights"):
@@ -441,10 +449,15 @@ def test_lr_change_on_resume_is_used_and_a_refusal_writes_nothing(tiny_corpus, t
                        launcher="python", check=False)  # fmt: skip
     assert bad.returncode == 2
     err = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and "data.train_split: checkpoint \"train\", config \"valid\"" in err[0]
+    assert len(err) == 1 and 'data.train_split: checkpoint "train", config "valid"' in err[0]
     assert (tmp_path / "config.json").read_text() == before
-    proc = run_pretrain(tiny_corpus, tmp_path, ["train.max_steps=8", "scheduler.warmup_steps=6",
-                                                "optimizer.lr=1e-3"], nproc=1, launcher="python")
+    proc = run_pretrain(
+        tiny_corpus,
+        tmp_path,
+        ["train.max_steps=8", "scheduler.warmup_steps=6", "optimizer.lr=1e-3"],
+        nproc=1,
+        launcher="python",
+    )
     assert "[resume] changed: optimizer.lr 0.0001 -> 0.001" in proc.stdout
     m = read_metrics(tmp_path)
     f = lr_lambda(6, 8)

@@ -15,7 +15,9 @@ from tests.test_mixture import docs_corpus, prepare, sources_override
 
 def _tree(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` (relative path -> bytes)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def _train(capsys, *args: str) -> tuple[int, str, str]:

@@ -147,8 +147,10 @@ def test_signal_during_start_up_ends_it_at_once(tiny_corpus, trained, tmp_path, 
     created = assert_unchanged_but_created(before, tree(run))
     assert LOCK_NAME not in " ".join(created) and "step_00000003" not in " ".join(created)
     assert sorted(p.name for p in tmp_path.glob(".*")) == [], "a lock left beside the run"
-    print(f"{name} at {at}: exit 75 after {took:.2f} s ({errors[0].split('(')[1].split(')')[0]});"
-          f" created {created}")
+    print(
+        f"{name} at {at}: exit 75 after {took:.2f} s ({errors[0].split('(')[1].split(')')[0]});"
+        f" created {created}"
+    )
 
 
 def test_signal_pending_when_the_watchdog_starts_ends_at_once(tmp_path):

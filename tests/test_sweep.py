@@ -296,7 +296,10 @@ def test_prebuilt_data_paths_per_sweep_and_variant(tmp_path):
         "data": {"path": str(tmp_path / "full")},
         "variants": {
             "lin": ["model.projection=linear"],
-            "lin_pad": {"overrides": ["model.projection=linear"], "data_path": str(tmp_path / "pad")},
+            "lin_pad": {
+                "overrides": ["model.projection=linear"],
+                "data_path": str(tmp_path / "pad"),
+            },
         },
         "grids": [{"variants": ["lin", "lin_pad"], "seq_len": [256], "lr": [1e-3]}],
     }

@@ -347,8 +347,7 @@ def load_refusal(path: Any, e: BaseException) -> str:
     useful = [ln for ln in useful if ln]
     first = useful[0] if useful else type(e).__name__
     return (
-        f"{path} cannot be loaded safely (weights_only=True refused it or it is corrupt): "
-        f"{first}"
+        f"{path} cannot be loaded safely (weights_only=True refused it or it is corrupt): {first}"
     )
 
 

@@ -40,8 +40,10 @@ def empty_split_fix(
     cut = 1 << int(math.log2(want_bytes)) if want_bytes >= 1 else 0
     if MIN_DOC_BYTES <= cut < min(max_doc_bytes, mean):
         n = corpus_bytes // cut
-        return (f"{what}; rerun data_prep with --max-doc-bytes {cut} (documents cut at "
-                f"{_size(cut)}: about {n}, {n * share:.0f} in {split}; now {max_doc_bytes})")
+        return (
+            f"{what}; rerun data_prep with --max-doc-bytes {cut} (documents cut at "
+            f"{_size(cut)}: about {n}, {n * share:.0f} in {split}; now {max_doc_bytes})"
+        )
     if split == "train":
         lower = min(vf / 2, 0.01)
         return (f"{what}; rerun data_prep with a lower --valid-fraction (e.g. {lower:g}) or on "

@@ -64,7 +64,11 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 def _stage_path_name(
-    k: int, path: str, cat: dict[str, tuple[str, float]], order: list[str], raw: list[Any],
+    k: int,
+    path: str,
+    cat: dict[str, tuple[str, float]],
+    order: list[str],
+    raw: list[Any],
     taken: dict[str, str],
 ) -> str:
     """The source name of ``train.stages[k].path``: the source with that directory (in
