@@ -193,12 +193,10 @@ def data_facts(cfg: JobConfig) -> tuple[list[int], list[str] | None]:
     resolved first; empty and None when one cannot be read (opening the data then says why)."""
     try:
         stages = resolve_stages(cfg)
-        seq_lens = [ShardDataset(s.paths[0], cfg.data.train_split).seq_len for s in stages]
-        paths = dict.fromkeys(p for s in stages for p in s.paths)
-        packings = [
-            str(ShardDataset(p, cfg.data.train_split).manifest.get("packing")) for p in paths
-        ]
-        return seq_lens, packings
+        # each source's train split opened once for both facts
+        opened = {p: ShardDataset(p, cfg.data.train_split) for s in stages for p in s.paths}
+        seq_lens = [opened[s.paths[0]].seq_len for s in stages]
+        return seq_lens, [str(d.manifest.get("packing")) for d in opened.values()]
     except (ConfigError, DataError, OSError):
         return [], None
 
