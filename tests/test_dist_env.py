@@ -447,7 +447,7 @@ def test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline(tiny_co
 
     from linformer_ds.dist_env import free_port
 
-    port, deadline = free_port(), 10.0
+    port, deadline = free_port(), 2.0  # short: the wait is the test's time, not its property
     cmd = _rank_cmd(tiny_corpus, tmp_path / "run", [f"parallel.init_timeout_s={deadline}"])
     r0 = subprocess.Popen(cmd, env=_rank_env(0, 2, port), cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -461,7 +461,7 @@ def test_rank_0_killed_during_start_up_rank_1_leaves_within_the_deadline(tiny_co
     after = time.monotonic() - killed
     line = _one_error_line(err)
     assert r1.returncode == 2, err
-    assert "rendezvous at MASTER_ADDR:MASTER_PORT" in line and "within 10 s" in line, line
+    assert "rendezvous at MASTER_ADDR:MASTER_PORT" in line and "within 2 s" in line, line
     assert after < deadline + 60, after  # imports + data + the deadline (x2 in torch's store)
     print(f"rank 1 left {after:.1f} s after rank 0 was killed (init_timeout_s={deadline:g})")
 
