@@ -19,7 +19,10 @@ import re
 from typing import Any
 
 from linformer_ds.config import JobConfig
+from linformer_ds.log import get_logger
 from linformer_ds.metrics import Sink
+
+log = get_logger(__name__)
 
 # dynamo's timings (torch._dynamo.utils.compilation_time_metrics): the forward's compilation
 # (tracing and the backend) and the backward's, which AOTAutograd compiles at the first backward
@@ -111,14 +114,13 @@ class CompileReport(Sink):
             return
         f = self.figures()
         if not self.reported:
-            print(
+            log.info(
                 f"[compile] step {step}: {self.what} graphs={f['compile_graphs']:.0f} "
                 f"graph_breaks={f['compile_graph_breaks']:.0f} "
-                f"compile_s={f['compile_seconds']:.1f}",
-                flush=True,
+                f"compile_s={f['compile_seconds']:.1f}"
             )
         for r, n in new.items():
-            print(f"[compile] graph break x{n}: {r}", flush=True)
+            log.info(f"[compile] graph break x{n}: {r}")
         if new and not self.reported:
-            print("[compile] TORCH_LOGS=graph_breaks shows where each break is", flush=True)
+            log.info("[compile] TORCH_LOGS=graph_breaks shows where each break is")
         self.reported = True

@@ -49,10 +49,12 @@ import torch.nn.functional as F
 
 from linformer_ds.data.masking import MLMMasking, document_positions
 from linformer_ds.errors import LinformerError
+from linformer_ds.log import LogLevelError, get_logger, info_to, setup_logging
 
 DEFAULT_WINDOWS = "128,512,1024,2048,N"
 GAIN_FROM = 512  # long_context_gain = loss(512) - loss(longest)
 JSON_FILE, PNG_FILE = "context_curve.json", "context_curve.png"
+logger = get_logger(__name__)
 
 
 class ContextCurveError(LinformerError, ValueError):
@@ -501,7 +503,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     isolation, why = decide_isolation(args.isolation, dataset, info["training_config"])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = logger.info  # progress: stderr (main); stdout holds the result
     log(f"[context] model {args.model} ({info['kind']}), data {args.data} ({args.split}, "
         f"N = {dataset.seq_len}), document isolation {why}, windows {windows}")  # fmt: skip
     result = curve(model, dataset, windows, args.rows, args.seed, isolation, meter, device,
@@ -524,13 +526,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        result = run(args)
-    except ContextCurveError as e:
-        print(f"context_curve: error: {' '.join(str(e).split())}", file=sys.stderr)
+        setup_logging()
+        with info_to("stderr"):
+            result = run(args)
+    except (ContextCurveError, LogLevelError) as e:
+        logger.error(f"context_curve: error: {' '.join(str(e).split())}")
         return 2
     except (RuntimeError, ValueError) as e:  # the model refused an input (one line)
-        print(f"context_curve: error: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+        logger.error(f"context_curve: error: {' '.join(str(e).split())[:400]}")
         return 1
+    # the result: a table on stdout
     for x in result["windows"]:
         print(f"W={x['window']:>6}  loss {x['loss']:.4f}  accuracy {x['accuracy']:.4f}  "
               f"({x['windows_run']} windows)")  # fmt: skip

@@ -32,6 +32,10 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from linformer_ds.log import get_logger
+
+log = get_logger(__name__)
+
 WAIT_POLICIES = ("active", "passive")
 WAIT_VAR = "OMP_WAIT_POLICY"
 # why the policy in effect was chosen (set with it before torch loads; read by the trainer)
@@ -372,8 +376,9 @@ def wait_policy_restart(
     env[WAIT_REASON_VAR] = f"{wait_policy} (train.omp_wait_policy)"
     env[RESTARTED_VAR] = "1"
     args = list(argv if argv is not None else [sys.executable, *sys.orig_argv[1:]])
-    print(f"[setup] train.omp_wait_policy={wait_policy}: restarting this rank with "
-          f"{WAIT_VAR}={wait_policy.upper()} (OpenMP reads it only at start)", flush=True)  # fmt: skip
+    log.info(f"[setup] train.omp_wait_policy={wait_policy}: restarting this rank with "
+             f"{WAIT_VAR}={wait_policy.upper()} (OpenMP reads it only at start)")  # fmt: skip
+    sys.stdout.flush()  # nothing buffered is lost to execv
     sys.stderr.flush()
     (execv or os.execv)(args[0], args)
     return True

@@ -35,6 +35,9 @@ from typing import Any
 import torch.distributed as dist
 
 from linformer_ds.errors import LinformerError
+from linformer_ds.log import get_logger
+
+log = get_logger(__name__)
 
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
@@ -464,7 +467,7 @@ class Watchdog:
         ``pause_at`` (job config ``debug.pause_at``) start-up holds (one line) until a signal."""
         self.phase = phase
         if phase == self.pause_at:
-            print(f"[debug] start-up paused at {phase} (debug.pause_at)", flush=True)
+            log.info(f"[debug] start-up paused at {phase} (debug.pause_at)")
             time.sleep(3600)
 
     def training_started(self) -> None:

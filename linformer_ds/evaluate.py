@@ -10,8 +10,11 @@ from linformer_ds.context_meter import UnigramMeter, figures
 from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.stream import to_device
 from linformer_ds.engine import all_reduce_sum
+from linformer_ds.log import get_logger
 from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
 from linformer_ds.parallel.sharding import shard_batch
+
+log = get_logger(__name__)
 
 
 @torch.no_grad()
@@ -116,7 +119,7 @@ def context_figures(engine, valid_ds, cfg: JobConfig, device, unigram, document_
     except ContextCurveError as e:
         if not getattr(valid_ds, "_context_curve_said", False):
             valid_ds._context_curve_said = True
-            print(f"[eval] eval.context_windows: no context curve: {e}", flush=True)
+            log.info(f"[eval] eval.context_windows: no context curve: {e}")
         return {}
     return eval_figures(res)
 

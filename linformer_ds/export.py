@@ -32,7 +32,6 @@ import contextlib
 import glob
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from typing import Any
@@ -51,6 +50,7 @@ from linformer_ds.checkpoint.tags import (
     tag_problem,
 )
 from linformer_ds.checkpoint.tags import read_meta as read_tag_meta
+from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, ModelConfigError
 from linformer_ds.model_dir import (  # noqa: F401  (re-exported: the export's writer)
     AUTO_MAP,
@@ -76,6 +76,7 @@ from linformer_ds.parallel.sharding import consolidate_sharded
 from linformer_ds.special_tokens import SPECIAL_IDS
 
 TIED_KEY, TIED_SOURCE = "lm_head.decoder.weight", "encoder.token_embeddings.weight"
+log = get_logger(__name__)
 
 
 # ==================================================================================== checkpoint
@@ -175,9 +176,8 @@ def _consolidate_stage0(tag_dir: str) -> dict[str, torch.Tensor]:
         raise ExportError(f"{path} has no 'module' state dict")
     module = states["module"]
     if any(t.dtype in (torch.float16, torch.bfloat16) for t in module.values()):
-        print(
-            f"warning: {path} holds 16-bit weights and no fp32 master copy; exporting those",
-            file=sys.stderr,
+        log.warning(
+            f"warning: {path} holds 16-bit weights and no fp32 master copy; exporting those"
         )
     return {k: (v.float() if v.is_floating_point() else v) for k, v in module.items()}
 
@@ -326,7 +326,7 @@ def export_checkpoint(
         try:
             lock = held.enter_context(dirlock.output_lock(out, "export"))
             if lock.stale_note():
-                print(lock.stale_note(), file=sys.stderr)
+                log.warning(lock.stale_note())
         except dirlock.LockError as e:
             raise ExportError(str(e)) from None
         except OSError:  # no lock file can be made there: the --out checks below say why
@@ -472,15 +472,16 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:  # shown after success: an error
         warnings.simplefilter("default")  # is one line
         try:
+            setup_logging()
             out = export_checkpoint(
                 args.checkpoint, args.out, args.tag, args.dtype, args.tokenizer, args.overwrite,
                 args.provenance,
             )  # fmt: skip
-        except ExportError as e:
+        except (ExportError, LogLevelError) as e:
             return outdir.fail("export failed", str(e))
         except KeyboardInterrupt:  # the staging copy is already gone; --out untouched
             return outdir.fail("export interrupted", f"nothing written to --out {args.out}", 130)
     for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    print(f"exported {args.checkpoint} -> {out} ({args.dtype})")
+        log.warning(f"warning: {w.message}")
+    print(f"exported {args.checkpoint} -> {out} ({args.dtype})")  # the result: stdout
     return 0

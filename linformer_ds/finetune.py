@@ -24,7 +24,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -35,9 +34,12 @@ import torch
 from linformer_ds import dirlock, outdir
 from linformer_ds.errors import LinformerError
 from linformer_ds.export import portable_paths
+from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.model import ModelConfig
 from linformer_ds.model_dir import ExportError, apply_umask, check_remote_code, write_model_dir
 from linformer_ds.optim import lr_scheduler, param_groups
+
+log = get_logger(__name__)
 
 LOCAL_FORMATS = {
     ".csv": "csv",
@@ -321,7 +323,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         try:
             lock = held.enter_context(dirlock.output_lock(args.out, "finetune"))
             if lock.stale_note():
-                print(lock.stale_note(), file=sys.stderr)
+                log.warning(lock.stale_note())
         except dirlock.LockError as e:
             raise FinetuneError(str(e)) from None
         except OSError:  # no lock file can be made there: the --out checks below say why
@@ -439,10 +441,9 @@ def _finetune(args: argparse.Namespace) -> dict[str, Any]:
     step, t0 = 0, time.time()
     order = list(range(len(tr_s)))
     rng = random.Random(args.seed)
-    print(
+    log.info(
         f"[finetune] train={len(tr_s)} valid={len(va_s)} labels={[str(v) for v in labels]} "
-        f"max_length={max_length} steps={total} lr={args.lr:.3g}",
-        flush=True,
+        f"max_length={max_length} steps={total} lr={args.lr:.3g}"
     )
     while step < total:
         rng.shuffle(order)
@@ -467,7 +468,7 @@ def _finetune(args: argparse.Namespace) -> dict[str, Any]:
         epoch = {"epoch": len(history) + 1, "step": step, "train_loss": sum(losses) / len(losses),
                  "val_accuracy": acc, "seconds": round(time.time() - t0, 2)}  # fmt: skip
         history.append(epoch)
-        print(f"[finetune] {json.dumps(epoch)}", flush=True)
+        log.info(f"[finetune] {json.dumps(epoch)}")
 
     results = {
         "val_accuracy": history[-1]["val_accuracy"],
@@ -534,13 +535,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     outdir.ignore_file_size_signal()
     try:
+        setup_logging()
         results = finetune(args)
-    except (FinetuneError, ExportError) as e:
+    except (FinetuneError, ExportError, LogLevelError) as e:
         return outdir.fail("finetune failed", str(e))
     except OSError as e:  # a file that cannot be read or written (disk full, permissions)
         where = f": {e.filename}" if e.filename else ""
         return outdir.fail("finetune failed", f"{e.strerror or e}{where}")
     except KeyboardInterrupt:  # the staging copy is already gone; --out untouched
         return outdir.fail("finetune interrupted", f"nothing written to --out {args.out}", 130)
-    print(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
+    log.info(f"[finetune] validation accuracy {results['val_accuracy']:.4f}; saved to {args.out}")
     return 0

@@ -20,8 +20,11 @@ from typing import Any, TypeVar
 import torch
 
 from linformer_ds.config import ConfigError, JobConfig
+from linformer_ds.log import get_logger
 from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
 from linformer_ds.prometheus import PrometheusSink
+
+log = get_logger(__name__)
 
 # Per-step statistics the loop accumulates (float64, on the device): sum of loss x labelled
 # tokens, correct predictions, labelled tokens, non-finite micro-batches.
@@ -128,7 +131,7 @@ def check_sinks(cfg: JobConfig) -> None:
 
 
 class ConsoleSink(Sink):
-    """``[train] step 10 loss=...`` lines on stdout."""
+    """``[train] step 10 loss=...`` lines on stdout (the package logger, INFO)."""
 
     def record(self, step, split, values, console) -> None:
         shown = " ".join(
@@ -137,7 +140,7 @@ class ConsoleSink(Sink):
             if k not in console
         )
         extra = "".join(f" {k.removesuffix('_s')}={v}" for k, v in console.items())
-        print(f"[{split}] step {step} {shown}{extra}", flush=True)
+        log.info(f"[{split}] step {step} {shown}{extra}")
 
 
 class JsonlSink(Sink):
@@ -164,10 +167,9 @@ class JsonlSink(Sink):
                 os.ftruncate(self.fd, size)
             os.close(self.fd)
             self.fd = None
-            print(
+            log.warning(
                 f"[warn] {self.path}: {e.strerror or e}; it ends with the last whole record "
-                f"(step {step} not written) and no further records are written",
-                flush=True,
+                f"(step {step} not written) and no further records are written"
             )
 
     def resumed(self, step: int, resumes: int) -> None:
@@ -188,8 +190,8 @@ class JsonlSink(Sink):
         os.replace(tmp, self.path)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        print(f"[resume] {self.path}: {len(lines) - len(keep)} record(s) after step {step} "
-              "removed (those steps run again)", flush=True)  # fmt: skip
+        log.info(f"[resume] {self.path}: {len(lines) - len(keep)} record(s) after step {step} "
+                 "removed (those steps run again)")  # fmt: skip
 
     def close(self) -> None:
         if self.fd is not None:

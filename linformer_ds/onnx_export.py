@@ -31,8 +31,11 @@ import torch
 from torch import nn
 
 from linformer_ds.errors import LinformerError
+from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.outdir import write_error
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
+
+log = get_logger(__name__)
 
 # architecture in config.json -> (transformers Auto class, output fields besides the hidden state)
 TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -252,16 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     args = p.parse_args(argv)
     try:
+        setup_logging()
         result = export_onnx(
             args.model_dir, args.out, args.architecture, not args.no_optimize, not args.no_check,
             overwrite=args.overwrite,
         )  # fmt: skip
-    except (OnnxExportError, OSError) as e:
-        print(f"onnx export failed: {' '.join(str(e).split())}", file=sys.stderr)
+    except (OnnxExportError, OSError, LogLevelError) as e:
+        log.error(f"onnx export failed: {' '.join(str(e).split())}")
         return 1
     except KeyboardInterrupt:
         return interrupted("onnx export", args.out)
-    for row in result["check"]:
+    for row in result["check"]:  # the result (the comparison and the file): stdout
         diffs = ", ".join(f"{k} {row[k]:.2g}" for k in result["outputs"])
         print(f"  batch {row['batch']}, length {row['seq']}: max |ort - torch| {diffs}")
     print(f"exported {args.model_dir} -> {args.out} ({result['export_s']} s)")

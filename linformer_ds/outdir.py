@@ -36,11 +36,13 @@ import re
 import resource
 import shutil
 import signal
-import sys
 import tempfile
 from collections.abc import Sequence
 
 from linformer_ds.errors import LinformerError
+from linformer_ds.log import get_logger
+
+log = get_logger(__name__)
 
 # The file every output of a command holds, by which it recognises its own earlier output
 # (checked in this order: a fine-tuned model also holds an export's linformer_export.json).
@@ -282,6 +284,6 @@ def ignore_file_size_signal() -> None:
 
 
 def fail(prefix: str, message: str, code: int = 2) -> int:
-    """Print ``prefix: message`` as one stderr line; returns ``code``."""
-    print(f"{prefix}: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    """``prefix: message`` as one stderr line (the package logger, ERROR); returns ``code``."""
+    log.error(f"{prefix}: {' '.join(str(message).split())}")
     return code

@@ -22,12 +22,14 @@ contract for every command that writes an output path. Standard library only.
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 
 from linformer_ds import outdir
 from linformer_ds.errors import LinformerError
+from linformer_ds.log import get_logger
+
+log = get_logger(__name__)
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -94,7 +96,8 @@ def staged(out: str) -> Iterator[str]:
 
 
 def interrupted(prefix: str, out: str | None) -> int:
-    """Print the one line of a command stopped by Ctrl-C; returns :data:`EXIT_INTERRUPTED`."""
+    """The one stderr line of a command stopped by Ctrl-C (the package logger, ERROR); returns
+    :data:`EXIT_INTERRUPTED`."""
     where = f"; {out} is as it was (nothing partial written)" if out else ""
-    print(f"{prefix}: interrupted (Ctrl-C){where}", file=sys.stderr, flush=True)
+    log.error(f"{prefix}: interrupted (Ctrl-C){where}")
     return EXIT_INTERRUPTED

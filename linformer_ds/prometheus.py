@@ -29,7 +29,10 @@ from prometheus_client import (
 
 from linformer_ds.config import ConfigError, JobConfig
 from linformer_ds.fsio import atomic_write_json
+from linformer_ds.log import get_logger
 from linformer_ds.perf import MemoryProbe
+
+log = get_logger(__name__)
 
 TARGETS_FILE = "prometheus_targets.json"  # under logging.dir: Prometheus file_sd format
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
@@ -236,10 +239,7 @@ class PrometheusSink:
             self._write_targets(cfg)
             shown = ", ".join(f"{e} (rank {r})" for r, e in enumerate(self.endpoints[:8]))
             more = f", ... {len(self.endpoints) - 8} more" if len(self.endpoints) > 8 else ""
-            print(
-                f"[prometheus] /metrics on {shown}{more}; targets: {self.targets_path}",
-                flush=True,
-            )
+            log.info(f"[prometheus] /metrics on {shown}{more}; targets: {self.targets_path}")
 
     def _write_targets(self, cfg: JobConfig) -> None:
         """``[{"targets": ["host:port", ...], "labels": {...}}]``: Prometheus file_sd_configs."""

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ from linformer_ds.dirlock import LOCK_NAME, DirLock, LockError, run_dir_locks
 from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
 from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
 from linformer_ds.evaluate import evaluate
+from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.metrics import (
     NUM_STATS,
     STAT_NONFINITE,
@@ -57,6 +59,7 @@ from linformer_ds.warm_start import WarmStart
 
 EXIT_PREEMPTED = 75  # a signal asked us to stop; a checkpoint was written (EX_TEMPFAIL)
 EXIT_NONFINITE = 3  # non-finite loss with train.nonfinite=stop
+WARN = logging.WARNING  # [warn] lines (stderr); progress is INFO (stdout): linformer_ds.log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,9 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def rank0_print(*args: Any, **kwargs: Any) -> None:
+log = get_logger(__name__)
+
+
+def rank0_log(msg: str, level: int = logging.INFO) -> None:
+    """``msg`` through the package logger, on rank 0 only (RANK unset: a single process)."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
+        log.log(level, msg)
 
 
 # Signals that stop a run with a checkpoint at the next step (exit 75): a scheduler's notice
@@ -117,9 +124,9 @@ def nonfinite_verdict(
     if not applied:
         msg = f"step {step}: non-finite {'loss' if nonfinite else 'gradients'}"
         if fp16:
-            rank0_print(f"[warn] {msg} (fp16 overflow); step skipped, loss scale lowered")
+            rank0_log(f"[warn] {msg} (fp16 overflow); step skipped, loss scale lowered", WARN)
         elif cfg.train.nonfinite == "skip":
-            rank0_print(f"[warn] {msg}; step skipped (train.nonfinite=skip)")
+            rank0_log(f"[warn] {msg}; step skipped (train.nonfinite=skip)", WARN)
         else:
             return msg + " (DeepSpeed skipped the update)"
     elif nonfinite:
@@ -136,10 +143,12 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
     (the command-line entry point; see linformer_ds.cpu_threads)."""
 
     try:
+        setup_logging()  # the one console handler; LINFORMER_DS_LOG_LEVEL
         return _main(argv, restart)
-    except (ConfigError, DataError, DistEnvError, CheckpointError, LockError, PluginError) as e:
+    except (ConfigError, DataError, DistEnvError, CheckpointError, LockError, PluginError,
+            LogLevelError) as e:  # fmt: skip
         prefix = "config error" if isinstance(e, ConfigError) else "error"
-        print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        log.error(f"{prefix}: {e}")
         return 2
 
 
@@ -181,9 +190,12 @@ def print_config(cfg: JobConfig) -> int:
     setup_distributed_env()
     world = int(os.environ["WORLD_SIZE"])
     cfg = resolve(cfg, world)  # N unknown here: model.max_seq_len
-    rank0_print(to_yaml(cfg))
+    rank0 = int(os.environ["RANK"]) == 0  # the command's result: stdout, whatever the log level
+    if rank0:
+        print(to_yaml(cfg), flush=True)
     ds = final_deepspeed_config(cfg, world)
-    rank0_print("# derived DeepSpeed config\n" + json.dumps(ds, indent=2))
+    if rank0:
+        print("# derived DeepSpeed config\n" + json.dumps(ds, indent=2), flush=True)
     return 0
 
 
@@ -230,7 +242,7 @@ class Trainer:
         self.threads = thread_plan(cfg.train.threads, cfg.train.omp_wait_policy)
         apply_threads(self.threads)
         if self.threads.warning:
-            rank0_print(f"[warn] {self.threads.warning}")
+            rank0_log(f"[warn] {self.threads.warning}", WARN)
         # start-up waits end on a signal at once (one recorded before too: under SLURM another
         # rank may be gone, no step could run); a rank leaves when its launcher dies
         self.watchdog = start_watchdog(
@@ -258,7 +270,7 @@ class Trainer:
         if self.checkpoints.tag is not None:
             self.metrics.on_resume(self.step, self.checkpoints.load_seconds)
         else:
-            rank0_print(to_yaml(cfg))
+            rank0_log(to_yaml(cfg))
         self._print_setup()
         self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
         self.sync_log: StepSyncLog | None = None
@@ -298,7 +310,7 @@ class Trainer:
         rank 0) here."""
         t0 = time.perf_counter()
         meters, how = train_meters(self.train_sets, self.cfg.logging.dir, self.rank == 0)
-        rank0_print(f"[meter] unigram counts of the train split: {how}; "
+        rank0_log(f"[meter] unigram counts of the train split: {how}; "
                     f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
         return meters
 
@@ -319,8 +331,8 @@ class Trainer:
         self.model = eng.build_model(cfg)
         if cfg.model.output_bias_init == "unigram" and self.checkpoints.tag is None:  # fresh
             meters = self.unigram or self._context_meters()  # (a resumed run loads its bias)
-            rank0_print(set_output_bias(self.model, meters, self.stages[0], cfg.model.vocab_size))
-        self.warm.load(self.model, rank0_print)  # checkpoint.init_from at a fresh start
+            rank0_log(set_output_bias(self.model, meters, self.stages[0], cfg.model.vocab_size))
+        self.warm.load(self.model, rank0_log)  # checkpoint.init_from at a fresh start
         # ids are checked on the host: every row against the data's vocabulary when read
         # (ShardDataset), the data's vocabulary against the model's (check_compatible); the
         # model's own check would read min and max back from the device every micro-batch
@@ -349,7 +361,7 @@ class Trainer:
 
     def _print_setup(self) -> None:
         cfg, w = self.cfg, self.w
-        rank0_print(
+        rank0_log(
             f"[setup] launcher={self.env.get('launcher')} ranks={self.world} device={w.device} "
             f"backend={w.backend} zero={cfg.deepspeed.zero.stage} "
             f"precision={cfg.deepspeed.precision_text()} "
@@ -452,7 +464,7 @@ class Trainer:
         self._leave_stage(step)
         if self.stop_requested:
             self.checkpoints.on_signal(self.engine, step, self.stop.signum)
-            rank0_print(f"[preempted] stopped at step {step}; resume continues here")
+            rank0_log(f"[preempted] stopped at step {step}; resume continues here")
             raise StopTraining(EXIT_PREEMPTED)
 
     # ------------------------------------------------------ stages and mixtures (data.stages)
@@ -467,7 +479,7 @@ class Trainer:
             self.batches.tokens_per_step(cfg.train.gradient_accumulation_steps),
         )
         if len(self.stages) > 1 or not self.batches.legacy:
-            rank0_print(self.batches.describe())
+            rank0_log(self.batches.describe())
 
     def _leave_stage(self, step: int) -> None:
         """At the end of a stage (or of this process): its ``[stage]`` summary; then the next."""
@@ -475,7 +487,7 @@ class Trainer:
         if len(self.stages) > 1 and (stage_end or step == self.end):
             meter = self.metrics.stage
             f = meter.figures(self.world, self.metrics.peak_tflops)
-            rank0_print(
+            rank0_log(
                 f"[stage] {self.batches.stage_index} {'done' if stage_end else 'so far'} at "
                 f"step {step}: "
                 f"steps={meter.steps} N={self.batches.seq_len} "
@@ -507,7 +519,7 @@ class Trainer:
         self.engine.train()
         self.watchdog.training_started()  # a signal now means: checkpoint at the next step
         if self.step >= self.end:  # resumed at or after the end: say so, train nothing
-            rank0_print(self._nothing_to_train() + "\n" + self._where_lines())
+            rank0_log(self._nothing_to_train() + "\n" + self._where_lines())
             return 0
         try:
             while self.step < self.end:
@@ -517,14 +529,15 @@ class Trainer:
                 self._after_step()
         except StopTraining as stop:
             if stop.message is not None:
-                rank0_print(
+                rank0_log(
                     f"[error] {stop.message}; stopping (train.nonfinite=stop). Last good "
-                    f"checkpoint: {self.checkpoints.latest() or 'none'}"
+                    f"checkpoint: {self.checkpoints.latest() or 'none'}",
+                    logging.ERROR,
                 )
             return stop.code
         self.checkpoints.on_finish(self.engine, self.step)
         first, last = self.metrics.first_loss, self.metrics.last_loss
-        rank0_print(
+        rank0_log(
             f"[done] step {self.step}: first loss {first if first is None else round(first, 4)}"
             f", last loss {last if last is None else round(last, 4)}\n" + self._where_lines()
         )
@@ -577,7 +590,7 @@ def hold_run_dirs(cfg: JobConfig, rank: int) -> list[DirLock]:
             new = run_dir_locks(os.path.realpath(d), what, "training")  # + the --out lock
             locks += new
             for note in filter(None, (lk.stale_note() for lk in new)):
-                rank0_print(note)
+                rank0_log(note, WARN)
     except BaseException:
         release_locks(locks)
         raise

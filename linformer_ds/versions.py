@@ -10,7 +10,6 @@ torch range also admits 2.11, the device image's, for the GPU kit.
 """
 
 import os
-import sys
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -18,6 +17,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from linformer_ds.dist_env import DistEnvError
+from linformer_ds.log import get_logger
+
+log = get_logger(__name__)
 
 # package -> (tested range, why it matters); keep in step with pyproject.toml's dependencies.
 TESTED: dict[str, tuple[str, str]] = {
@@ -87,7 +89,7 @@ def check_versions(
         return
     line = "; ".join(problems)
     if untested_ok:
-        print(f"[warn] {line}; running anyway ({UNTESTED_ENV} is set)", file=sys.stderr, flush=True)
+        log.warning(f"[warn] {line}; running anyway ({UNTESTED_ENV} is set)")
         return
     raise UntestedVersionError(
         f"{line}: install the tested set (pip install -c constraints.txt -e .) or set "

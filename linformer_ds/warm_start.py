@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from typing import Any
 
 import torch
@@ -37,9 +36,12 @@ from omegaconf import OmegaConf
 
 from linformer_ds.config import _load_yaml
 from linformer_ds.config_fields import ConfigError
+from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.model import ModelConfig
 from linformer_ds.outdir import error_line
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
+
+logger = get_logger(__name__)
 
 HF_PREFIX = "hf:"
 MODEL_TYPES = ("bert", "roberta")
@@ -547,11 +549,14 @@ class WarmStart:
         ids = dict(manifest.get("special_ids") or {})
         return cls(spec, cfg.model, dataset.vocab_size, str(dataset.path), ids, manifest)
 
-    def load(self, model: torch.nn.Module, log: Any = print) -> None:
-        """The source's weights into ``model`` (whole, before any sharding); ``log`` the line."""
+    def load(self, model: torch.nn.Module, log: Any = None) -> None:
+        """The source's weights into ``model`` (whole, before any sharding); ``log`` the line
+        (default: the package logger, INFO)."""
         if self.spec is not None:
             weights, self.weights = self.weights, None  # read once, at the check
-            log(load_into(model, self.spec, self.data_vocab, self.data, weights, self.note))
+            (log or logger.info)(
+                load_into(model, self.spec, self.data_vocab, self.data, weights, self.note)
+            )
 
 
 def model_section(hf: dict[str, Any], **linformer: Any) -> dict[str, Any]:
@@ -612,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the config written (or printed), 2 with one line naming the problem."""
     args = parse_args(argv)
     try:
+        setup_logging()
         if args.out is not None:  # before any work: the output never destroys what existed
             inputs = [("--from", args.source[len(HF_PREFIX):] if args.source.startswith(
                 HF_PREFIX) else None), ("--config", args.config), ("--data", args.data)]  # fmt: skip
@@ -653,8 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(text, end="")
         return 0
-    except (ConfigError, OSError, OutPathError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (ConfigError, OSError, OutPathError, LogLevelError) as e:
+        logger.error(f"error: {' '.join(str(e).split())}")
         return 2
     except KeyboardInterrupt:
         return interrupted("error", args.out)

@@ -709,7 +709,7 @@ def test_metrics_jsonl_on_a_full_disk_ends_with_a_whole_record(small_tmpfs, caps
     records = [json.loads(line) for line in text.splitlines()]
     assert text.endswith("\n") and 5 < len(records) < 79
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "[warn]" in line]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "[warn]" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
 
 

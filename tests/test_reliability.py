@@ -393,8 +393,9 @@ def test_nonfinite_stop_keeps_last_good_checkpoint(tiny_corpus, tmp_path):
         {},
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "[error] non-finite loss at step 3 on 1 micro-batch(es); stopping" in proc.stdout
-    assert f"Last good checkpoint: {tmp_path / 'checkpoints' / 'step_00000002'}" in proc.stdout
+    # an error: stderr (linformer_ds.log)
+    assert "[error] non-finite loss at step 3 on 1 micro-batch(es); stopping" in proc.stderr
+    assert f"Last good checkpoint: {tmp_path / 'checkpoints' / 'step_00000002'}" in proc.stderr
     assert tag_dirs(str(tmp_path / "checkpoints")) == ["step_00000002"]
     assert latest_tag(str(tmp_path / "checkpoints")) == "step_00000002"
     assert sorted(read_metrics(tmp_path)) == [1, 2]
@@ -416,7 +417,7 @@ def test_nonfinite_skip_leaves_weights_untouched_and_continues(tiny_corpus, tmp_
         {},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[warn] step 3: non-finite loss; step skipped (train.nonfinite=skip)" in proc.stdout
+    assert "[warn] step 3: non-finite loss; step skipped (train.nonfinite=skip)" in proc.stderr
     d = tmp_path / "checkpoints"
     w2, w3, w4 = (weights(d, f"step_0000000{s}") for s in (2, 3, 4))
     assert max_diff(w2, w3) == 0.0

@@ -38,7 +38,10 @@ from linformer_ds.checkpoint.tags import (
     sharded_sp_size,
 )
 from linformer_ds.config import JobConfig
+from linformer_ds.log import get_logger
 from linformer_ds.resume_policy import Change, apply_changes, changed_line, changes, refusal
+
+log = get_logger(__name__)
 
 # ============================================================================ checkpoint manager
 # Components whose state lies at the top level of the client state (and in the metadata), as
@@ -111,7 +114,7 @@ class CheckpointManager:
             self.tag, self.meta = select_resume(self.dir, self.cfg.checkpoint.resume, self.cfg)
         if self.rank == 0:
             for w in caught:
-                print(f"[warn] {w.message}", flush=True)
+                log.warning(f"[warn] {w.message}")
         if self.tag is not None:
             assert self.meta is not None
             where = os.path.join(self.dir, self.tag)
@@ -128,13 +131,12 @@ class CheckpointManager:
             saved_p, now_p = sharded_sp_size(self.meta), sharded_sp_size(config_layout(self.cfg))
             if saved_p != now_p and self.rank == 0 and same_world:
                 how = "a universal checkpoint" if self.universal else "re-sharded ZeRO-0 files"
-                print(
+                log.info(
                     f"[resume] {where}: E/F and positions were sharded over {saved_p} rank(s), "
-                    f"now {now_p}: loading it through {how}",
-                    flush=True,
+                    f"now {now_p}: loading it through {how}"
                 )
             if notice and self.rank == 0 and same_world:
-                print(f"[resume] {notice}", flush=True)
+                log.info(f"[resume] {notice}")
             self.last_saved_step = int(self.meta["step"])
         return self.tag
 
@@ -160,10 +162,9 @@ class CheckpointManager:
                         if self.universal
                         else "re-sharding its ZeRO-0 files"
                     )
-                    print(
+                    log.info(
                         f"[resume] {self.dir}/{self.tag} was saved by {self.meta['world_size']} "
-                        f"rank(s), this run has {self.world}: {how}",
-                        flush=True,
+                        f"rank(s), this run has {self.world}: {how}"
                     )
                 self._convert(engine, root, now_p, per_sp_rank)
             dist.barrier()
@@ -220,15 +221,14 @@ class CheckpointManager:
         step = int(client["step"])
         if self.rank == 0:
             assert self.meta is not None
-            print(
+            log.info(
                 f"[resume] {self.dir}/{self.tag}: step {step}, epoch {int(client['epoch'])}, "
                 f"sampler consumed {client['sampler']['consumed']} (saved by "
-                f"{self.meta['world_size']} rank(s), now {self.world})",
-                flush=True,
+                f"{self.meta['world_size']} rank(s), now {self.world})"
             )
             line = changed_line(self.changes, self.cfg)
             if line:
-                print(line, flush=True)
+                log.info(line)
         return step
 
     def save(self, engine, step: int, reason: str) -> str:
@@ -241,10 +241,7 @@ class CheckpointManager:
         if self.on_io is not None:
             self.on_io("save", time.perf_counter() - t0)
         if self.rank == 0:
-            print(
-                f"[checkpoint] {reason}: {self.dir}/{tag} ({time.perf_counter() - t0:.1f}s)",
-                flush=True,
-            )
+            log.info(f"[checkpoint] {reason}: {self.dir}/{tag} ({time.perf_counter() - t0:.1f}s)")
         return tag
 
     def after_step(self, engine, step: int) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from linformer_ds.config import JobConfig
 from linformer_ds.data.masking import IGNORE_INDEX
 from linformer_ds.engine import all_reduce_sum
+from linformer_ds.log import get_logger
 from linformer_ds.model import LinformerEncoder, LinformerSelfAttention, get_projection
 from linformer_ds.parallel.collectives import SequenceParallel, sum_over_group
 from linformer_ds.parallel.groups import (
@@ -41,6 +42,8 @@ from linformer_ds.parallel.groups import (
     ShardedSequenceParallelMPU,
 )
 from linformer_ds.parallel.sharding import shard_sequence_parameters, universal_checkpoint_info
+
+log = get_logger(__name__)
 
 
 # ============================================================================ loss and gradients
@@ -154,8 +157,7 @@ def parallelize(
     if groups is not None:
         sharded = resolved_shard(cfg)
         if cfg.parallel.auto_shard and groups.rank == 0:
-            print(f"[setup] parallel.shard_sequence_parameters=auto: {cfg.parallel.auto_shard}",
-                  flush=True)  # fmt: skip
+            log.info(f"[setup] parallel.shard_sequence_parameters=auto: {cfg.parallel.auto_shard}")
         mpu = ShardedSequenceParallelMPU(groups) if sharded else SequenceParallelMPU(groups)
     use_deepspeed_mpu(mpu)  # before zero.Init and deepspeed.initialize read it
     if groups is not None:
