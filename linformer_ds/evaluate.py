@@ -11,7 +11,7 @@ from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.stream import to_device
 from linformer_ds.engine import all_reduce_sum
 from linformer_ds.log import get_logger
-from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats
+from linformer_ds.metrics import STAT_CORRECT, STAT_COUNT, STAT_LOSS, step_stats, top1
 from linformer_ds.parallel.sharding import shard_batch
 
 log = get_logger(__name__)
@@ -136,5 +136,5 @@ def hidden_stats(logits: torch.Tensor, targets: torch.Tensor, hidden: torch.Tens
     (``logits [M, V]``, ``targets [M]``) flagged ``hidden [M]`` (input was the mask token)."""
     ce = F.cross_entropy(logits.float(), targets, reduction="none")
     h = hidden.to(ce.dtype)
-    ok = (logits.argmax(-1) == targets).to(ce.dtype)
+    ok = (top1(logits) == targets).to(ce.dtype)
     return torch.stack([(ce * h).sum(), (ok * h).sum(), h.sum()]).double()

@@ -35,6 +35,13 @@ STAT_STOP = NUM_STATS  # the trainer's reduced step record: the statistics, then
 T = TypeVar("T")
 
 
+def top1(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (the first of equal maxima), as ``argmax(-1)``:
+    torch's CPU ``argmax`` kernel is several times slower than ``max`` over an ``[M, vocab]``
+    block (``bench/probes/top1_probe.py``), and the trainer takes it every micro-batch."""
+    return logits.max(-1).indices
+
+
 def step_stats(
     loss: torch.Tensor,
     logits: torch.Tensor,
@@ -55,7 +62,7 @@ def step_stats(
         return torch.stack(
             [
                 torch.where(finite, value * weight, torch.zeros_like(value)),
-                (logits.argmax(-1) == targets).sum().double(),
+                (top1(logits) == targets).sum().double(),
                 torch.full_like(value, float(n)),
                 (~finite).double(),
             ]
