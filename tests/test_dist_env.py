@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -372,7 +373,8 @@ def _rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict
 def _one_error_line(stderr: str) -> str:
     """The error line of a rank that failed: no traceback, exactly one 'error' line."""
     assert "Traceback" not in stderr, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith(("error:", "config error:"))]
+    lines = [re.sub(r"^\[rank \d+\] ", "", line) for line in stderr.splitlines()]  # rank R > 0
+    errors = [line for line in lines if line.startswith(("error:", "config error:"))]
     assert len(errors) == 1, stderr
     return errors[0]
 
