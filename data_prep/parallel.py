@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,33 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.distributed import PeerFailed, Transport, World, connect, remove_sync_root
-from data_prep.doc_stats import summary_line
+from data_prep.driver import Context, Run, drive
 from data_prep.errors import DataPrepError
 from data_prep.shards import fsync_dir, npy_header, shard_name
 from data_prep.sources import Source, SourceStats
-from data_prep.steps import (
-    MANIFEST,
-    PROGRESS,
-    SHARD_TARGET_BYTES,
-    TOKENIZER,
-    PrepResult,
-    _Encoder,
-    _manifest,
-    _prepare_out_dir,
-    _tasks,
-    copy_given_tokenizer,
-    dtype_for_vocab,
-    train_on_sample,
-)
-from data_prep.tokenizer import (
-    document_lines,
-    file_sha256,
-    split_long_line,
-    tokenizer_info,
-)
+from data_prep.steps import PROGRESS, PrepResult, _Encoder, _log, _tasks
+from data_prep.tokenizer import document_lines, file_sha256, split_long_line
 from linformer_ds.fsio import atomic_write_json
 
 UNITS_DIR = ".units"
@@ -198,86 +178,167 @@ def reservoir_indices(total: int, k: int, seed: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- scanning
-@dataclass
-class Scan:
-    """Counters of one unit (truncated at the cut for the unit holding it)."""
-
-    docs: int = 0
-    bytes: int = 0
-    undecodable: int = 0
-    binary: int = 0
-    pieces: int = 0  # tokenizer training lines (after splitting long lines)
-    lines: int = 0
-    line_bytes: int = 0
-    long: int = 0
-
-
-def _scan_unit(
+def scan_unit(
     source: Source, unit: Unit, sampling: bool, per_doc: bool
-) -> tuple[Scan, list[Scan] | None]:
-    source.stats = SourceStats()
-    st = source.stats
-    total = Scan()
-    docs: list[Scan] | None = [] if per_doc else None
+) -> tuple[SourceStats, list[SourceStats] | None]:
+    """The counters of ``unit`` (with its tokenizer lines when ``sampling``), and when
+    ``per_doc`` the counters as they stand right after each of its documents."""
+    source.stats = st = SourceStats()
+    docs: list[SourceStats] | None = [] if per_doc else None
     for doc in unit_docs(source, unit, None):
-        total.docs += 1
         if sampling:
             for line in document_lines(doc):
-                total.lines += 1
-                total.line_bytes += len(line.encode("utf-8"))
+                st.lines += 1
+                st.line_bytes += len(line.encode("utf-8"))
                 n = len(split_long_line(line))
-                total.long += n > 1
-                total.pieces += n
-        if docs is not None:  # the counters as they stand right after this document
-            docs.append(
-                Scan(
-                    total.docs, st.bytes, st.undecodable_bytes, st.binary_files, total.pieces,
-                    total.lines, total.line_bytes, total.long,
-                )
-            )  # fmt: skip
-    total.bytes, total.undecodable, total.binary = st.bytes, st.undecodable_bytes, st.binary_files
-    return total, docs
+                st.long_lines += n > 1
+                st.pieces += n
+        if docs is not None:
+            docs.append(st.copy())
+    return st, docs
 
 
-def _cut_in(docs: list[Scan], base: Scan, cfg: Any) -> int | None:
+def _cut_in(docs: list[SourceStats], base: SourceStats, cfg: Any) -> int | None:
     """The local index of the document that reaches --max-docs/--max-bytes, if in this unit."""
     for i, d in enumerate(docs):
-        if cfg.max_docs is not None and base.docs + d.docs >= cfg.max_docs:
+        if cfg.max_docs is not None and base.documents + d.documents >= cfg.max_docs:
             return i
         if cfg.max_bytes is not None and base.bytes + d.bytes >= cfg.max_bytes:
             return i
     return None
 
 
-def _add(a: Scan, b: Scan) -> Scan:
-    return Scan(*(x + y for x, y in zip(a.__dict__.values(), b.__dict__.values())))
+# ------------------------------------------------------------------------------ the ranks
+class Ranks(Context):
+    """One rank of R: the corpus cut into work units (the module docstring), collectives over
+    ``comm`` (:mod:`data_prep.distributed`)."""
 
+    mode = "units"
 
-# ------------------------------------------------------------------------------------ run
-def _log(cfg: Any, msg: str) -> None:
-    if cfg.progress:
-        print(f"data_prep: {msg}", file=sys.stderr, flush=True)
-
-
-class _Ctx:
-    """What every phase needs."""
-
-    def __init__(self, cfg: Any, comm: Transport, source: Source) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any, comm: Transport) -> None:
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
-        self.source = source
-        self.units_dir = os.path.join(cfg.out, UNITS_DIR)
-        self.created: bool | None = None  # rank 0: whether it made --out (until resumable)
-        self.made_out = False  # rank 0: whether this run made --out
+        self.where = f" on {comm.size} ranks"
+        self.units: list[Unit] = []
+        self.plan_: dict[str, Any] = {}  # the units to read, the --max-* cut
+        self.scans: list[SourceStats] = []
+        self.done: dict[int, dict[str, Any]] = {}  # finished units (a resumed run's)
+        self.jobs: list[tuple[str, int, int, int, np.ndarray]] = []  # the shards to write
         self.die = None
-        self.ids: dict[str, int] = {}  # the rows' cls/sep/pad ids (packing.special_settings)
         spec = os.environ.get(DIE_ENV)
         if spec:
             r, n = spec.split(":")
             if int(r) == self.rank:
                 self.die = int(n)
+
+    # ---------------------------------------------------------------------- collectives
+    def bcast(self, obj: Any, what: str = "") -> Any:
+        return self.comm.bcast(obj, what)
+
+    def gather(self, obj: Any, what: str = "") -> list[Any] | None:
+        return self.comm.gather(obj, what)
+
+    def allgather(self, obj: Any, what: str = "") -> list[Any]:
+        return self.comm.allgather(obj, what)
+
+    def check_peers(self) -> None:
+        self.comm.check_peers()
+
+    def alike(self, message: str, kind: type = DataPrepError) -> DataPrepError:
+        return DataPrepError(message) if self.rank == 0 else Quiet(message)
+
+    # ---------------------------------------------------------------------------- work
+    def wrong_mode(self, out: str) -> str:
+        return (
+            f"cannot --resume {out!r} under mpirun/srun: that run was started as one "
+            "process; resume it the same way (or --overwrite)"
+        )
+
+    def plan(self, run: Run) -> dict[str, Any]:
+        # rank 0 cuts the inputs (a large CSV is parsed once to find its row ends), the
+        # others receive the units
+        cfg, state, source = run.cfg, run.state, run.source
+        unit_bytes = (state or {}).get("unit_bytes") or cfg.unit_bytes
+        unit_bytes = unit_bytes or default_unit_bytes(source.total_bytes())
+        head = {"unit_bytes": unit_bytes, "units": make_units(source, unit_bytes)}
+        if state is not None:
+            if state.get("units") != len(head["units"]):
+                raise DataPrepError(
+                    f"cannot --resume: the sources now make {len(head['units'])} work units, "
+                    f"the interrupted run had {state.get('units')}; rerun with --overwrite"
+                )
+            head["done"] = _finished_units(os.path.join(cfg.out, UNITS_DIR))
+        return head
+
+    def sample(self, run: Run, train: bool):
+        self.units = run.head["units"]
+        limited = run.cfg.max_docs is not None or run.cfg.max_bytes is not None
+        self.plan_, self.scans = _scan(self, run, train, limited)
+        return _sample(self, run) if train else None
+
+    def start(self, run: Run) -> None:
+        cfg = run.cfg
+        self.units = run.head["units"]
+        if run.state is None:
+            if self.rank == 0:
+                os.makedirs(os.path.join(cfg.out, UNITS_DIR), exist_ok=True)
+                atomic_write_json(
+                    os.path.join(cfg.out, PROGRESS),
+                    {
+                        "fingerprint": cfg.fingerprint(),
+                        "mode": "units",
+                        "unit_bytes": run.head["unit_bytes"],
+                        "units": len(self.units),
+                        "plan": self.plan_,
+                        "tokenizer": run.tok_info,
+                    },
+                )
+            self.allgather(None, "tokenizer")  # progress.json is written: resumable from here
+        else:
+            self.plan_, self.done = run.state["plan"], run.head["done"]
+            _log(cfg, f"resuming: {len(self.done)} of {self.plan_['units']} work units are done")
+
+    def encode(self, run: Run) -> None:
+        cfg = run.cfg
+        t_encode = time.time()
+        mine = _tokenize(self, run)
+        run.encode_s = time.time() - t_encode
+        _log(
+            cfg,
+            f"rank {self.rank}/{self.size}: {len(mine)} units, {run.tokens} tokens in "
+            f"{run.encode_s:.2f} s ({run.tokens / max(run.encode_s, 1e-9):,.0f} tokens/s)",
+        )
+        metas = dict(self.done)
+        for part in self.allgather(mine, "tokenize"):
+            metas.update(part)
+        run.counters, self.jobs, run.stats = _count(
+            cfg, [metas[i] for i in range(self.plan_["units"])], run.shard_rows
+        )
+
+    def write_rows(self, run: Run) -> None:
+        cfg = run.cfg
+        for s in pk.SPLITS:  # (after the checks: rank 0 may be removing the run after a refusal)
+            os.makedirs(os.path.join(cfg.out, s), exist_ok=True)
+        entries = []
+        for j, (s, k, r0, r1, offsets) in enumerate(self.jobs):
+            if j % self.size != self.rank:
+                continue
+            self.check_peers()
+            entries.append((s, k, _write_shard(run, s, k, r0, r1, offsets)))
+        if self.rank != 0:  # nothing more from this rank: after this, rank 0 removes the sync files
+            self.comm.stop_heartbeat()
+        gathered = self.gather(entries, "shards")
+        if self.rank == 0:
+            shards: dict[str, list[tuple[int, dict[str, Any]]]] = {s: [] for s in pk.SPLITS}
+            for part in gathered or []:
+                for split, k, entry in part:
+                    shards[split].append((k, entry))
+            run.writers = {s: _Done([e for _, e in sorted(shards[s], key=lambda x: x[0])])
+                           for s in pk.SPLITS}  # fmt: skip
+
+    def finish(self, run: Run) -> None:
+        shutil.rmtree(os.path.join(run.cfg.out, UNITS_DIR), ignore_errors=True)
 
 
 def prepare_distributed(cfg: Any, world: World) -> Any:
@@ -297,7 +358,7 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
             raise Quiet(str(e)) from None
         raise
     comm = connect(world, cfg.out, cfg.rank_timeout)
-    ctx: _Ctx | None = None
+    run: Run | None = None
     ok = False
     try:
         try:
@@ -308,8 +369,8 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
                 if comm.rank == 0:
                     raise
                 raise Quiet(str(e)) from None
-            ctx = _Ctx(cfg, comm, source)
-            result = _run(ctx, t_start)
+            run = Run(cfg, Ranks(cfg, comm), source, t_start)
+            result = drive(run)
             ok = True
             return result if result is not None else PrepResult({}, 0.0, 0.0, 0.0)
         except PeerFailed as e:
@@ -344,177 +405,13 @@ def prepare_distributed(cfg: Any, world: World) -> Any:
         comm.close(ok)
         if ok and comm.rank == 0:
             remove_sync_root(cfg.out)
-        elif not ok and ctx is not None and ctx.rank == 0 and ctx.created is not None:
-            _clean_unstarted(cfg.out, ctx.created)
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _alike(ctx: "_Ctx", message: str) -> DataPrepError:
-    """An error every rank meets at the same point: rank 0 prints it, the others exit quietly."""
-    return DataPrepError(message) if ctx.rank == 0 else Quiet(message)
+        elif not ok and run is not None and comm.rank == 0 and run.disposable:
+            if run.cfg.out != cfg.out:  # the partial directory, before its tokenizer was saved
+                shutil.rmtree(run.cfg.out, ignore_errors=True)  # (or refused): nothing to resume
 
 
 def _who(comm: Transport) -> str:
     return f"rank {comm.rank} of {comm.size}: " if comm.rank else ""
-
-
-def _clean_unstarted(out: str, created: bool) -> None:
-    """A run that failed before its tokenizer was saved leaves nothing (as one process does)."""
-    if created:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for name in os.listdir(out):
-        path = os.path.join(out, name)
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-
-
-def _run(ctx: _Ctx, t_start: float) -> Any:
-
-    cfg, comm, source = ctx.cfg, ctx.comm, ctx.source
-    # ---- output directory (rank 0), units, resume state
-    head: dict[str, Any] = {}
-    if ctx.rank == 0:
-        try:
-            state, created = _prepare_out_dir(cfg)
-        except OSError as e:
-            raise DataPrepError(
-                f"--out {cfg.out}: cannot write there: {e.strerror or e}; choose a writable --out"
-            ) from None
-        if state is not None and "tokenizer" in state and state.get("mode") != "units":
-            raise DataPrepError(
-                f"cannot --resume {cfg.out!r} under mpirun/srun: that run was started as one "
-                "process; resume it the same way (or --overwrite)"
-            )
-        if state is not None and "tokenizer" not in state:
-            state = None  # stopped before the tokenizer was trained: start from the beginning
-        ctx.made_out = created
-        if state is None:
-            ctx.created = created
-        unit_bytes = (state or {}).get("unit_bytes") or cfg.unit_bytes
-        unit_bytes = unit_bytes or default_unit_bytes(source.total_bytes())
-        # rank 0 cuts the inputs (a large CSV is parsed once to find its row ends), the others
-        # receive the units
-        head = {"state": state, "unit_bytes": unit_bytes, "units": make_units(source, unit_bytes)}
-        if state is not None:
-            head["done"] = _finished_units(ctx.units_dir)
-            saved = state["tokenizer"]
-            with open(os.path.join(cfg.out, saved.get("file", TOKENIZER)), "rb") as f:
-                head["proto"] = f.read()
-            if saved.get("kind") == hft.KIND and _sha(head["proto"]) == saved["sha256"]:
-                head["payload"] = hft.saved(cfg.out, saved)[0]  # what the workers encode with
-    head = comm.bcast(head, "output directory")
-    state = head["state"]
-    units: list[Unit] = head["units"]
-    fingerprint = cfg.fingerprint()
-    limited = cfg.max_docs is not None or cfg.max_bytes is not None
-
-    # ---- scan, tokenizer sample and training
-    if state is None:
-        train = cfg.tokenizer is None
-        plan, scans = _scan(ctx, units, sampling=train, limited=limited)
-        if train:
-            proto, tok_info = _train(ctx, units, plan, scans)
-        else:
-            proto, tok_info = _copy_tokenizer(ctx)
-        if ctx.rank == 0:
-            os.makedirs(ctx.units_dir, exist_ok=True)
-            atomic_write_json(
-                os.path.join(cfg.out, PROGRESS),
-                {
-                    "fingerprint": fingerprint,
-                    "mode": "units",
-                    "unit_bytes": head["unit_bytes"],
-                    "units": len(units),
-                    "plan": plan,
-                    "tokenizer": tok_info,
-                },
-            )
-        done: dict[int, dict[str, Any]] = {}
-        comm.allgather(None, "tokenizer")  # progress.json is written: resumable from here
-        ctx.created = None
-    else:
-        if state.get("units") != len(units):
-            raise _alike(
-                ctx,
-                f"cannot --resume: the sources now make {len(units)} work units, the "
-                f"interrupted run had {state.get('units')}; rerun with --overwrite",
-            )
-        plan, tok_info, proto, done = state["plan"], state["tokenizer"], head["proto"], head["done"]
-        if _sha(proto) != tok_info["sha256"]:
-            name = tok_info.get("file", TOKENIZER)
-            raise _alike(ctx, f"cannot --resume: {name} changed since the interrupted run")
-        proto = head.get("payload", proto)
-        _log(cfg, f"resuming: {len(done)} of {plan['units']} work units are done")
-
-    vocab_size = int(tok_info["vocab_size"])
-    ctx.ids = pk.special_settings(tok_info)
-    dtype = dtype_for_vocab(vocab_size)
-    shard_rows = cfg.shard_rows or max(1, SHARD_TARGET_BYTES // (cfg.seq_len * dtype.itemsize))
-
-    # ---- tokenize
-    t_encode = time.time()
-    mine, tokens = _tokenize(ctx, units, plan, done, proto, dtype)
-    encode_s = time.time() - t_encode
-    _log(
-        cfg,
-        f"rank {ctx.rank}/{ctx.size}: {len(mine)} units, {tokens} tokens in {encode_s:.2f} s "
-        f"({tokens / max(encode_s, 1e-9):,.0f} tokens/s)",
-    )
-    metas = dict(done)
-    for part in comm.allgather(mine, "tokenize"):
-        metas.update(part)
-    metas_list = [metas[i] for i in range(plan["units"])]
-
-    # ---- assemble
-    entries, counters = _assemble(ctx, metas_list, dtype, shard_rows)
-    if ctx.rank != 0:  # nothing more from this rank: after this, rank 0 removes the sync files
-        comm.stop_heartbeat()
-    gathered = comm.gather(entries, "shards")
-    if ctx.rank != 0:
-        return None
-
-    shards: dict[str, list[dict[str, Any]]] = {s: [] for s in pk.SPLITS}
-    for part in gathered or []:
-        for split, k, entry in part:
-            shards[split].append((k, entry))
-    writers = {s: _Done([e for _, e in sorted(shards[s], key=lambda x: x[0])]) for s in pk.SPLITS}
-    source.stats = SourceStats(binary_files=counters.pop("binary_files"))
-    manifest = _manifest(cfg, source, tok_info, vocab_size, dtype, shard_rows, counters, writers)
-
-    atomic_write_json(os.path.join(cfg.out, MANIFEST), manifest)
-    os.remove(os.path.join(cfg.out, PROGRESS))
-    shutil.rmtree(ctx.units_dir, ignore_errors=True)
-    fsync_dir(cfg.out)
-    elapsed = time.time() - t_start
-    content = sum(counters["splits"][s]["content"] for s in pk.SPLITS)
-    tr, va = manifest["splits"]["train"], manifest["splits"]["valid"]
-    _log(
-        cfg,
-        f"{counters['documents_read']} documents, {content} tokens -> train {tr['rows']} rows, "
-        f"valid {va['rows']} rows of {cfg.seq_len} on {ctx.size} ranks; "
-        f"padding {tr['padding_fraction']:.4f}; {elapsed:.1f} s total",
-    )
-    for s in pk.SPLITS:
-        _log(cfg, summary_line(s, manifest["splits"][s]["documents_in_rows"]))
-    if counters["undecodable_bytes"]:
-        print(
-            f"data_prep: warning: replaced {counters['undecodable_bytes']} bytes that are not "
-            f"{cfg.encoding} with U+FFFD; if the input uses another encoding, pass --encoding "
-            "(e.g. latin-1, cp1252)",
-            file=sys.stderr,
-            flush=True,
-        )
-    if source.stats.binary_files:
-        print(
-            f"data_prep: warning: skipped {source.stats.binary_files} input file(s) that are not "
-            "text (NUL or control bytes)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return PrepResult(manifest, elapsed, encode_s, tokens / max(encode_s, 1e-9))
 
 
 class _Done:
@@ -528,7 +425,6 @@ class _Done:
 
 
 def _finished_units(units_dir: str) -> dict[int, dict[str, Any]]:
-
     done = {}
     if os.path.isdir(units_dir):
         for name in os.listdir(units_dir):
@@ -541,35 +437,35 @@ def _finished_units(units_dir: str) -> dict[int, dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- phase: scan
 def _scan(
-    ctx: _Ctx, units: list[Unit], sampling: bool, limited: bool
-) -> tuple[dict[str, Any], list[Scan]]:
+    ctx: Ranks, run: Run, sampling: bool, limited: bool
+) -> tuple[dict[str, Any], list[SourceStats]]:
     """Count what the sample and the --max-* cut need; returns (plan, scans of kept units)."""
-    cfg, comm = ctx.cfg, ctx.comm
+    cfg, units = run.cfg, ctx.units
     if not sampling and not limited:
         return {"units": len(units), "cut": None}, []
     if not limited:  # every unit, balanced; one exchange at the end
         mine = assign([(u.index, u.size) for u in units], ctx.size)[ctx.rank]
         out = {}
         for i in mine:
-            comm.check_peers()
-            out[i] = _scan_unit(ctx.source, units[i], sampling, False)[0]
-        scans: dict[int, Scan] = {}
-        for part in comm.allgather(out, "scan"):
+            ctx.check_peers()
+            out[i] = scan_unit(run.source, units[i], sampling, False)[0]
+        scans: dict[int, SourceStats] = {}
+        for part in ctx.allgather(out, "scan"):
             scans.update(part)
         return {"units": len(units), "cut": None}, [scans[i] for i in range(len(units))]
     # --max-docs/--max-bytes: rounds of R consecutive units until the cut is found
-    kept: list[Scan] = []
-    base = Scan()
+    kept: list[SourceStats] = []
+    base = SourceStats()
     for start in range(0, len(units), ctx.size):
         idx = start + ctx.rank
-        local = _scan_unit(ctx.source, units[idx], sampling, True) if idx < len(units) else None
-        totals = comm.allgather(local[0] if local else None, "scan round")
+        local = scan_unit(run.source, units[idx], sampling, True) if idx < len(units) else None
+        totals = ctx.allgather(local[0] if local else None, "scan round")
         bases, b = [], base
         for t in totals:
             bases.append(b)
-            b = _add(b, t) if t is not None else b
+            b = b + t if t is not None else b
         cut = _cut_in(local[1], bases[ctx.rank], cfg) if local else None
-        cand = comm.allgather(None if cut is None else (cut, local[1][cut]), "scan cut")
+        cand = ctx.allgather(None if cut is None else (cut, local[1][cut]), "scan cut")
         for r, t in enumerate(totals):
             if t is None:
                 break
@@ -588,16 +484,15 @@ def _unit_limit(plan: dict[str, Any], index: int) -> int | None:
 
 
 # ------------------------------------------------------------------------ phase: tokenizer
-def _train(
-    ctx: _Ctx, units: list[Unit], plan: dict[str, Any], scans: list[Scan]
-) -> tuple[bytes, dict[str, Any]]:
-    cfg, comm = ctx.cfg, ctx.comm
+def _sample(ctx: Ranks, run: Run):
+    """The single-process reservoir sample, drawn across the ranks (the module docstring);
+    on rank 0 ``(sample, its counters, start time, counters of the corpus)``."""
+    cfg, units, plan, scans = run.cfg, ctx.units, ctx.plan_, ctx.scans
     t0 = time.time()
-    total = Scan()
+    total = SourceStats()
     for s in scans:
-        total = _add(total, s)
-    k = cfg.max_sentences_for_tokenizer
-    slots = reservoir_indices(total.pieces, k, cfg.seed)
+        total = total + s
+    slots = reservoir_indices(total.pieces, cfg.max_sentences_for_tokenizer, cfg.seed)
     wanted = np.sort(slots)
     bases = np.concatenate([[0], np.cumsum([s.pieces for s in scans])]).astype(np.int64)
     counts = np.searchsorted(wanted, bases[1:]) - np.searchsorted(wanted, bases[:-1])
@@ -605,48 +500,36 @@ def _train(
     mine = assign(sizes, ctx.size)[ctx.rank]
     got: dict[int, str] = {}
     for i in mine:
-        comm.check_peers()
+        ctx.check_peers()
         lo, hi = bases[i], bases[i + 1]
         want = wanted[np.searchsorted(wanted, lo) : np.searchsorted(wanted, hi)] - lo
-        got.update(_collect(ctx, units[i], _unit_limit(plan, i), want, int(lo)))
-    parts = comm.gather(got, "tokenizer sample")
-    tok_info: dict[str, Any] = {}
-    proto = b""
-    if ctx.rank == 0:
-        pieces: dict[int, str] = {}
-        for p in parts or []:
-            pieces.update(p)
-        sample = [pieces[int(t)] for t in slots]
-        if not sample:
-            raise DataPrepError(
-                f"the corpus is empty: {total.docs} documents from {cfg.sources} hold no "
-                "non-blank text"
-            )
-        sampled = {
-            "corpus_lines": total.lines,
-            "corpus_bytes": total.line_bytes,
-            "long_lines": total.long,
-            "sampled_lines": len(sample),
-            "sampled_bytes": sum(len(s.encode("utf-8")) for s in sample),
-        }
-
-        _log(cfg, f"tokenizer sample drawn across {ctx.size} ranks")
-        _sp, tok_info = train_on_sample(cfg, sample, sampled, t0)
-        dest = os.path.join(cfg.out, TOKENIZER)
-        with open(dest, "rb") as f:
-            proto = f.read()
-    return comm.bcast((proto, tok_info), "tokenizer")
+        got.update(_collect(run.source, units[i], _unit_limit(plan, i), want, int(lo)))
+    parts = ctx.gather(got, "tokenizer sample")
+    if ctx.rank != 0:
+        return None
+    pieces: dict[int, str] = {}
+    for p in parts or []:
+        pieces.update(p)
+    sample = [pieces[int(t)] for t in slots]
+    sampled = {
+        "corpus_lines": total.lines,
+        "corpus_bytes": total.line_bytes,
+        "long_lines": total.long_lines,
+        "sampled_lines": len(sample),
+        "sampled_bytes": sum(len(s.encode("utf-8")) for s in sample),
+    }
+    return sample, sampled, t0, total
 
 
 def _collect(
-    ctx: _Ctx, unit: Unit, limit: int | None, want: np.ndarray, base: int
+    source: Source, unit: Unit, limit: int | None, want: np.ndarray, base: int
 ) -> dict[int, str]:
     """The training lines of ``unit`` with local indices ``want`` (sorted), keyed globally."""
-    ctx.source.stats = SourceStats()
+    source.stats = SourceStats()
     out: dict[int, str] = {}
     n = 0
     j = 0
-    for doc in unit_docs(ctx.source, unit, limit):
+    for doc in unit_docs(source, unit, limit):
         for line in document_lines(doc):
             for piece in split_long_line(line):
                 if j < len(want) and want[j] == n:
@@ -658,50 +541,28 @@ def _collect(
     return out
 
 
-def _copy_tokenizer(ctx: _Ctx) -> tuple[Any, dict[str, Any]]:
-    """Rank 0 copies ``--tokenizer``; every rank gets the workers' model (a SentencePiece
-    proto or a Hugging Face payload) and the manifest entry."""
-    cfg = ctx.cfg
-    proto, info = b"", {}
-    if ctx.rank == 0 and hft.is_hf_tokenizer(cfg.tokenizer):
-        proto, info = hft.copy_tokenizer(cfg.tokenizer, cfg.out, cfg.vocab_size)
-    elif ctx.rank == 0:
-        dest = os.path.join(cfg.out, TOKENIZER)
-        sp = copy_given_tokenizer(cfg, dest)
-        info = tokenizer_info(dest, sp, None)
-        with open(dest, "rb") as f:
-            proto = f.read()
-    return ctx.comm.bcast((proto, info), "tokenizer")
-
-
 # ------------------------------------------------------------------------ phase: tokenize
-def _tokenize(
-    ctx: _Ctx,
-    units: list[Unit],
-    plan: dict[str, Any],
-    done: dict[int, Any],
-    proto: Any,
-    dtype: np.dtype,
-) -> tuple[dict[int, dict[str, Any]], int]:
-
-    cfg = ctx.cfg
-    todo = [(i, units[i].size) for i in range(plan["units"]) if i not in done]
+def _tokenize(ctx: Ranks, run: Run) -> dict[int, dict[str, Any]]:
+    """Encode this rank's share of the unfinished units into ``.units/``; returns their
+    records (also each unit's ``u*.json``, written last)."""
+    cfg, dtype, plan = run.cfg, run.dtype, ctx.plan_
+    todo = [(i, ctx.units[i].size) for i in range(plan["units"]) if i not in ctx.done]
     mine = assign(todo, ctx.size)[ctx.rank]
     out: dict[int, dict[str, Any]] = {}
     if not mine:
-        return out, 0
-    os.makedirs(ctx.units_dir, exist_ok=True)
+        return out
+    units_dir = os.path.join(cfg.out, UNITS_DIR)
+    os.makedirs(units_dir, exist_ok=True)
     settings = pk.EncodeSettings(
-        cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name, **ctx.ids
+        cfg.seq_len, cfg.packing, cfg.valid_fraction, cfg.seed, dtype.name, **run.ids
     )
-    encoder = _Encoder(cfg.workers, proto, settings)
-    tokens = 0
+    encoder = _Encoder(cfg.workers, run.model, settings)
     ok = False
     try:
         for n_done, i in enumerate(mine, 1):
-            ctx.source.stats = SourceStats()
-            docs = unit_docs(ctx.source, units[i], _unit_limit(plan, i))
-            stem = os.path.join(ctx.units_dir, f"u{i:06d}")
+            run.source.stats = SourceStats()
+            docs = unit_docs(run.source, ctx.units[i], _unit_limit(plan, i))
+            stem = os.path.join(units_dir, f"u{i:06d}")
             files = {s: open(f"{stem}.{s}.bin.tmp", "wb") for s in pk.SPLITS}
             meta: dict[str, Any] = {
                 "index": i,
@@ -710,8 +571,8 @@ def _tokenize(
                 "splits": {s: {"documents": 0, "content": 0, "pad": 0, "length": 0} for s in pk.SPLITS},
             }  # fmt: skip
             try:
-                for result, tmeta in encoder.map(_tasks(docs, ctx.source, cfg.task_bytes)):
-                    ctx.comm.check_peers()
+                for result, tmeta in encoder.map(_tasks(docs, run.source, cfg.task_bytes)):
+                    ctx.check_peers()
                     for s in pk.SPLITS:
                         part = result["splits"][s]
                         files[s].write(np.ascontiguousarray(part["tokens"], dtype=dtype).tobytes())
@@ -719,7 +580,7 @@ def _tokenize(
                         for key in ("documents", "content", "pad"):
                             m[key] += part[key]
                         m["length"] += len(part["tokens"])
-                        tokens += part["content"]
+                        run.tokens += part["content"]
                     meta["documents"] += tmeta["documents"]
                     meta["empty_documents"] += result["empty"]
                 for f in files.values():
@@ -728,10 +589,10 @@ def _tokenize(
             finally:
                 for f in files.values():
                     f.close()
-            st = ctx.source.stats
-            meta.update(
-                bytes=st.bytes, undecodable_bytes=st.undecodable_bytes, binary_files=st.binary_files
-            )
+            st = run.source.stats
+            meta.update(bytes=st.bytes, undecodable_bytes=st.undecodable_bytes,
+                        binary_files=st.binary_files, binary_examples=st.binary_examples,
+                        undecodable_files=st.undecodable_files)  # fmt: skip
             for s in pk.SPLITS:
                 os.replace(f"{stem}.{s}.bin.tmp", f"{stem}.{s}.bin")
             atomic_write_json(f"{stem}.json", meta)
@@ -741,25 +602,26 @@ def _tokenize(
         ok = True
     finally:
         encoder.close(ok)
-    return out, tokens
+    return out
 
 
 # ------------------------------------------------------------------------ phase: assemble
-def _assemble(
-    ctx: _Ctx, metas: list[dict[str, Any]], dtype: np.dtype, shard_rows: int
-) -> tuple[list[tuple[str, int, dict[str, Any]]], dict[str, Any]]:
-    """Write this rank's shards; returns ``(split, k, entry)`` for each and the run counters."""
-    cfg = ctx.cfg
-    n = cfg.seq_len
-    body = n - 1
+def _count(
+    cfg: Any, metas: list[dict[str, Any]], shard_rows: int
+) -> tuple[dict[str, Any], list[tuple[str, int, int, int, np.ndarray]], SourceStats]:
+    """The run's counters, the shards to write ``(split, k, first row, end row, the units'
+    stream offsets)`` and the counters of the documents read, from the units' records."""
+    body = cfg.seq_len - 1
     counters: dict[str, Any] = {
         "documents_read": sum(m["documents"] for m in metas),
         "bytes": sum(m["bytes"] for m in metas),
         "undecodable_bytes": sum(m["undecodable_bytes"] for m in metas),
         "empty_documents": sum(m["empty_documents"] for m in metas),
         "splits": {},
-        "binary_files": sum(m["binary_files"] for m in metas),
     }
+    stats = SourceStats()
+    for m in metas:
+        stats = stats + SourceStats.from_record(m)
     jobs: list[tuple[str, int, int, int, np.ndarray]] = []
     for s in pk.SPLITS:
         lengths = np.array([m["splits"][s]["length"] for m in metas], dtype=np.int64)
@@ -776,28 +638,12 @@ def _assemble(
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for k in range(-(-rows // shard_rows)):
             jobs.append((s, k, k * shard_rows, min(rows, (k + 1) * shard_rows), offsets))
-    if counters["splits"]["train"]["content"] + counters["splits"]["valid"]["content"] == 0:
-        raise _alike(
-            ctx,
-            f"the corpus is empty: {counters['documents_read']} documents from {cfg.sources} "
-            "produced no tokens",
-        )
-    empty = pk.empty_split(counters, cfg.valid_fraction, cfg.max_doc_bytes)
-    if empty:  # alike on every rank; rank 0 removes the run (the fix changes the options)
-        ctx.created = ctx.made_out
-        raise _alike(ctx, empty)
-    for s in pk.SPLITS:  # (after the checks: rank 0 may be removing --out after a refusal)
-        os.makedirs(os.path.join(cfg.out, s), exist_ok=True)
-    entries = []
-    for j, (s, k, r0, r1, offsets) in enumerate(jobs):
-        if j % ctx.size != ctx.rank:
-            continue
-        ctx.comm.check_peers()
-        entries.append((s, k, _write_shard(ctx, s, k, r0, r1, offsets, dtype)))
-    return entries, counters
+    return counters, jobs, stats
 
 
-def _read_stream(ctx: _Ctx, split: str, lo: int, hi: int, offsets: np.ndarray, dtype, width: int):
+def _read_stream(
+    units_dir: str, split: str, lo: int, hi: int, offsets: np.ndarray, dtype, width: int
+):
     """Items ``[lo, hi)`` of a split's concatenated unit streams (item = ``width`` tokens)."""
     parts = []
     first = int(np.searchsorted(offsets, lo, side="right")) - 1
@@ -808,7 +654,7 @@ def _read_stream(ctx: _Ctx, split: str, lo: int, hi: int, offsets: np.ndarray, d
         s, e = max(lo, a), min(hi, b)
         if e <= s:
             continue
-        path = os.path.join(ctx.units_dir, f"u{u:06d}.{split}.bin")
+        path = os.path.join(units_dir, f"u{u:06d}.{split}.bin")
         count = (e - s) * width
         arr = np.fromfile(path, dtype=dtype, count=count, offset=(s - a) * width * dtype.itemsize)
         if len(arr) != count:
@@ -819,8 +665,9 @@ def _read_stream(ctx: _Ctx, split: str, lo: int, hi: int, offsets: np.ndarray, d
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def _write_shard(ctx: _Ctx, split: str, k: int, r0: int, r1: int, offsets, dtype) -> dict[str, Any]:
-    cfg = ctx.cfg
+def _write_shard(run: Run, split: str, k: int, r0: int, r1: int, offsets) -> dict[str, Any]:
+    cfg, dtype, ids = run.cfg, run.dtype, run.ids
+    units_dir = os.path.join(cfg.out, UNITS_DIR)
     n = cfg.seq_len
     rel = f"{split}/{shard_name(k)}"
     final = os.path.join(cfg.out, rel)
@@ -831,14 +678,14 @@ def _write_shard(ctx: _Ctx, split: str, k: int, r0: int, r1: int, offsets, dtype
     if cfg.packing == "full":
         body = n - 1
         total = int(offsets[-1])
-        tok = _read_stream(ctx, split, r0 * body, min(r1 * body, total), offsets, dtype, 1)
-        flat = np.full(nrows * body, ctx.ids["pad_id"], dtype=dtype)
+        tok = _read_stream(units_dir, split, r0 * body, min(r1 * body, total), offsets, dtype, 1)
+        flat = np.full(nrows * body, ids["pad_id"], dtype=dtype)
         flat[: len(tok)] = tok
         rows = np.empty((nrows, n), dtype=dtype)
-        rows[:, 0] = ctx.ids["cls_id"]
+        rows[:, 0] = ids["cls_id"]
         rows[:, 1:] = flat.reshape(nrows, body)
     else:
-        rows = _read_stream(ctx, split, r0, r1, offsets, dtype, n).reshape(nrows, n)
+        rows = _read_stream(units_dir, split, r0, r1, offsets, dtype, n).reshape(nrows, n)
     data = rows.tobytes()
     h = hashlib.sha256(header)
     h.update(data)

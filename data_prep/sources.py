@@ -49,17 +49,58 @@ BINARY_CONTROL_FRACTION = 0.05
 _CONTROL = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
 
 
+EXAMPLES = 3  # files named in a warning (binary_examples, undecodable_files)
+
+
 @dataclass
 class SourceStats:
-    """Counters filled while a source is read (main process only)."""
+    """Counters of reading a source, a work unit of it, or its documents up to one (the
+    main process only): the manifest's source counts, the warnings' examples, and what the
+    ``--max-*`` cut and the tokenizer sample need (``lines`` ... ``pieces``: counted by whoever
+    reads the training lines, :func:`data_prep.parallel.scan_unit`). ``a + b``: the counters
+    of ``a`` then ``b``."""
 
     documents: int = 0
     bytes: int = 0
     undecodable_bytes: int = 0
     files: int = 0
     binary_files: int = 0  # plain-text inputs skipped because they are not text
+    lines: int = 0  # non-blank lines (the tokenizer's corpus)
+    line_bytes: int = 0  # their UTF-8 bytes
+    long_lines: int = 0  # lines split for the tokenizer (over MAX_SENTENCE_BYTES)
+    pieces: int = 0  # tokenizer training lines (after splitting long lines)
     binary_examples: list[str] = field(default_factory=list)  # the first few of them
     undecodable_files: list[str] = field(default_factory=list)  # the first few with U+FFFD
+
+    def __add__(self, other: "SourceStats") -> "SourceStats":
+        ints = {k: getattr(self, k) + getattr(other, k) for k in _COUNTS}
+        return SourceStats(
+            **ints,
+            binary_examples=(self.binary_examples + other.binary_examples)[:EXAMPLES],
+            undecodable_files=_first(self.undecodable_files + other.undecodable_files),
+        )
+
+    def copy(self) -> "SourceStats":
+        """The counters as they stand now."""
+        return self + SourceStats()
+
+    def record(self) -> dict[str, Any]:
+        """A JSON-able record (a work unit's file); :meth:`from_record` reads it back."""
+        return {k: getattr(self, k) for k in (*_COUNTS, "binary_examples", "undecodable_files")}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "SourceStats":
+        names = (*_COUNTS, "binary_examples", "undecodable_files")
+        return cls(**{k: record[k] for k in names if k in record})
+
+
+_COUNTS = ("documents", "bytes", "undecodable_bytes", "files", "binary_files", "lines",
+           "line_bytes", "long_lines", "pieces")  # fmt: skip
+
+
+def _first(names: list[str]) -> list[str]:
+    """The first :data:`EXAMPLES` distinct names, in order."""
+    return list(dict.fromkeys(names))[:EXAMPLES]
 
 
 _ESCAPED = re.compile("[\udc80-\udcff]")  # undecodable bytes under "surrogateescape"
@@ -407,19 +448,6 @@ class Source:
         parts[0] = RowGroups(path, head.start, head.end, head.nbytes + size - sum(sizes))
         return parts
 
-    def hf_shards(self, spec: str, unit_bytes: int) -> tuple[int, int]:
-        """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved
-        dataset into about ``unit_bytes`` of Arrow data each, a streamed one into its files."""
-        hf = parse_hf(spec)
-        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
-        if is_saved_dataset(hf.name):
-            ds = self._load_saved(hf, where)
-            rows, nbytes = len(ds), int(ds.data.nbytes)
-            n = max(1, min(rows, -(-nbytes // unit_bytes)))
-            return n, -(-nbytes // n)
-        ds = self._load_hub(hf, where)
-        return max(1, int(ds.n_shards)), unit_bytes
-
     # ------------------------------------------------------------------------------ readers
     def iter_file(self, path: str) -> Iterator[str]:
         """The documents of one local file, read by the format its suffix names (plain text if
@@ -439,12 +467,12 @@ class Source:
         with open(path, "rb") as f:
             if looks_binary(f.read(SNIFF_BYTES), self.encoding):
                 self.stats.binary_files += 1
-                if len(self.stats.binary_examples) < 3:
+                if len(self.stats.binary_examples) < EXAMPLES:
                     self.stats.binary_examples.append(path)
                 return
             f.seek(0)
             yield from self._read_text(f, size)
-        if self.stats.undecodable_bytes > before and len(self.stats.undecodable_files) < 3:
+        if self.stats.undecodable_bytes > before and len(self.stats.undecodable_files) < EXAMPLES:
             self.stats.undecodable_files.append(path)
 
     def _iter_text_range(self, path: str, start: int, end: int) -> Iterator[str]:
@@ -455,7 +483,7 @@ class Source:
             f.seek(start)
             yield from self._read_text(f, os.path.getsize(path), end - start)
         listed = self.stats.undecodable_files
-        if self.stats.undecodable_bytes > before and len(listed) < 3 and path not in listed:
+        if self.stats.undecodable_bytes > before and len(listed) < EXAMPLES and path not in listed:
             listed.append(path)
 
     def _read_text(self, f: Any, size: int, limit: int | None = None) -> Iterator[str]:
@@ -568,81 +596,6 @@ class Source:
                 text = self._text_value(value, path)
                 if text is not None:
                     yield text
-
-    def iter_hf(self, hf: HFSpec, shard: tuple[int, int] | None = None) -> Iterator[str]:
-        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
-        if is_saved_dataset(hf.name):
-            rows = self._saved_dataset_rows(hf, where, shard)
-            first = next(rows, None)
-        else:
-            rows, first = self._hub_rows(hf, where, shard)
-        if first is None:
-            return
-        if self.text_column not in first:
-            raise self._column_error(where, first.keys())
-        for i, row in enumerate(_chain_first(first, rows)):
-            text = self._text_value(row[self.text_column], f"{where} row {i}")
-            if text is not None:
-                yield text
-
-    @staticmethod
-    def _load_saved(hf: HFSpec, where: str) -> Any:
-        """The ``Dataset`` of a directory written by ``Dataset(Dict).save_to_disk``."""
-        import datasets
-
-        try:
-            ds = datasets.load_from_disk(hf.name)
-        except Exception as e:
-            raise DataPrepError(f"could not load {where}: {type(e).__name__}: {e}") from e
-        if isinstance(ds, datasets.DatasetDict):
-            if hf.split not in ds:
-                raise DataPrepError(
-                    f"{where}: the saved dataset has no split {hf.split!r} (splits: "
-                    f"{', '.join(sorted(ds))}); name one as hf:PATH::SPLIT"
-                )
-            ds = ds[hf.split]
-        return ds
-
-    @classmethod
-    def _saved_dataset_rows(
-        cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None
-    ) -> Iterator[Any]:
-        """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
-        ds = cls._load_saved(hf, where)
-        if shard is not None:
-            ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
-        return iter(ds)
-
-    @staticmethod
-    def _load_hub(hf: HFSpec, where: str) -> Any:
-        """``load_dataset`` streamed: a Hub name, or a local directory of data files."""
-        try:
-            import datasets
-
-            return datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
-        except Exception as e:
-            raise DataPrepError(
-                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
-                "or the Hub is unreachable, download the data elsewhere and pass local files "
-                "(text, .jsonl, .csv, .parquet) to --source instead."
-            ) from e
-
-    @classmethod
-    def _hub_rows(cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None):
-        """Rows (and the first row) of a streamed dataset, or of one of its shards."""
-        ds = cls._load_hub(hf, where)
-        try:
-            if shard is not None:
-                ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
-            rows = iter(ds)
-            first = next(rows, None)
-        except Exception as e:
-            raise DataPrepError(
-                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
-                "or the Hub is unreachable, download the data elsewhere and pass local files "
-                "(text, .jsonl, .csv, .parquet) to --source instead."
-            ) from e
-        return rows, first
 
 
 def is_saved_dataset(path: str) -> bool:
@@ -845,11 +798,11 @@ class HFKind(SourceKind):
         return parse_hf(spec)
 
     def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
-        n, size = source.hf_shards(spec, unit_bytes)
+        n, size = self.shards(spec, unit_bytes)
         return [((n, i), size) for i in range(n)]
 
     def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
-        return source.iter_hf(parse_hf(spec), part)
+        return self.texts(source, parse_hf(spec), part)
 
     def describe(self, spec: str, source: Source) -> dict[str, Any]:
         hf = parse_hf(spec)
@@ -863,6 +816,98 @@ class HFKind(SourceKind):
 
     def roots(self, spec: str) -> list[str]:
         return [spec[3:].split(":")[0]]
+
+    @classmethod
+    def shards(cls, spec: str, unit_bytes: int) -> tuple[int, int]:
+        """``(num_shards, bytes per shard)`` to split an ``hf:`` spec into work units: a saved
+        dataset into about ``unit_bytes`` of Arrow data each, a streamed one into its files."""
+        hf = parse_hf(spec)
+        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
+        if is_saved_dataset(hf.name):
+            ds = cls._load_saved(hf, where)
+            rows, nbytes = len(ds), int(ds.data.nbytes)
+            n = max(1, min(rows, -(-nbytes // unit_bytes)))
+            return n, -(-nbytes // n)
+        ds = cls._load_hub(hf, where)
+        return max(1, int(ds.n_shards)), unit_bytes
+
+    def texts(
+        self, source: Source, hf: HFSpec, shard: tuple[int, int] | None = None
+    ) -> Iterator[str]:
+        """The text column of the dataset's rows (of one contiguous shard of them)."""
+        where = f"Hugging Face dataset {hf.name!r} (config {hf.config!r}, split {hf.split!r})"
+        if is_saved_dataset(hf.name):
+            rows = self._saved_dataset_rows(hf, where, shard)
+            first = next(rows, None)
+        else:
+            rows, first = self._hub_rows(hf, where, shard)
+        if first is None:
+            return
+        if source.text_column not in first:
+            raise source._column_error(where, first.keys())
+        for i, row in enumerate(_chain_first(first, rows)):
+            text = source._text_value(row[source.text_column], f"{where} row {i}")
+            if text is not None:
+                yield text
+
+    @staticmethod
+    def _load_saved(hf: HFSpec, where: str) -> Any:
+        """The ``Dataset`` of a directory written by ``Dataset(Dict).save_to_disk``."""
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(hf.name)
+        except Exception as e:
+            raise DataPrepError(f"could not load {where}: {type(e).__name__}: {e}") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if hf.split not in ds:
+                raise DataPrepError(
+                    f"{where}: the saved dataset has no split {hf.split!r} (splits: "
+                    f"{', '.join(sorted(ds))}); name one as hf:PATH::SPLIT"
+                )
+            ds = ds[hf.split]
+        return ds
+
+    @classmethod
+    def _saved_dataset_rows(
+        cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None
+    ) -> Iterator[Any]:
+        """Rows of a directory written by ``Dataset(Dict).save_to_disk`` (memory-mapped Arrow)."""
+        ds = cls._load_saved(hf, where)
+        if shard is not None:
+            ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
+        return iter(ds)
+
+    @staticmethod
+    def _load_hub(hf: HFSpec, where: str) -> Any:
+        """``load_dataset`` streamed: a Hub name, or a local directory of data files."""
+        try:
+            import datasets
+
+            return datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
+        except Exception as e:
+            raise DataPrepError(
+                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
+                "or the Hub is unreachable, download the data elsewhere and pass local files "
+                "(text, .jsonl, .csv, .parquet) to --source instead."
+            ) from e
+
+    @classmethod
+    def _hub_rows(cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None):
+        """Rows (and the first row) of a streamed dataset, or of one of its shards."""
+        ds = cls._load_hub(hf, where)
+        try:
+            if shard is not None:
+                ds = ds.shard(num_shards=shard[0], index=shard[1], contiguous=True)
+            rows = iter(ds)
+            first = next(rows, None)
+        except Exception as e:
+            raise DataPrepError(
+                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
+                "or the Hub is unreachable, download the data elsewhere and pass local files "
+                "(text, .jsonl, .csv, .parquet) to --source instead."
+            ) from e
+        return rows, first
 
 
 _SOURCE_KINDS: list[SourceKind] = [StdlibKind(), HFKind()]

@@ -22,7 +22,13 @@ from data_prep import packing as pk
 from data_prep.doc_stats import split_documents
 from data_prep.errors import DataPrepError
 from data_prep.shards import ShardWriter
-from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, check_encoding, source_kind
+from data_prep.sources import (
+    DEFAULT_MAX_DOC_BYTES,
+    Source,
+    SourceStats,
+    check_encoding,
+    source_kind,
+)
 from data_prep.tokenizer import (
     MAX_SENTENCE_BYTES,
     MODEL_TYPES,
@@ -31,7 +37,6 @@ from data_prep.tokenizer import (
     file_sha256,
     load_tokenizer,
     round_trip,
-    sample_sentences,
     tokenizer_info,
     train_tokenizer,
 )
@@ -218,63 +223,81 @@ def options_diff(saved: Any, new: dict[str, Any]) -> str:
     return ", ".join(parts) or "the same options in another form"
 
 
-def _prepare_out_dir(cfg: PrepConfig) -> tuple[dict[str, Any] | None, bool]:
-    """Check/clear the output directory; returns (progress state to resume or None, created)."""
+def partial_dir(out: str) -> str:
+    """Where a run builds ``--out`` until it is complete: ``.<out>.data_prep-partial`` beside
+    it (the same name for every run with that ``--out``: ``--resume`` continues the work
+    there); renamed to ``--out`` at the end (:func:`data_prep.driver.publish`)."""
+    out = os.path.abspath(out)
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.data_prep-partial")
+
+
+def _prepare_out_dir(cfg: PrepConfig) -> tuple[dict[str, Any] | None, str]:
+    """Check ``--out`` and prepare the partial directory; returns (the progress state of the
+    interrupted run to resume or None, the partial directory)."""
     out = cfg.out
     inputs = [("--source", p) for p in source_roots(cfg.sources)] + [("--tokenizer", cfg.tokenizer)]
     try:  # --out never replaces what data_prep did not create, nor lies in an input
         outdir.check_out(out, "data_prep", inputs, cfg.overwrite, cfg.resume)
     except outdir.OutDirError as e:
         raise DataPrepError(str(e)) from None
+    work = partial_dir(out)
     entries = os.listdir(out) if os.path.isdir(out) else []
     has_manifest = MANIFEST in entries
-    has_progress = PROGRESS in entries
-    if entries and cfg.overwrite:
-        shutil.rmtree(out)
-        entries = []
-    elif entries and cfg.resume:
-        if has_manifest:
-            raise DataPrepError(
-                f"--out {out!r} already holds a finished run ({MANIFEST}); "
-                "nothing to resume (use --overwrite to rebuild)"
-            )
-        if not has_progress:
-            raise DataPrepError(
-                f"cannot --resume: {out!r} holds no {PROGRESS} from an interrupted run"
-            )
+    in_place = PROGRESS in entries and not has_manifest  # interrupted before partial_dir was used
+    has_partial = os.path.isfile(os.path.join(work, PROGRESS))
+    if cfg.overwrite:  # the old output stays until the new one replaces it
+        shutil.rmtree(work, ignore_errors=True)
+    elif cfg.resume:
+        where = work if has_partial else out if in_place else None
+        if where is None:
+            if has_manifest:
+                raise DataPrepError(
+                    f"--out {out!r} already holds a finished run ({MANIFEST}); "
+                    "nothing to resume (use --overwrite to rebuild)"
+                )
+            if entries:
+                raise DataPrepError(
+                    f"cannot --resume: {out!r} holds no {PROGRESS} from an interrupted run"
+                )
+            raise DataPrepError(f"cannot --resume: {out!r} holds no interrupted run")
         try:
-            with open(os.path.join(out, PROGRESS)) as f:
+            with open(os.path.join(where, PROGRESS)) as f:
                 state = json.load(f)
         except (OSError, ValueError) as e:
             raise DataPrepError(
-                f"cannot --resume: {os.path.join(out, PROGRESS)} is unreadable ({e}); rerun "
+                f"cannot --resume: {os.path.join(where, PROGRESS)} is unreadable ({e}); rerun "
                 "with --overwrite"
             ) from None
         saved = state.get("fingerprint") if isinstance(state, dict) else None
         if saved != cfg.fingerprint():
             raise DataPrepError(
-                f"cannot --resume: the interrupted run in {out!r} used different options "
+                f"cannot --resume: the interrupted run in {where!r} used different options "
                 f"({options_diff(saved, cfg.fingerprint())}); rerun with the same options or "
                 "--overwrite"
             )
-        return state, False
+        if where == out:  # a run of an earlier version, built in --out: continue it in work
+            shutil.rmtree(work, ignore_errors=True)
+            os.replace(out, work)
+        return state, work
+    elif has_partial or in_place:
+        raise DataPrepError(
+            f"--out {out!r} holds an interrupted data_prep run (in {work if has_partial else out};"
+            " pass --resume to continue it); pass --overwrite to start over"
+        )
     elif entries:
-        if has_manifest:
-            why = "already holds a finished data_prep output"
-        elif has_progress:
-            why = "holds an interrupted data_prep run (pass --resume to continue it)"
-        else:
-            why = "exists and is not empty"
+        why = (
+            "already holds a finished data_prep output"
+            if has_manifest
+            else "exists and is not empty"
+        )
         raise DataPrepError(f"--out {out!r} {why}; pass --overwrite to start over")
-    elif cfg.resume:
-        raise DataPrepError(f"cannot --resume: {out!r} holds no interrupted run")
-    created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # (a directory without progress.json: no run)
+    os.makedirs(work)
     # Mark the directory as ours at once, so that a run interrupted while training the
     # tokenizer can still be resumed (from the start) or overwritten.
     # (progress.json, then manifest.json, are data_prep's marker: outdir.identify)
-    atomic_write_json(os.path.join(out, PROGRESS), {"fingerprint": cfg.fingerprint()})
-    return None, created
+    atomic_write_json(os.path.join(work, PROGRESS), {"fingerprint": cfg.fingerprint()})
+    return None, work
 
 
 def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
@@ -291,44 +314,26 @@ def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------------- tokenizer
-def _get_tokenizer(cfg: PrepConfig, state: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizer, manifest entry)``: a SentencePieceProcessor, or the workers'
-    :class:`~data_prep.hf_tokenizer.HFPayload` of a Hugging Face tokenizer directory."""
-    dest = os.path.join(cfg.out, TOKENIZER)
-    if state is not None:
-        saved = state["tokenizer"]
-        if saved.get("kind") == hft.KIND:
-            dest = os.path.join(cfg.out, saved["file"])
-        if not os.path.isfile(dest) or file_sha256(dest) != saved["sha256"]:
-            raise DataPrepError(f"cannot resume: {dest!r} changed since the interrupted run")
-        if saved.get("kind") == hft.KIND:
-            return hft.saved(cfg.out, saved)[0], saved
-        return load_tokenizer(dest), state["tokenizer"]
-    trained = None
-    if cfg.tokenizer is not None and hft.is_hf_tokenizer(cfg.tokenizer):
+def resumed_tokenizer(out: str, info: dict[str, Any]) -> Any:
+    """The workers' model (:func:`data_prep.packing.init_worker`) of the tokenizer an
+    interrupted run saved in ``out`` (``info``: its manifest entry), checked unchanged."""
+    path = os.path.join(out, info.get("file", TOKENIZER))
+    if not os.path.isfile(path) or file_sha256(path) != info["sha256"]:
+        raise DataPrepError(f"cannot resume: {path!r} changed since the interrupted run")
+    if info.get("kind") == hft.KIND:
+        return hft.saved(out, info)[0]
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def given_tokenizer(cfg: PrepConfig) -> tuple[Any, dict[str, Any]]:
+    """Copy ``--tokenizer`` into ``cfg.out``: ``(the workers' model, manifest entry)``."""
+    if hft.is_hf_tokenizer(cfg.tokenizer):
         return hft.copy_tokenizer(cfg.tokenizer, cfg.out, cfg.vocab_size)
-    if cfg.tokenizer is not None:
-        sp = copy_given_tokenizer(cfg, dest)
-    else:
-        t0 = time.time()
-        source = Source(cfg.sources, cfg.text_column, cfg.max_doc_bytes, cfg.encoding)
-        sampled: dict[str, int] = {}
-        sentences = sample_sentences(
-            _limited(cfg, source), cfg.max_sentences_for_tokenizer, cfg.seed, sampled
-        )
-        if not sentences:
-            raise DataPrepError(
-                f"the corpus is empty: {source.stats.documents} documents from {cfg.sources} "
-                "hold no non-blank text"
-                + (
-                    f" ({source.stats.binary_files} file(s) skipped as not text, e.g. "
-                    f"{source.stats.binary_examples[0]})"
-                    if source.stats.binary_files
-                    else ""
-                )
-            )
-        return train_on_sample(cfg, sentences, sampled, t0)
-    return sp, tokenizer_info(dest, sp, trained)
+    dest = os.path.join(cfg.out, TOKENIZER)
+    sp = copy_given_tokenizer(cfg, dest)
+    with open(dest, "rb") as f:
+        return f.read(), tokenizer_info(dest, sp, None)
 
 
 def copy_given_tokenizer(cfg: PrepConfig, dest: str):
@@ -353,7 +358,8 @@ def copy_given_tokenizer(cfg: PrepConfig, dest: str):
 def train_on_sample(
     cfg: PrepConfig, sentences: list[str], sampled: dict[str, int], t0: float
 ) -> tuple[Any, dict[str, Any]]:
-    """Train ``OUT/tokenizer.model`` on the sample; returns it and its manifest entry.
+    """Train ``OUT/tokenizer.model`` on the sample; returns the workers' model (its bytes)
+    and its manifest entry.
 
     ``sampled`` holds the sample's counters (see :func:`sample_sentences`); ``t0`` is when the
     sampling began (the manifest's ``seconds``)."""
@@ -389,15 +395,8 @@ def train_on_sample(
         "threads": cfg.tokenizer_threads,
         "seconds": round(time.time() - t0, 2),
     }
-    return sp, tokenizer_info(dest, sp, trained)
-
-
-def worker_model(tokenizer: Any) -> Any:
-    """What :func:`data_prep.packing.init_worker` loads: the SentencePiece model proto, or
-    the Hugging Face payload as it is."""
-    if isinstance(tokenizer, hft.HFPayload):
-        return tokenizer
-    return tokenizer.serialized_model_proto()
+    with open(dest, "rb") as f:
+        return f.read(), tokenizer_info(dest, sp, trained)
 
 
 # ------------------------------------------------------------------------------- encoding
@@ -506,6 +505,7 @@ def _documents_done(out: str) -> int:
 def _manifest(
     cfg: PrepConfig,
     source: Source,
+    stats: SourceStats,
     tok_info: dict[str, Any],
     vocab_size: int,
     dtype: np.dtype,
@@ -565,7 +565,7 @@ def _manifest(
             "bytes": counters["bytes"],
             "undecodable_bytes": counters["undecodable_bytes"],
             "encoding": cfg.encoding,
-            "binary_files_skipped": source.stats.binary_files,
+            "binary_files_skipped": stats.binary_files,
             "max_docs": cfg.max_docs,
             "max_bytes": cfg.max_bytes,
             "max_doc_bytes": cfg.max_doc_bytes,
