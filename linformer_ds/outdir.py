@@ -20,10 +20,10 @@ existing parent that is not a writable directory), and each command calls it bef
 before it takes its lock.
 
 Replacing goes through a sibling temporary directory and renames (:func:`swap_in`), so a failed
-write leaves the previous output whole. data_prep is the exception: its ``--out`` is its own
-staging area (``progress.json`` from the first moment, ``manifest.json`` written last marks it
-finished, and a reader refuses a directory without it), so that an interrupted run can be
-continued with ``--resume``; its ``--overwrite`` deletes the previous output first.
+write leaves the previous output whole. data_prep stages in a directory of a fixed name,
+``.<out>.data_prep-partial`` beside ``--out`` (:func:`data_prep.steps.partial_dir`), so that an
+interrupted run can be continued there with ``--resume``; it too is swapped in only when
+complete.
 
 The commands' one-line failures come from here too (:func:`error_line`, :func:`write_error`,
 :func:`fail`). Standard library only (data_prep imports it).

@@ -355,15 +355,16 @@ def test_interrupted_run_resumes_to_identical_output(corpus, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "r", [str(corpus["dir"])], **kw)
     out = tmp_path / "r"
-    assert not (out / "manifest.json").exists()
-    progress = json.loads((out / "progress.json").read_text())
+    work = tmp_path / ".r.data_prep-partial"  # the run's work until it is complete
+    assert not out.exists()  # --out appears only whole
+    progress = json.loads((work / "progress.json").read_text())
     done = progress["writers"]["train"]["shards"]
     if where == "between_tasks":
         assert progress["counters"]["documents_read"] > 0 and len(done) >= 1
-    complete = sorted(p.name for p in (out / "train").glob("*.npy"))
+    complete = sorted(p.name for p in (work / "train").glob("*.npy"))
     assert complete[: len(done)] == [Path(s["file"]).name for s in done]
     for s in done:  # finished shards are complete
-        assert sha256(out / s["file"]) == s["sha256"]
+        assert sha256(work / s["file"]) == s["sha256"]
     monkeypatch.undo()
     with pytest.raises(DataPrepError, match="interrupted data_prep run"):
         run(tmp_path, "r", [str(corpus["dir"])], **kw)
@@ -376,6 +377,7 @@ def test_interrupted_run_resumes_to_identical_output(corpus, tmp_path, monkeypat
     assert m["source"]["bytes"] == corpus["manifest"]["source"]["bytes"]
     assert not (out / "progress.json").exists()
     assert not list(out.rglob("*.partial"))
+    assert not work.exists()
 
 
 def test_interrupted_tokenizer_training_resumes(corpus, tmp_path, monkeypatch):
@@ -384,7 +386,8 @@ def test_interrupted_tokenizer_training_resumes(corpus, tmp_path, monkeypatch):
     _interrupt_on_call(monkeypatch, steps, "train_tokenizer", 1)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "t", [str(corpus["dir"])], shard_rows=7)
-    assert (tmp_path / "t" / "progress.json").exists()
+    assert (tmp_path / ".t.data_prep-partial" / "progress.json").exists()
+    assert not (tmp_path / "t").exists()
     monkeypatch.undo()
     m = run(tmp_path, "t", [str(corpus["dir"])], shard_rows=7, resume=True)
     assert m["tokenizer"]["sha256"] == corpus["manifest"]["tokenizer"]["sha256"]

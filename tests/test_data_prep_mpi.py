@@ -193,15 +193,17 @@ def test_mpirun_rank_killed_then_resumed_on_other_ranks(corpus, tmp_path):
     proc = launch([*mpirun_cmd(2), *base], clean_env(**{DIE_ENV: "1:1"}))
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "signal 9" in proc.stderr, proc.stderr[-2000:]
-    assert not (out / "manifest.json").exists() and (out / "progress.json").exists()
-    done = len(list((out / ".units").glob("u*.json")))
+    work = tmp_path / ".out.data_prep-partial"  # the run's work until it is complete
+    assert not out.exists() and (work / "progress.json").exists()
+    done = len(list((work / ".units").glob("u*.json")))
     assert done >= 1
     one_process = [*args(corpus, out, local=True)[2:], "--workers", "0", "--resume"]
     assert data_prep_main(one_process) == 2  # resumed the way it was started, or not at all
-    assert not (out / "manifest.json").exists()
+    assert not out.exists() and (work / "progress.json").exists()
     proc = launch([*mpirun_cmd(4), *base, "--resume"], clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tree(out) == corpus["refs"]["local"]
+    assert not work.exists()
 
 
 # ------------------------------------------------------------------- srun's file transport

@@ -237,7 +237,8 @@ def test_interrupted_run_resumes_to_the_same_bytes(env, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepare(PrepConfig(out=str(tmp_path / "r"), **kw))
     monkeypatch.undo()
-    progress = json.loads((tmp_path / "r" / "progress.json").read_text())
+    assert not (tmp_path / "r").exists()  # --out appears only whole; the work is beside it
+    progress = json.loads((tmp_path / ".r.data_prep-partial" / "progress.json").read_text())
     assert progress["counters"]["documents_read"] > 0
     prepare(PrepConfig(out=str(tmp_path / "r"), resume=True, **kw))
     assert files(tmp_path / "r") == files(tmp_path / "one")

@@ -10,7 +10,8 @@ fine-tuned model) and new names inside them, an empty path, a NUL byte, a read-o
 with generated file names and ``--overwrite`` drawn on or off wherever it leaves the output bad:
 one stderr line that names the output flag, a non-zero exit, and every file that existed before
 byte for byte with nothing added (no temporary name or lock file left). Ctrl-C during the work
-exits 130 with one line and leaves no partial output (a real SIGINT to launch/finetune.py); a
+exits 130 with one line and leaves no partial output (a real SIGINT to launch/finetune.py, and
+to ``python -m data_prep``, whose ``--resume`` then completes to an uninterrupted run's bytes); a
 replaced file is swapped in whole."""
 
 import json
@@ -427,3 +428,87 @@ def test_staged_writes_swap_in_whole_or_not_at_all(tmp_path_factory, data, fail,
     else:
         assert out.read_bytes() == data
         assert names == (["model.onnx", "model.onnx.data"] if extra else ["model.onnx"])
+
+
+SLOW_DATA_PREP = """
+import sys, time
+import data_prep.packing as pk
+import data_prep.pipeline as pipeline
+from data_prep.__main__ import main
+encode, tasks = pk.encode_task, pipeline._tasks
+
+def slow(texts):  # a slow machine: the test's SIGINT lands between tasks, midway
+    time.sleep(0.3)
+    return encode(texts)
+
+pk.encode_task = slow
+pipeline._tasks = lambda docs, source, task_bytes: tasks(docs, source, 1500)  # many tasks
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _files(d):
+    return {os.path.relpath(os.path.join(r, n), d): open(os.path.join(r, n), "rb").read()
+            for r, _, names in os.walk(d) for n in names}  # fmt: skip
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "overwrite"])
+def test_sigint_during_data_prep_exits_130_leaves_out_as_it_was_and_resumes(tmp_path, existing):
+    """A real SIGINT to ``python -m data_prep`` while it encodes (one process, the encoding
+    slowed so that the signal lands midway): exit 130, one stderr line, ``--out`` absent (or,
+    with --overwrite, the earlier output byte for byte), the work kept beside it in
+    ``.<out>.data_prep-partial``; ``--resume`` then writes an uninterrupted run's bytes and
+    leaves no partial directory."""
+    from tests.test_data_prep import make_docs, write_text_corpus
+
+    corpus = write_text_corpus(tmp_path / "corpus", make_docs(120, seed=5))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    base = ["--source", str(corpus), "--seq-len", "32", "--valid-fraction", "0.2",
+            "--shard-rows", "5", "--workers", "0", "--quiet"]  # fmt: skip
+
+    def data_prep(out, *extra, slow=False):
+        head = ["-c", SLOW_DATA_PREP] if slow else ["-m", "data_prep"]
+        cmd = [sys.executable, *head, *base, "--out", str(out), *extra]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def done(proc):
+        _, err = proc.communicate(timeout=300)
+        return proc.returncode, err
+
+    assert done(data_prep(tmp_path / "tok", "--vocab-size", "120")) == (0, "")
+    tok = ["--tokenizer", str(tmp_path / "tok" / "tokenizer.model")]
+    assert done(data_prep(tmp_path / "ref", *tok)) == (0, "")
+    out, work = tmp_path / "out", tmp_path / ".out.data_prep-partial"
+    extra = list(tok)
+    if existing:  # an earlier output, replaced only once the new one is whole
+        assert done(data_prep(out, *tok, "--valid-fraction", "0.5")) == (0, "")
+        extra.append("--overwrite")
+    before = _files(out) if existing else None
+    proc = data_prep(out, *extra, slow=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # the first shards are written and checkpointed: midway
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                progress = json.loads((work / "progress.json").read_text())
+            except (OSError, ValueError):
+                progress = {}
+            if progress.get("counters", {}).get("documents_read", 0) > 0:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        rc, err = done(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert rc == 130, err
+    assert err.strip() == "data_prep: interrupted; rerun with --resume to continue", err
+    assert (_files(out) == before) if existing else not out.exists()
+    progress = json.loads((work / "progress.json").read_text())
+    assert 0 < progress["counters"]["documents_read"] < 120  # stopped midway, work kept
+    assert done(data_prep(out, *tok, "--resume")) == (0, "")
+    assert _files(out) == _files(tmp_path / "ref")
+    assert not work.exists() and not (tmp_path / ".out.lock").exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["corpus", "tok", "ref", "out"])
