@@ -119,7 +119,9 @@ def leftovers(root: Path) -> list[str]:
     found = []
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
-            if name.endswith(".lock") or name.startswith((".export-", ".finetune-", ".data_prep-")):
+            if name.endswith((".lock", ".data_prep-partial")) or name.startswith(
+                (".export-", ".finetune-", ".data_prep-")
+            ):
                 found.append(os.path.relpath(os.path.join(dirpath, name), root))
     return found
 
