@@ -193,6 +193,7 @@ def job_overrides(spec: ArmSpec, variant: str = "dense") -> list[str]:
         f"model.hidden_size={c['hidden']}", f"model.num_layers={c['layers']}",
         f"model.num_heads={c['heads']}", f"model.intermediate_size={c['intermediate']}",
         f"model.k={min(c['k'], train.seq_len)}", f"model.dropout={c['dropout']}",
+        f"model.attention_dropout={c['dropout']}",  # the HF arms' attention dropout too
         f"model.pad_token_id={train.pad_id}",
         *variant_overrides(variant),
         f"optimizer.lr={c['lr']}",
@@ -334,7 +335,7 @@ def hf_model(spec: ArmSpec):
 
     cfg = ModernBertConfig(
         intermediate_size=max(1, round(2 * c["intermediate"] / 3)),  # gated: equal FFN work
-        embedding_dropout=c["dropout"], mlp_dropout=c["dropout"], attention_dropout=0.0,
+        embedding_dropout=c["dropout"], mlp_dropout=c["dropout"], attention_dropout=c["dropout"],
         bos_token_id=ds.cls_id, eos_token_id=ds.sep_id, cls_token_id=ds.cls_id,
         sep_token_id=ds.sep_id, **common,
     )  # fmt: skip

@@ -413,6 +413,9 @@ class Resolved:
     seq_len: int
     document_isolation: bool = False  # data.document_isolation decided for the data
     isolation_why: str = ""  # how it was decided (the [setup] line)
+    # data.sources and train.stages resolved (data.stages.Stage, in order): empty when
+    # resolve() was not given them (the data is not known there)
+    stages: tuple[Any, ...] = ()
 
 
 @dataclass

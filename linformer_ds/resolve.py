@@ -25,12 +25,14 @@ def resolve(
     world_size: int,
     seq_len: None | int | Sequence[int] = None,
     packings: Sequence[str] | None = None,
+    stages: Sequence[Any] = (),
 ) -> JobConfig:
     """``cfg`` resolved for ``world_size`` ranks and the data's sequence length ``seq_len`` (the
     N of every stage in order, or one N; None: ``model.max_seq_len``), frozen; ``cfg`` itself is
     left as it was. ``packings``: the ``packing`` of every training source's manifest, which
     decides ``data.document_isolation`` into ``result.resolved`` (:func:`decide_isolation`;
-    None: the data is not known here, isolation off). The first problem is a :class:`ConfigError` naming its key (the
+    None: the data is not known here, isolation off). ``stages``: the run's resolved stages
+    (``data.stages.resolve_stages``), kept in ``result.resolved.stages``. The first problem is a :class:`ConfigError` naming its key (the
     data layer checks the later stages' N). ``result.resolved`` holds the world's figures."""
     job = thawed_copy(cfg)
     if not cfg.__dict__.get("_validated"):  # built by from_dict or by hand, not load_config
@@ -51,7 +53,7 @@ def resolve(
     if packings is not None:  # the setting stays as written (resume compares it as written)
         isolated, why = decide_isolation(job, packings)
     job.__dict__["_resolved"] = Resolved(
-        world_size, data_parallel_size(job, world_size), n, isolated, why
+        world_size, data_parallel_size(job, world_size), n, isolated, why, tuple(stages)
     )
     return freeze(job)
 

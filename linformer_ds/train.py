@@ -33,7 +33,7 @@ from linformer_ds.config import ConfigError, JobConfig, load_config, to_yaml
 from linformer_ds.context_meter import set_output_bias, train_meters, with_mixture_meter
 from linformer_ds.cpu_threads import apply_threads, thread_plan, wait_policy_restart
 from linformer_ds.data.shards import DataError, ShardDataset
-from linformer_ds.data.stages import combine_eval, open_stages, resolve_stages
+from linformer_ds.data.stages import Stage, combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
 from linformer_ds.dirlock import LOCK_NAME, DirLock, LockError, run_dir_locks
 from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
@@ -199,12 +199,11 @@ def print_config(cfg: JobConfig) -> int:
     return 0
 
 
-def data_facts(cfg: JobConfig) -> tuple[list[int], list[str] | None]:
+def data_facts(cfg: JobConfig, stages: list[Stage]) -> tuple[list[int], list[str] | None]:
     """N of every stage of the run (its first source's train split) and the packing of every
     training source, read from the manifests before the data is opened so the config is
     resolved first; empty and None when one cannot be read (opening the data then says why)."""
     try:
-        stages = resolve_stages(cfg)
         # each source's train split opened once for both facts
         opened = {p: ShardDataset(p, cfg.data.train_split) for s in stages for p in s.paths}
         seq_lens = [opened[s.paths[0]].seq_len for s in stages]
@@ -256,8 +255,9 @@ class Trainer:
         self.watchdog.set_phase("data loading")
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
-        seq_lens, packings = data_facts(cfg)
-        self.cfg = cfg = resolve(cfg, self.world, seq_len=seq_lens, packings=packings)
+        stages = resolve_stages(cfg)  # data.sources and train.stages, once for the run
+        seq_lens, packings = data_facts(cfg, stages)
+        self.cfg = cfg = resolve(cfg, self.world, seq_lens, packings, stages)
         check_sinks(cfg)  # logging.sinks: before any data or engine work
         self._build_data()  # data and checkpoints: checked before any collective starts
         d = cfg.debug  # test hooks: only when configured
@@ -293,7 +293,9 @@ class Trainer:
         # data.path or data.sources, in train.stages (one stage by default): every source opened
         # and checked (tokenizer, N per stage, N against the model) before any collective
         evaluating = cfg.train.eval_interval > 0 and cfg.train.eval_batches > 0
-        self.stages, self.train_sets, self.valid_sets = open_stages(cfg, self.world, evaluating)
+        self.stages, self.train_sets, self.valid_sets = open_stages(
+            cfg, self.world, evaluating, cfg.resolved.stages
+        )
         self.train_ds = self.train_sets[self.stages[0].names[0]]  # the tokenizer is shared
         self.isolation = cfg.resolved.document_isolation  # decided by resolve()
         self.run_locks = hold_run_dirs(cfg, self.rank)  # one owner per directory, run's life
@@ -608,7 +610,7 @@ def _main(argv: list[str] | None = None, restart: bool = False) -> int:
     cfg = load_config(args.config, args.overrides)
     if restart:  # OpenMP reads its wait policy only when torch loads: once, before any work
         wait_policy_restart(cfg.train.omp_wait_policy)
-    resolve_stages(cfg)  # data.sources and train.stages: names, weights, end steps
+    resolve_stages(cfg)  # data.sources and train.stages checked before any work (--print-config)
     if args.print_config:
         return print_config(cfg)
     trainer = Trainer(cfg)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +60,7 @@ def is_test_page(source: str, fraction: float) -> bool:
 
 def build(corpus: Path, out: Path, n_train: int, n_test: int, fraction: float, seed: int) -> dict:
     """Write train.jsonl / test.jsonl / task.json under ``out``; returns task.json's dict."""
-    pools: Dict[str, Dict[str, List[str]]] = {"train": {}, "test": {}}
+    pools: dict[str, dict[str, list[str]]] = {"train": {}, "test": {}}
     pages = collections.Counter()
     with open(corpus) as f:
         for line in f:
@@ -76,7 +76,7 @@ def build(corpus: Path, out: Path, n_train: int, n_test: int, fraction: float, s
                     pools[split].setdefault(label, []).append(para)
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
-    counts: Dict[str, Dict[str, int]] = {}
+    counts: dict[str, dict[str, int]] = {}
     for split, n in (("train", n_train), ("test", n_test)):
         rows = []
         for label in CLASSES:
@@ -104,7 +104,7 @@ def build(corpus: Path, out: Path, n_train: int, n_test: int, fraction: float, s
     return task
 
 
-def _run(cmd: List[str], log: Path) -> int:
+def _run(cmd: list[str], log: Path) -> int:
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
@@ -141,7 +141,7 @@ def untrained_checkpoint(cfg: sweep.SweepConfig, arch: str, work: Path, log: Pat
 
 def export_and_finetune(
     ckpt: Path, name: str, task: Path, work: Path, args: argparse.Namespace, log: Path
-) -> Optional[Dict[str, Any]]:
+) -> dict[str, Any] | None:
     """Export ``ckpt`` and fine-tune it on the task; the finetune results (None on failure)."""
     exp, ft = work / "exports" / name, work / "finetuned" / name
     res_path = ft / "finetune_results.json"
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["test_accuracy"] is not None for r in rows) else 1
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Command line: ``build`` or ``run``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -10,14 +10,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ARMS = ("linear", "conv_hybrid", "dense")
 LONG = ("linear_500", "dense_500")  # the optional 500-step points
 PACKING = (("linear", "full, mixed"), ("linear_isolated", "full, isolated"), ("linear_pad", "pad"))
 
 
-def _mean_range(xs: List[float], spec: str = ".4f") -> str:
+def _mean_range(xs: list[float], spec: str = ".4f") -> str:
     """``mean (min-max, n)``, or the value alone for one run."""
     if not xs:
         return "-"
@@ -29,10 +29,10 @@ def _mean_range(xs: List[float], spec: str = ".4f") -> str:
     )
 
 
-def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> str:
+def summary(results: list[dict[str, Any]], down: dict[str, Any] | None) -> str:
     """The markdown tables."""
     ok = [r for r in results if r["status"] == "ok"]
-    by: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    by: dict[str, dict[int, dict[str, Any]]] = {}
     for r in ok:
         by.setdefault(r["variant"], {})[r["seed"]] = r
     md = [
@@ -48,7 +48,7 @@ def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> st
             md.append(f"| {v} | - | not run | | | | | | |")
             continue
 
-        def col(key: str, runs: List[Dict[str, Any]] = runs) -> List[float]:
+        def col(key: str, runs: list[dict[str, Any]] = runs) -> list[float]:
             return [r[key] for r in runs if r.get(key) is not None]
 
         md.append(
@@ -103,7 +103,7 @@ def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> st
             "| model | per seed | mean |",
             "|---|---|---|",
         ]
-        groups: Dict[str, List[Dict[str, Any]]] = {}
+        groups: dict[str, list[dict[str, Any]]] = {}
         for row in down["rows"]:
             key = row["variant"] if row["pretrained"] else f"untrained {row['variant']}"
             groups.setdefault(key, []).append(row)
@@ -119,7 +119,7 @@ def summary(results: List[Dict[str, Any]], down: Optional[Dict[str, Any]]) -> st
     return "\n".join(md) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Write summary.md beside results.json; print it."""
     d = Path((argv or sys.argv[1:])[0])
     results = json.loads((d / "results.json").read_text())

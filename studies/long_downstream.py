@@ -66,8 +66,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SEP = "</s>"  # the tokenizer's sep piece: export tokenizers map it to the sep id (3)
@@ -77,20 +78,20 @@ SPECIAL_PIECES = ("<s>", "</s>", "<pad>", "<unk>", "<mask>")
 
 
 # ======================================================================================== build
-def group_of(rec: Dict[str, Any]) -> str:
+def group_of(rec: dict[str, Any]) -> str:
     """The package a document belongs to: ``source`` up to ``:`` (``"all"`` without one)."""
     src = rec.get("source")
     return str(src).split(":", 1)[0] if src else "all"
 
 
 def split_documents(
-    groups: Dict[str, List[int]], fraction: float, seed: int, least: int = 2
-) -> Dict[int, str]:
+    groups: dict[str, list[int]], fraction: float, seed: int, least: int = 2
+) -> dict[int, str]:
     """``{document index: "train" | "test"}``: per group a seeded ``fraction`` of its documents
     (at least ``least``, leaving at least ``least``: two for pairs, three with a filler) are
     test documents; a group of fewer than 2 x ``least`` documents stays in train."""
     rng = random.Random(f"split:{seed}")
-    side: Dict[int, str] = {}
+    side: dict[int, str] = {}
     for g in sorted(groups):
         docs = sorted(groups[g])
         rng.shuffle(docs)
@@ -110,19 +111,19 @@ def take_tokens(lens: Sequence[int], start: int, budget: int) -> int:
     return end
 
 
-def word_lengths(sp: Any, words: List[str]) -> List[int]:
+def word_lengths(sp: Any, words: list[str]) -> list[int]:
     """Tokens of each word (the tokenizer splits at whitespace, so a text's tokens are the sum
     of its words' tokens; :func:`build` checks this on every part it writes)."""
     return [len(ids) for ids in sp.encode(words)] if words else []
 
 
 def doc_spans(
-    words: List[str], lens: List[int], first: int, gap: int, passage: int, max_spans: int
-) -> List[Dict[str, int]]:
+    words: list[str], lens: list[int], first: int, gap: int, passage: int, max_spans: int
+) -> list[dict[str, int]]:
     """Up to ``max_spans`` consecutive spans (word indices): P = [p0, p1), gap [p1, q0) of more
     than ``gap`` tokens, Q = [q0, q1). A part is kept only when it fills its budget to within
     64 tokens (a very long "word" could leave it short)."""
-    spans: List[Dict[str, int]] = []
+    spans: list[dict[str, int]] = []
     s = 0
     while len(spans) < max_spans and s < len(words):
         p1 = take_tokens(lens, s, first)
@@ -159,7 +160,7 @@ def tail_start(lens: Sequence[int], q0: int, q1: int, budget: int) -> int:
     return start
 
 
-def encode_row(sp: Any, text: str) -> List[int]:
+def encode_row(sp: Any, text: str) -> list[int]:
     """The ids finetune's tokenizer gives ``text``: ``<s>``, the parts between ``</s>`` pieces
     as SentencePiece encodes them, separated by the sep id, ``</s>``."""
     sep = sp.piece_to_id(SEP)
@@ -169,7 +170,7 @@ def encode_row(sp: Any, text: str) -> List[int]:
     return ids + [sep]
 
 
-def pair_spans(spans: List[Tuple[int, int]], rng: random.Random) -> List[Tuple[Any, Any]]:
+def pair_spans(spans: list[tuple[int, int]], rng: random.Random) -> list[tuple[Any, Any]]:
     """Spans ``(doc, k)`` paired with a span of another document (seeded, greedy)."""
     pool = list(spans)
     rng.shuffle(pool)
@@ -197,14 +198,14 @@ def build(
     spans_per_doc: int = 4,
     control_tokens: int = 512,
     filler_tokens: int = 0,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Write the task (see the module docstring) under ``out``; returns task.json's dict."""
     import sentencepiece as spm
 
     if n_train % 4 or n_test % 4:
         raise ValueError("--train-examples and --test-examples must be multiples of 4 (quads)")
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    docs: List[Dict[str, Any]] = []
+    docs: list[dict[str, Any]] = []
     with open(corpus, encoding="utf-8") as f:
         for line in f:
             if line.strip():
@@ -216,16 +217,16 @@ def build(
                         "text": rec["text"],
                     }
                 )
-    groups: Dict[str, List[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i, d in enumerate(docs):
         groups.setdefault(d["group"], []).append(i)
     side = split_documents(groups, test_fraction, seed, 3 if filler_tokens else 2)
     # only the words the spans can use are tokenized (documents run to 1.3M characters)
     need = spans_per_doc * (first_tokens + gap_tokens + passage_tokens + 64)
-    spans: Dict[str, Dict[str, List[Tuple[int, int]]]] = {"train": {}, "test": {}}
+    spans: dict[str, dict[str, list[tuple[int, int]]]] = {"train": {}, "test": {}}
     for i, d in enumerate(docs):
         words = [w for w in d["text"].split() if not any(s in w for s in SPECIAL_PIECES)]
-        lens: List[int] = []
+        lens: list[int] = []
         while len(lens) < len(words) and sum(lens) < need:
             lens += word_lengths(sp, words[len(lens) : len(lens) + 4096])
         d["words"], d["lens"] = words[: len(lens)], lens
@@ -237,7 +238,7 @@ def build(
     rng = random.Random(f"rows:{seed}")
     out.mkdir(parents=True, exist_ok=True)
     half = (control_tokens - 3) // 2  # sep512: <s> P-tail </s> Q-head </s>
-    counts: Dict[str, Any] = {}
+    counts: dict[str, Any] = {}
     for split, n in (("train", n_train), ("test", n_test)):
         pairs = [p for g in sorted(spans[split]) for p in pair_spans(spans[split][g], rng)]
         rng.shuffle(pairs)
@@ -247,7 +248,7 @@ def build(
                 f"{n // 4} asked",
                 file=sys.stderr,
             )
-        rows: Dict[str, List[Dict[str, Any]]] = {v: [] for v in VIEWS}
+        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in VIEWS}
         filler_rng = random.Random(f"filler:{seed}:{split}")
         for qi, (a, b) in enumerate(pairs[: n // 4]):
             quad = [(a, a, 1), (b, b, 1), (a, b, 0), (b, a, 0)]
@@ -371,7 +372,7 @@ def build(
 
 
 # ========================================================================================== run
-def _run(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None) -> int:
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
@@ -407,7 +408,7 @@ def untrained_checkpoint(variant: str, args: argparse.Namespace, log: Path) -> P
     return ckpt
 
 
-def subset(task: Path, work: Path, split: str, view: str, limit: Optional[int]) -> Path:
+def subset(task: Path, work: Path, split: str, view: str, limit: int | None) -> Path:
     """The task file of ``split``/``view``, cut to its first ``limit`` rows (whole quads)."""
     name = split if view == "full" else f"{split}_{view}"
     src = task / f"{name}.jsonl"
@@ -422,7 +423,7 @@ def subset(task: Path, work: Path, split: str, view: str, limit: Optional[int]) 
     return dst
 
 
-def check_lengths(export: Path, files: Dict[str, Tuple[Path, int]]) -> Dict[str, int]:
+def check_lengths(export: Path, files: dict[str, tuple[Path, int]]) -> dict[str, int]:
     """Longest row of each file in the export's own tokenizer; refuses a row that finetune
     would truncate (the comparison would silently lose its passage's end)."""
     from transformers import AutoTokenizer
@@ -442,10 +443,10 @@ def finetune_view(
     export: Path,
     name: str,
     view: str,
-    files: Tuple[Path, Path],
+    files: tuple[Path, Path],
     args: argparse.Namespace,
     log: Path,
-) -> Optional[Dict[str, Any]]:
+) -> dict[str, Any] | None:
     """launch/finetune.py of ``export`` on one view; its results (None on failure)."""
     ft = Path(args.work) / "finetuned" / name / view
     res_path = ft / "finetune_results.json"
@@ -486,12 +487,12 @@ def finetune_view(
     return res
 
 
-def lexical_baseline(train: Path, test: Path) -> Optional[Dict[str, Any]]:
+def lexical_baseline(train: Path, test: Path) -> dict[str, Any] | None:
     """No model: the tf-idf cosine of P's and Q's words (idf from the train rows' parts), label
     1 at or above the threshold that is best on train. How far word overlap alone goes on the
     rows (None for a view without a separator: tail512 holds Q alone)."""
 
-    def parts(path: Path) -> List[Tuple[collections.Counter, collections.Counter, int]]:
+    def parts(path: Path) -> list[tuple[collections.Counter, collections.Counter, int]]:
         out = []
         for line in path.read_text().splitlines():
             r = json.loads(line)
@@ -533,7 +534,7 @@ def lexical_baseline(train: Path, test: Path) -> Optional[Dict[str, Any]]:
     }
 
 
-def wilson(acc: float, n: int, z: float = 1.96) -> Tuple[float, float]:
+def wilson(acc: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95 % Wilson interval of an accuracy on ``n`` examples."""
     if n == 0:
         return (0.0, 1.0)
@@ -549,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "downstream.log"
     info = json.loads((task / "task.json").read_text())
-    jobs: List[Tuple[str, Optional[str]]] = [(m, None) for m in args.models]
+    jobs: list[tuple[str, str | None]] = [(m, None) for m in args.models]
     jobs += [(f"untrained_{v}", v) for v in args.untrained]
     views = [v for v in VIEWS if v in args.views]
     files = {
@@ -559,8 +560,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for v in views
     }
-    rows: List[Dict[str, Any]] = []
-    checked: Optional[Dict[str, int]] = None
+    rows: list[dict[str, Any]] = []
+    checked: dict[str, int] | None = None
     for name, untrained in jobs:
         if untrained:
             try:
@@ -602,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
                 },
             )
         model_cfg = json.loads((export / "config.json").read_text())
-        row: Dict[str, Any] = {
+        row: dict[str, Any] = {
             "run": name,
             "pretrained": untrained is None,
             "projection": model_cfg.get("projection"),
@@ -670,7 +671,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.get(v) for r in rows for v in views) else 1
 
 
-def build_command(info: Dict[str, Any]) -> str:
+def build_command(info: dict[str, Any]) -> str:
     """The ``build`` command line that makes the task of task.json ``info``."""
     lay, ex = info["layout"], info["examples"]
     asked = info.get("asked") or {s: ex[s]["examples"] for s in ("train", "test")}
@@ -687,12 +688,12 @@ def build_command(info: Dict[str, Any]) -> str:
 
 
 def report_md(
-    info: Dict[str, Any],
-    settings: Dict[str, Any],
-    rows: List[Dict[str, Any]],
+    info: dict[str, Any],
+    settings: dict[str, Any],
+    rows: list[dict[str, Any]],
     views: Sequence[str],
-    command: Optional[List[str]] = None,
-    lexical: Optional[Dict[str, Dict[str, Any]]] = None,
+    command: list[str] | None = None,
+    lexical: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """The markdown table of :func:`run`."""
     lay, ex = info["layout"], info["examples"]
@@ -764,7 +765,7 @@ def report_md(
     return "\n".join(md) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Command line: ``build`` or ``run``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -40,7 +40,7 @@ BASE = REPO / "configs" / "long_cpu.yaml"
 WINDOWS = "128,512,1024,2048,4096"
 # name -> model overrides (on top of long_cpu.yaml's model; k = 128 where a kind has summaries;
 # the attention and the mixer always named, so a change of long_cpu.yaml cannot move a variant)
-VARIANTS: Dict[str, Dict[str, Any]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "dense": {"projection": "dense", "local_window": 0, "local_mixer": "none"},
     "linear_mixer": {"projection": "linear", "local_window": 0, "local_mixer": "layers"},
     "conv_hybrid": {"projection": "hybrid", "sharing": "headwise", "local_window": 0,
@@ -58,7 +58,7 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
 }  # fmt: skip
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="docs/quality_study/long_4096", help="results and report")
     p.add_argument("--runs", default="runs/long_study", help="run directories")
@@ -90,7 +90,7 @@ def variant_config(name: str) -> Any:
     return cfg
 
 
-def probe_step_seconds(names: List[str], rounds: int, seed: int = 0) -> Dict[str, Dict[str, float]]:
+def probe_step_seconds(names: list[str], rounds: int, seed: int = 0) -> dict[str, dict[str, float]]:
     """Seconds of one training step of each variant on each stage's batch (``short``: 32 x 128,
     ``long``: 1 x 4,096): bf16 weights with fp32 AdamW master copies (DeepSpeed's bf16 mode),
     the labelled positions known on the host, as the trainer runs it. One warm-up step, then
@@ -125,7 +125,7 @@ def probe_step_seconds(names: List[str], rounds: int, seed: int = 0) -> Dict[str
                 opt.zero_grad()
 
             steps[(name, stage)] = step
-    times: Dict[Any, List[float]] = {key: [] for key in steps}
+    times: dict[Any, list[float]] = {key: [] for key in steps}
     for step in steps.values():
         step()  # warm-up
     for r in range(rounds):
@@ -135,15 +135,15 @@ def probe_step_seconds(names: List[str], rounds: int, seed: int = 0) -> Dict[str
             times[key].append(time.thread_time() - t0)
         print(f"[probe] round {r + 1}/{rounds}", flush=True)
     torch.set_num_threads(threads)
-    out: Dict[str, Dict[str, float]] = {name: {} for name in names}
+    out: dict[str, dict[str, float]] = {name: {} for name in names}
     for (name, stage), ts in times.items():
         out[name][stage] = min(ts)
     return out
 
 
 def equal_time_steps(
-    probe: Dict[str, Dict[str, float]], name: str, ref: str, short: int, long: int
-) -> Tuple[int, int]:
+    probe: dict[str, dict[str, float]], name: str, ref: str, short: int, long: int
+) -> tuple[int, int]:
     """The steps ``name`` takes in the reference's time for ``short`` + ``long`` steps."""
     s = round(short * probe[ref]["short"] / probe[name]["short"])
     n = round(long * probe[ref]["long"] / probe[name]["long"])
@@ -166,14 +166,14 @@ def study_config(name: str, args: argparse.Namespace) -> Any:
     return cfg
 
 
-def run_figures(run: Path, short_steps: int) -> Dict[str, Any]:
+def run_figures(run: Path, short_steps: int) -> dict[str, Any]:
     """The run's last evaluation (hidden-label loss, gain over the unigram level), its
     evaluations, and the median tokens/s and the peak memory of its 4,096-token stage."""
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
     train = [r for r in records if r.get("split") == "train"]
     evals = [r for r in records if r.get("split") == "eval" and "hidden_loss" in r]
     long_train = [r for r in train if r["step"] > short_steps]
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     if evals:
         last = evals[-1]
         for key in ("hidden_loss", "hidden_accuracy", "unigram_loss", "context_gain_nats"):
@@ -189,8 +189,8 @@ def run_figures(run: Path, short_steps: int) -> Dict[str, Any]:
 
 
 def run_variant(
-    name: str, args: argparse.Namespace, probe: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
+    name: str, args: argparse.Namespace, probe: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train one variant (``probe``: at equal time, :func:`equal_time_steps`), then its curve."""
     tag = f"{name}_s{args.seed}" + ("_time" if probe is not None else "")
     run = REPO / args.runs / tag
@@ -221,7 +221,7 @@ def run_variant(
     with open(run / "train.log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    result: Dict[str, Any] = {
+    result: dict[str, Any] = {
         "variant": name, "seed": args.seed, "model": VARIANTS[name], "returncode": rc,
         "wall_s": round(wall, 1), "short_steps": args.short_steps, "long_steps": args.long_steps,
         "tokens": 4096 * (args.short_steps + args.long_steps),
@@ -252,7 +252,7 @@ def _f(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _table(rows: List[Dict[str, Any]], windows: List[int], equal_time: bool) -> List[str]:
+def _table(rows: list[dict[str, Any]], windows: list[int], equal_time: bool) -> list[str]:
     dense_tps = {r["seed"]: r.get("tokens_per_s_4096") for r in rows if r["variant"] == "dense"}
     head = ["variant", "seed"]
     if equal_time:
@@ -278,7 +278,7 @@ def _table(rows: List[Dict[str, Any]], windows: List[int], equal_time: bool) -> 
     return lines
 
 
-def report(out: Path, runs: Optional[Path] = None) -> Path:
+def report(out: Path, runs: Path | None = None) -> Path:
     """``out/report.md``, ``results.json`` and ``context_curves.png`` from ``out/runs/*.json``
     (their run directories' metrics read again where ``runs`` still holds them): one table at
     equal tokens, one at equal time where ``--equal-time`` ran."""
@@ -331,7 +331,7 @@ def report(out: Path, runs: Optional[Path] = None) -> Path:
     return out / "report.md"
 
 
-def load_or_probe(out: Path, names: List[str], args: argparse.Namespace) -> Dict[str, Any]:
+def load_or_probe(out: Path, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """``out/equal_time_probe.json`` (made by :func:`probe_step_seconds` when missing or when
     it lacks one of ``names``): the step times and the reference budget."""
     path = out / "equal_time_probe.json"
@@ -350,7 +350,7 @@ def load_or_probe(out: Path, names: List[str], args: argparse.Namespace) -> Dict
     return probe
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]

@@ -26,8 +26,9 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class Setting:
     method: str
     lr: float
     epochs: float = 1.0
-    targets: Tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
     r: int = 8
     alpha: int = 8
     dropout: float = 0.0
@@ -57,7 +58,7 @@ class Setting:
 # launch/finetune.py's default for hidden 256).
 RECIPE = Setting("lora", lr=5e-3, epochs=1.0, targets=ALL_LINEAR, r=16, alpha=32)
 
-GRID: Dict[str, Setting] = {
+GRID: dict[str, Setting] = {
     "full": Setting("full", lr=1.5e-4),  # english_downstream's reference (0.544 at seed 0)
     "full_lr5e-4": Setting("full", lr=5e-4),  # launch/finetune.py's largest default lr
     "head": Setting("head", lr=1e-3),  # frozen encoder, trained head: how much the features hold
@@ -76,7 +77,7 @@ GRID: Dict[str, Setting] = {
 # ``--task keyword``: the generated task of tests/test_lora_recipe.py (320 training rows, 3
 # epochs: 60 steps), for a small export (hidden 32) whose full fine-tuning default lr is 5e-4.
 KEYWORD = {"epochs": 3.0}
-KEYWORD_GRID: Dict[str, Setting] = {
+KEYWORD_GRID: dict[str, Setting] = {
     "full": Setting("full", lr=1.5e-3, **KEYWORD),
     "full_lr5e-4": Setting("full", lr=5e-4, **KEYWORD),
     "head": Setting("head", lr=5e-3, **KEYWORD),
@@ -106,7 +107,7 @@ GREEK = ("alpha", "beta", "gamma", "delta")
 FILLER = ("the", "a", "of", "and", "to", "in", "is", "was", "for", "on", "with", "as", "by")
 
 
-def keyword_task(n: int, seed: int) -> Tuple[List[str], List[int]]:
+def keyword_task(n: int, seed: int) -> tuple[list[str], list[int]]:
     """``(texts, labels)``: 6-12 filler words with one keyword inserted after the first; label 1
     when it is a colour, 0 when a Greek letter name; balanced, shuffled. The first token's
     state in a frozen encoder does not tell the label: attention has to bring it there."""
@@ -120,11 +121,11 @@ def keyword_task(n: int, seed: int) -> Tuple[List[str], List[int]]:
     return [t for t, _ in rows], [y for _, y in rows]
 
 
-def subset(texts: List[str], labels: List[Any], per_class: Optional[int]) -> Tuple[list, list]:
+def subset(texts: list[str], labels: list[Any], per_class: int | None) -> tuple[list, list]:
     """The first ``per_class`` rows of every label (file order), or all rows."""
     if not per_class:
         return texts, labels
-    seen: Dict[str, int] = {}
+    seen: dict[str, int] = {}
     keep = []
     for t, y in zip(texts, labels):
         if seen.get(str(y), 0) < per_class:
@@ -133,7 +134,7 @@ def subset(texts: List[str], labels: List[Any], per_class: Optional[int]) -> Tup
     return [t for t, _ in keep], [y for _, y in keep]
 
 
-def load_model(model_dir: str, labels: List[Any]) -> Any:
+def load_model(model_dir: str, labels: list[Any]) -> Any:
     """The export as a sequence classifier (new head), as launch/finetune.py loads it."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -169,14 +170,14 @@ def prepare(model: Any, s: Setting) -> Any:
 
 def train_eval(
     model_dir: str,
-    train: Tuple[List[str], List[Any]],
-    test: Tuple[List[str], List[Any]],
+    train: tuple[list[str], list[Any]],
+    test: tuple[list[str], list[Any]],
     s: Setting,
     seed: int,
     max_length: int = 128,
     batch_size: int = 16,
     log_every: int = 0,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``train`` as ``s`` says (launch/finetune.py's loop and
     defaults) and return test accuracy, train loss, trainable parameter count, head change."""
     from transformers import AutoTokenizer
@@ -238,7 +239,7 @@ def train_eval(
     }
 
 
-def read_task(task: Path, train_per_class: Optional[int], test_per_class: Optional[int]) -> Tuple:
+def read_task(task: Path, train_per_class: int | None, test_per_class: int | None) -> tuple:
     """``(train, test, info)`` of a studies/english_downstream.py task directory."""
     tr_x, tr_y, te_x, te_y = ft.load_splits(str(task / "train.jsonl"), str(task / "test.jsonl"))
     info = json.loads((task / "task.json").read_text())
@@ -278,10 +279,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarise(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean test accuracy per point over its seeds, and its fraction of ``full``'s mean
     (over the seeds both have)."""
-    by: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    by: dict[str, dict[int, dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["name"], {})[r["seed"]] = r
     full = by.get("full", {})
@@ -341,7 +342,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Command line: ``run`` or ``report``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

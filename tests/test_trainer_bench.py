@@ -78,3 +78,25 @@ def test_variants_take_any_projection_setting():
         variant_overrides("projection=local;oops")
     with pytest.raises(BenchError, match="--data"):
         TrainerBenchConfig().validate()
+
+
+def test_every_arm_gets_the_same_dropout(tiny_corpus):
+    """``--dropout`` is every arm's hidden and attention dropout (ours ran attention dropout 0.1
+    against the HF arms' 0.0 once: SDPA's math path with a bernoulli mask over N x N)."""
+    from dataclasses import asdict
+
+    from bench.trainer_bench import ArmSpec, hf_model, job_overrides
+    from linformer_ds.config import load_config
+
+    c = TrainerBenchConfig(data=[str(tiny_corpus)], layers=1, hidden=32, heads=2,
+                           intermediate=64, k=16, dropout=0.25)  # fmt: skip
+
+    def spec(name: str) -> ArmSpec:
+        return ArmSpec(name, str(tiny_corpus), 0, "fp32", asdict(c), "unused")
+
+    model = load_config(None, job_overrides(spec("ours:dense"), "dense")).model
+    assert model.dropout == model.attention_dropout == 0.25
+    bert = hf_model(spec("hf-bert")).config
+    assert bert.hidden_dropout_prob == bert.attention_probs_dropout_prob == 0.25
+    modern = hf_model(spec("hf-modernbert")).config
+    assert modern.mlp_dropout == modern.embedding_dropout == modern.attention_dropout == 0.25

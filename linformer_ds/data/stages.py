@@ -3,6 +3,7 @@ resolved and checked from the job config, opened, and their evaluations combined
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,12 +225,13 @@ def combine_eval(
 
 
 def open_stages(
-    cfg: Any, world_size: int, with_valid: bool
+    cfg: Any, world_size: int, with_valid: bool, stages: Sequence[Stage] = ()
 ) -> tuple[list[Stage], dict[str, ShardDataset], dict[str, ShardDataset]]:
-    """The run's stages and the train (and, ``with_valid``, valid) split of every source they
-    use, checked: same tokenizer everywhere, one N per stage, each stage's N against the model
+    """The run's stages (``stages``, as :func:`resolve_stages` gave them; resolved here when
+    not given) and the train (and, ``with_valid``, valid) split of every source they use,
+    checked: same tokenizer everywhere, one N per stage, each stage's N against the model
     (:func:`check_stage_lengths`). :class:`DataError` / ``ConfigError`` name the problem."""
-    stages = resolve_stages(cfg)
+    stages = list(stages) or resolve_stages(cfg)
     names = list(dict.fromkeys(n for s in stages for n in s.names))
     paths = {n: p for s in stages for n, p in zip(s.names, s.paths)}
     d = cfg.data

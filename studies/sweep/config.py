@@ -7,7 +7,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 
@@ -57,9 +57,9 @@ class Variant:
     the sweep's data (e.g. ``--packing pad`` beside ``full``)."""
 
     name: str
-    overrides: List[str]
+    overrides: list[str]
     uses_k: bool = True
-    data_path: Optional[str] = None
+    data_path: str | None = None
 
 
 @dataclass
@@ -67,11 +67,11 @@ class Grid:
     """One factorial block of the sweep; the sweep runs the union of its grids."""
 
     name: str
-    variants: List[str]
-    seq_len: List[int]
-    k: List[int]
-    lr: List[float]
-    seed: List[int]
+    variants: list[str]
+    seq_len: list[int]
+    k: list[int]
+    lr: list[float]
+    seed: list[int]
 
 
 @dataclass
@@ -79,11 +79,11 @@ class DataSpec:
     """How to build the data_prep output for each N (one shared tokenizer); ``path`` names a
     prebuilt data_prep output used as it is (its manifest's seq_len must equal every N)."""
 
-    source: List[str] = field(default_factory=lambda: ["stdlib"])
+    source: list[str] = field(default_factory=lambda: ["stdlib"])
     vocab_size: int = 8000
-    args: List[str] = field(default_factory=list)  # extra data_prep flags, e.g. --max-bytes
+    args: list[str] = field(default_factory=list)  # extra data_prep flags, e.g. --max-bytes
     cache_dir: str = "data/sweep"
-    path: Optional[str] = None
+    path: str | None = None
 
 
 @dataclass
@@ -92,10 +92,10 @@ class Point:
 
     index: int
     id: str
-    grids: List[str]
+    grids: list[str]
     variant: str
     seq_len: int
-    k: Optional[int]  # None for variants that do not use k
+    k: int | None  # None for variants that do not use k
     lr: float
     seed: int
 
@@ -107,23 +107,23 @@ class SweepConfig:
     name: str
     path: Path
     base_config: Path
-    base_overrides: List[str]
-    variants: Dict[str, Variant]
-    grids: List[Grid]
+    base_overrides: list[str]
+    variants: dict[str, Variant]
+    grids: list[Grid]
     data: DataSpec
     out: Path
-    tokens_per_step: Optional[int] = None  # micro_batch_size = tokens_per_step // N
-    eval_tokens: Optional[int] = None  # eval_batches = eval_tokens // (micro_batch_size * N)
-    max_loss: Optional[float] = None  # default 1.5 * ln(vocab_size)
+    tokens_per_step: int | None = None  # micro_batch_size = tokens_per_step // N
+    eval_tokens: int | None = None  # eval_batches = eval_tokens // (micro_batch_size * N)
+    max_loss: float | None = None  # default 1.5 * ln(vocab_size)
     max_rise: float = 1.0
-    point_timeout_s: Optional[float] = None
-    launcher: List[str] = field(default_factory=lambda: [sys.executable])
-    env: Dict[str, str] = field(default_factory=dict)
-    slurm: Dict[str, Any] = field(default_factory=dict)
+    point_timeout_s: float | None = None
+    launcher: list[str] = field(default_factory=lambda: [sys.executable])
+    env: dict[str, str] = field(default_factory=dict)
+    slurm: dict[str, Any] = field(default_factory=dict)
 
-    def points(self) -> List[Point]:
+    def points(self) -> list[Point]:
         """The union of all grids, in file order, without duplicates."""
-        out: Dict[str, Point] = {}
+        out: dict[str, Point] = {}
         for g in self.grids:
             for v, n, k, lr, seed in itertools.product(g.variants, g.seq_len, g.k, g.lr, g.seed):
                 kk = k if self.variants[v].uses_k else None
@@ -140,7 +140,7 @@ class SweepConfig:
         return self.max_loss if self.max_loss is not None else 1.5 * math.log(self.data.vocab_size)
 
 
-def point_id(variant: str, n: int, k: Optional[int], lr: float, seed: int) -> str:
+def point_id(variant: str, n: int, k: int | None, lr: float, seed: int) -> str:
     """A readable, filesystem-safe run name, e.g. ``linear_layerwise_n1024_k128_lr0.001_s0``."""
     kpart = f"_k{k}" if k is not None else ""
     return f"{variant}_n{n}{kpart}_lr{lr:g}_s{seed}"
@@ -156,7 +156,7 @@ def _as_list(value: Any, key: str, kind: type) -> list:
         raise SweepError(f"{key}: expected {kind.__name__} values, got {value!r}") from None
 
 
-def _check_overrides(items: Any, key: str) -> List[str]:
+def _check_overrides(items: Any, key: str) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
         raise SweepError(f"{key}: must be a list of 'key=value' strings, got {items!r}")
     for item in items:
@@ -169,7 +169,7 @@ def _check_overrides(items: Any, key: str) -> List[str]:
     return list(items)
 
 
-def load_sweep(path: str, out: Optional[str] = None) -> SweepConfig:
+def load_sweep(path: str, out: str | None = None) -> SweepConfig:
     """Parse and validate a sweep YAML; relative paths are taken from the repo root."""
     p = Path(path).resolve()
     raw = _read_mapping(p, path)
@@ -202,7 +202,7 @@ def load_sweep(path: str, out: Optional[str] = None) -> SweepConfig:
     return cfg
 
 
-def _read_mapping(p: Path, path: str) -> Dict[str, Any]:
+def _read_mapping(p: Path, path: str) -> dict[str, Any]:
     """The file's top-level mapping, with only known keys and the required ones present."""
     if not p.is_file():
         raise SweepError(f"sweep file not found: {path}")
@@ -221,18 +221,18 @@ def _read_mapping(p: Path, path: str) -> Dict[str, Any]:
     return raw
 
 
-def _only_keys(d: Dict[str, Any], where: str, known: tuple) -> Dict[str, Any]:
+def _only_keys(d: dict[str, Any], where: str, known: tuple) -> dict[str, Any]:
     bad = sorted(set(d) - set(known))
     if bad:
         raise SweepError(f"{where}: unknown key(s) {bad}")
     return d
 
 
-def _parse_variants(raw: Any) -> Dict[str, Variant]:
+def _parse_variants(raw: Any) -> dict[str, Variant]:
     """``name: [overrides]`` or ``name: {overrides: [...], uses_k: bool, data_path: str}``."""
     if not isinstance(raw, dict) or not raw:
         raise SweepError("variants: must be a non-empty mapping name -> overrides")
-    variants: Dict[str, Variant] = {}
+    variants: dict[str, Variant] = {}
     for name, spec in raw.items():
         if isinstance(spec, list):
             spec = {"overrides": spec}
@@ -248,7 +248,7 @@ def _parse_variants(raw: Any) -> Dict[str, Variant]:
     return variants
 
 
-def _parse_grid(i: int, g: Any, variants: Dict[str, Variant]) -> Grid:
+def _parse_grid(i: int, g: Any, variants: dict[str, Variant]) -> Grid:
     """Grid number ``i``: known variants, lr > 0, N >= 2 (k defaults to 256, seed to 0)."""
     key = f"grids[{i}]"
     if not isinstance(g, dict):
@@ -277,7 +277,7 @@ def _parse_grid(i: int, g: Any, variants: Dict[str, Variant]) -> Grid:
     return grid
 
 
-def _parse_data(d: Dict[str, Any]) -> DataSpec:
+def _parse_data(d: dict[str, Any]) -> DataSpec:
     _only_keys(d, "data", ("source", "vocab_size", "args", "cache_dir", "path"))
     data = DataSpec(
         source=_as_list(d.get("source", "stdlib"), "data.source", str),
@@ -291,14 +291,14 @@ def _parse_data(d: Dict[str, Any]) -> DataSpec:
     return data
 
 
-def _parse_launcher(launcher: Any) -> List[str]:
+def _parse_launcher(launcher: Any) -> list[str]:
     """A command prefix (list or shell string); ``python`` means this interpreter."""
     if isinstance(launcher, str):
         launcher = shlex.split(launcher)
     return [sys.executable if x == "python" else str(x) for x in launcher]
 
 
-def _positive_or_none(raw: Dict[str, Any], key: str) -> Optional[int]:
+def _positive_or_none(raw: dict[str, Any], key: str) -> int | None:
     val = raw.get(key)
     if val is not None and (not isinstance(val, int) or val < 1):
         raise SweepError(f"{key}: must be a positive integer, got {val!r}")

@@ -12,8 +12,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from studies.sweep.config import REPO, DataSpec, SweepError
 
@@ -94,7 +95,7 @@ def data_dir(spec: DataSpec, seq_len: int) -> Path:
     return Path(spec.cache_dir) / f"{key}-{_data_key(spec)}" / f"n{seq_len}"
 
 
-def unigram_perplexity(path: Path, eval_tokens: Optional[int] = None) -> float:
+def unigram_perplexity(path: Path, eval_tokens: int | None = None) -> float:
     """Perplexity of the train split's token frequencies (add-0.5) on the validation tokens
     that MLM can mask (special ids excluded), the first ``eval_tokens`` of them: the level a
     model reaches by predicting without context."""

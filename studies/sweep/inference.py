@@ -3,20 +3,21 @@
 
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def time_inference(
     seq_lens: Sequence[int],
-    variants: Dict[str, Dict[str, Any]],
-    model: Dict[str, Any],
+    variants: dict[str, dict[str, Any]],
+    model: dict[str, Any],
     batch: int = 4,
     iters: int = 3,
     warmup: int = 1,
     dtype: str = "bf16",
-    threads: Optional[int] = None,
+    threads: int | None = None,
     stat: str = "min",
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Encoder forward wall time per sample (ms) of each variant at each N, same batch/width.
 
     The variants alternate in the inner loop so that machine drift hits them alike; the
@@ -41,7 +42,7 @@ def time_inference(
             models[name] = LinformerEncoder(mc).to(dt).eval()
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(5, model["vocab_size"], (batch, n), generator=gen)
-        times: Dict[str, List[float]] = {name: [] for name in models}
+        times: dict[str, list[float]] = {name: [] for name in models}
         with torch.inference_mode():
             for it in range(warmup + iters):
                 for name, m in models.items():
@@ -63,7 +64,7 @@ def time_inference(
     return rows
 
 
-def inference_table(rows: List[Dict[str, Any]]) -> str:
+def inference_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: N down, variants across, ms per sample (and the ratio to dense)."""
     names = list(dict.fromkeys(r["variant"] for r in rows))
     ns = sorted({r["seq_len"] for r in rows})

@@ -4,7 +4,7 @@ validation perplexity against N, k and the learning rate (diverged runs marked).
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from studies.sweep.config import FINISHED
 from studies.sweep.runs import SERIES_AXES, series
@@ -16,7 +16,7 @@ AXES = (  # axis, x label, file, log base
 )
 
 
-def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
+def make_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """PNG plots: val perplexity vs step per variant; final val perplexity vs N, k and lr."""
     import matplotlib
 
@@ -43,7 +43,7 @@ def make_plots(results: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
     return written
 
 
-def _curves(plt: Any, done: List[Dict[str, Any]], variants: List[str]) -> Any:
+def _curves(plt: Any, done: list[dict[str, Any]], variants: list[str]) -> Any:
     """One panel per variant: validation perplexity against step, one line per run."""
     vs = [v for v in variants if any(r["variant"] == v for r in done)]
     cols = min(2, len(vs))
@@ -80,12 +80,12 @@ def _curves(plt: Any, done: List[Dict[str, Any]], variants: List[str]) -> Any:
 
 def _against(
     plt: Any,
-    done: List[Dict[str, Any]],
-    by_key: Dict[tuple, Dict[Any, List[dict]]],
+    done: list[dict[str, Any]],
+    by_key: dict[tuple, dict[Any, list[dict]]],
     axis: str,
     xlabel: str,
     base: int,
-    colors: Dict[str, str],
+    colors: dict[str, str],
 ) -> Any:
     """Final validation perplexity against ``axis``, one line per series; diverged points as
     crosses at the top; against k, dense runs of the same (N, lr, seed) as horizontal lines."""
@@ -128,6 +128,6 @@ def _against(
     return fig
 
 
-def _mean_ok(runs: List[Dict[str, Any]]) -> float:
+def _mean_ok(runs: list[dict[str, Any]]) -> float:
     oks = [r["final_eval_ppl"] for r in runs if r["status"] == "ok"]
     return statistics.mean(oks) if oks else float("nan")

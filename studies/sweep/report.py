@@ -6,7 +6,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from studies.sweep.config import FINISHED, REPO, SweepConfig
 from studies.sweep.data import data_dir, unigram_perplexity
@@ -14,7 +14,7 @@ from studies.sweep.plots import make_plots
 from studies.sweep.runs import SERIES_AXES, collect, series
 
 
-def _fmt(x: Optional[float], spec: str = ".4g") -> str:
+def _fmt(x: float | None, spec: str = ".4g") -> str:
     if x is None:
         return "-"
     if isinstance(x, float) and not math.isfinite(x):
@@ -22,7 +22,7 @@ def _fmt(x: Optional[float], spec: str = ".4g") -> str:
     return format(x, spec)
 
 
-def report_table(results: List[Dict[str, Any]]) -> str:
+def report_table(results: list[dict[str, Any]]) -> str:
     """Markdown table: one row per point, diverged/failed marked in the status column."""
     head = (
         "| run | grid | variant | N | k | lr | seed | steps | final val loss | final val ppl "
@@ -45,7 +45,7 @@ def report_table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def pivot_tables(results: List[Dict[str, Any]]) -> str:
+def pivot_tables(results: list[dict[str, Any]]) -> str:
     """Markdown: final validation perplexity against N, k and lr; one row per series (variant,
     the other axes and the seed) that has at least two values of that axis."""
     out = []
@@ -71,7 +71,7 @@ def pivot_tables(results: List[Dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _pivot_cell(runs: List[Dict[str, Any]]) -> str:
+def _pivot_cell(runs: list[dict[str, Any]]) -> str:
     """Mean final perplexity of the ok runs; diverged runs counted; '-' when none."""
     oks = [r["final_eval_ppl"] for r in runs if r["status"] == "ok"]
     div = sum(r["status"] == "diverged" for r in runs)
@@ -88,7 +88,7 @@ def display_path(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def write_report(cfg: SweepConfig, report_dir: Optional[Path] = None, plots: bool = True) -> Path:
+def write_report(cfg: SweepConfig, report_dir: Path | None = None, plots: bool = True) -> Path:
     """results.json, results.csv, report.md and PNG plots under ``report_dir``."""
     rdir = Path(report_dir) if report_dir else cfg.out / "report"
     rdir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ CSV_COLUMNS = (
 )
 
 
-def report_markdown(cfg: SweepConfig, results: List[Dict[str, Any]], pngs: List[Path]) -> str:
+def report_markdown(cfg: SweepConfig, results: list[dict[str, Any]], pngs: list[Path]) -> str:
     """report.md: status counts, the per-point table, the unigram reference, the pivots."""
     counts = {
         s: sum(r["status"] == s for r in results) for s in ("ok", "diverged", "failed", "pending")

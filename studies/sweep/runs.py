@@ -9,9 +9,10 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from linformer_ds.fsio import atomic_write_json, read_jsonl
 from studies.sweep.config import EXIT_NONFINITE, FINISHED, PRETRAIN, REPO, Point, SweepConfig
@@ -23,7 +24,7 @@ def run_dir(cfg: SweepConfig, point: Point) -> Path:
     return cfg.out / "runs" / point.id
 
 
-def point_overrides(cfg: SweepConfig, point: Point, data_path: Path) -> List[str]:
+def point_overrides(cfg: SweepConfig, point: Point, data_path: Path) -> list[str]:
     """The trainer's ``key=value`` overrides for one point (base, variant, then per point)."""
     ov = list(cfg.base_overrides) + list(cfg.variants[point.variant].overrides)
     ov += [f"model.max_seq_len={point.seq_len}", f"optimizer.lr={point.lr}"]
@@ -40,8 +41,8 @@ def point_overrides(cfg: SweepConfig, point: Point, data_path: Path) -> List[str
 
 
 def classify(
-    returncode: Optional[int], records: List[dict], max_loss: float, max_rise: float
-) -> Dict[str, Any]:
+    returncode: int | None, records: list[dict], max_loss: float, max_rise: float
+) -> dict[str, Any]:
     """Status (ok/diverged/failed), reason and summary numbers of one finished run."""
     evals = [r for r in records if r.get("split") == "eval"]
     trains = [r for r in records if r.get("split") == "train"]
@@ -93,7 +94,7 @@ def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("inf")
 
 
-def run_point(cfg: SweepConfig, point: Point, log: Any = print) -> Dict[str, Any]:
+def run_point(cfg: SweepConfig, point: Point, log: Any = print) -> dict[str, Any]:
     """Train one point (unless already finished); writes and returns its result.json dict."""
     rdir = run_dir(cfg, point)
     result_path = rdir / "result.json"
@@ -141,7 +142,7 @@ def run_point(cfg: SweepConfig, point: Point, log: Any = print) -> Dict[str, Any
     return result
 
 
-def _train(cfg: SweepConfig, cmd: List[str], log_path: Path) -> Optional[int]:
+def _train(cfg: SweepConfig, cmd: list[str], log_path: Path) -> int | None:
     """Run the trainer command (output to ``log_path``); its exit code, None on timeout."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **cfg.env)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -165,10 +166,10 @@ def _train(cfg: SweepConfig, cmd: List[str], log_path: Path) -> Optional[int]:
 
 def run_sweep(
     cfg: SweepConfig,
-    only: Optional[Sequence[int]] = None,
-    max_minutes: Optional[float] = None,
+    only: Sequence[int] | None = None,
+    max_minutes: float | None = None,
     log: Any = print,
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Run the points in order (skipping finished ones); stop starting new ones after
     ``max_minutes``. Returns the result dicts of the points run or skipped."""
     points = cfg.points()
@@ -184,7 +185,7 @@ def run_sweep(
     return results
 
 
-def collect(cfg: SweepConfig) -> List[Dict[str, Any]]:
+def collect(cfg: SweepConfig) -> list[dict[str, Any]]:
     """result.json of every point (``status='pending'`` for points not run yet), in grid order."""
     out = []
     for p in cfg.points():
@@ -201,11 +202,11 @@ def collect(cfg: SweepConfig) -> List[Dict[str, Any]]:
 SERIES_AXES = ("variant", "seq_len", "k", "lr", "seed")  # what identifies a run
 
 
-def series(results: List[Dict[str, Any]], axis: str) -> Dict[tuple, Dict[Any, List[dict]]]:
+def series(results: list[dict[str, Any]], axis: str) -> dict[tuple, dict[Any, list[dict]]]:
     """Group finished results by everything but ``axis``: key -> axis value -> runs (one series
     per seed: seeds shift all variants alike, so a mean over unequal seed sets would mislead)."""
     keys = [a for a in SERIES_AXES if a != axis]
-    out: Dict[tuple, Dict[Any, List[dict]]] = {}
+    out: dict[tuple, dict[Any, list[dict]]] = {}
     for r in results:
         if r["status"] not in FINISHED:
             continue
