@@ -886,11 +886,7 @@ class HFKind(SourceKind):
 
             return datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
         except Exception as e:
-            raise DataPrepError(
-                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
-                "or the Hub is unreachable, download the data elsewhere and pass local files "
-                "(text, .jsonl, .csv, .parquet) to --source instead."
-            ) from e
+            raise _hub_error(where, e) from e
 
     @classmethod
     def _hub_rows(cls, hf: HFSpec, where: str, shard: tuple[int, int] | None = None):
@@ -902,12 +898,17 @@ class HFKind(SourceKind):
             rows = iter(ds)
             first = next(rows, None)
         except Exception as e:
-            raise DataPrepError(
-                f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
-                "or the Hub is unreachable, download the data elsewhere and pass local files "
-                "(text, .jsonl, .csv, .parquet) to --source instead."
-            ) from e
+            raise _hub_error(where, e) from e
         return rows, first
+
+
+def _hub_error(where: str, e: Exception) -> DataPrepError:
+    """The error for a Hugging Face dataset that could not be loaded or read."""
+    return DataPrepError(
+        f"could not load {where}: {type(e).__name__}: {e}. If this machine is offline "
+        "or the Hub is unreachable, download the data elsewhere and pass local files "
+        "(text, .jsonl, .csv, .parquet) to --source instead."
+    )
 
 
 _SOURCE_KINDS: list[SourceKind] = [StdlibKind(), HFKind()]

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from linformer_ds.data.masking import MLMMasking, document_positions
 from linformer_ds.errors import LinformerError
 from linformer_ds.log import LogLevelError, get_logger, info_to, setup_logging
+from linformer_ds.metrics import top1
 
 DEFAULT_WINDOWS = "128,512,1024,2048,N"
 GAIN_FROM = 512  # long_context_gain = loss(512) - loss(longest)
@@ -174,7 +175,7 @@ def window_stats(model: Any, rows: Sequence[Row], w: int, device: Any = "cpu",
         logits = model.lm_head(hidden[bi, pi]).float()
         ce = F.cross_entropy(logits, target, reduction="none")
         loss_sum += float(ce.sum())
-        correct += int((logits.argmax(-1) == target).sum())
+        correct += int((top1(logits) == target).sum())
         count += int(target.numel())
         keys = [(r.index, p) for r, _, ps in part for p in ps]
         per_position.update(zip(keys, ce.tolist()))

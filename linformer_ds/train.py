@@ -221,15 +221,17 @@ class Trainer:
     checkpoint manager, which decides when to save (interval, final, signal) and restores them.
     """
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, stages: list[Stage] | None = None):
+        """``stages``: ``resolve_stages(cfg)``'s result when the caller already has it (the
+        launcher checks them before any work); otherwise resolved here."""
         self.run_locks: list[DirLock] = []  # rank 0: logging.dir and checkpoint.dir
         try:
-            self._init(cfg)
+            self._init(cfg, stages)
         except BaseException:  # a failed start leaves the directories to the next owner
             release_locks(self.run_locks)
             raise
 
-    def _init(self, cfg: JobConfig) -> None:
+    def _init(self, cfg: JobConfig, stages: list[Stage] | None) -> None:
 
         check_versions()  # deepspeed/torch in the tested range (LINFORMER_DS_UNTESTED_DEPS=1)
         self.cfg = cfg
@@ -255,7 +257,8 @@ class Trainer:
         self.watchdog.set_phase("data loading")
         # the config's one resolution (auto precision and sharding for the data's N, the checks
         # that need the world or N); every component is built from the frozen result
-        stages = resolve_stages(cfg)  # data.sources and train.stages, once for the run
+        if stages is None:  # data.sources and train.stages, once for the run
+            stages = resolve_stages(cfg)
         seq_lens, packings = data_facts(cfg, stages)
         self.cfg = cfg = resolve(cfg, self.world, seq_lens, packings, stages)
         check_sinks(cfg)  # logging.sinks: before any data or engine work
@@ -610,10 +613,10 @@ def _main(argv: list[str] | None = None, restart: bool = False) -> int:
     cfg = load_config(args.config, args.overrides)
     if restart:  # OpenMP reads its wait policy only when torch loads: once, before any work
         wait_policy_restart(cfg.train.omp_wait_policy)
-    resolve_stages(cfg)  # data.sources and train.stages checked before any work (--print-config)
+    stages = resolve_stages(cfg)  # checked before any work (--print-config), resolved once
     if args.print_config:
         return print_config(cfg)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stages)
     try:
         return trainer.train()
     finally:

@@ -300,13 +300,15 @@ def test_two_sources_mask_each_row_by_its_source(tiny_corpus, second_source):
     assert mix.epochs()["docs"] == pytest.approx(60 / len(dss[1]))
 
 
-def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path,
-                                            tmp_path_factory):  # fmt: skip
+@pytest.fixture(scope="module")
+def other_sources(tiny_corpus, tmp_path_factory):
+    """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
+    base = tmp_path_factory.mktemp("others")
     docs = docs_corpus(tmp_path_factory)
     other = prepare(
-        tmp_path / "other_tok",
+        base / "other_tok",
         docs,
-        64,
+        128,
         "--vocab-size",
         "300",
         "--max-docs",
@@ -314,11 +316,16 @@ def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, tmp_path
         "--valid-fraction",
         "0",
     )  # 6 documents: no valid split (else refused empty)
+    short = prepare(base / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
+                    "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
+    return other, short
+
+
+def test_sources_must_share_tokenizer_and_n(tiny_corpus, second_source, other_sources):
+    other, short = other_sources
     a, b = ShardDataset(tiny_corpus), ShardDataset(other)
     with pytest.raises(DataError, match="different tokenizers"):
         check_same_tokenizer(["a", "b"], [a, b])
-    short = prepare(tmp_path / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
-                    "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
     with pytest.raises(DataError, match="different sequence lengths"):
         check_same_tokenizer(["a", "s"], [a, ShardDataset(short)])
     check_same_tokenizer(["a", "s"], [a, ShardDataset(short)], same_seq_len=False)
@@ -457,27 +464,6 @@ def test_two_rank_mixture_shares_eval_and_exact_resume_after_kill(mixture_runs):
 
 
 # ========================================================== bad input: one line, exit 2
-@pytest.fixture(scope="module")
-def other_sources(tiny_corpus, tmp_path_factory):
-    """A corpus with its own tokenizer, and the docs at N = 64 with the shared one."""
-    base = tmp_path_factory.mktemp("others")
-    docs = docs_corpus(tmp_path_factory)
-    other = prepare(
-        base / "other_tok",
-        docs,
-        128,
-        "--vocab-size",
-        "300",
-        "--max-docs",
-        "6",
-        "--valid-fraction",
-        "0",
-    )  # 6 documents: no valid split (else refused empty)
-    short = prepare(base / "short", docs, 64, "--tokenizer", tiny_corpus / "tokenizer.model",
-                    "--max-docs", "6", "--valid-fraction", "0")  # fmt: skip
-    return other, short
-
-
 BAD = [  # id, sources (name, path key, weight), more overrides, the message
     ("negative-weight", [("a", "code", -1), ("b", "docs", 1)], [], "data.sources[0].weight"),
     ("all-zero", [("a", "code", 0), ("b", "docs", 0)], [], "all weights are zero"),
