@@ -4,6 +4,7 @@
 #   bash scripts/test.sh [pytest args]            the full suite
 #   bash scripts/test.sh --quick [pytest args]    the quick tier: -m "not slow" (no multi-rank,
 #                                                 SLURM or whole-tool runs; tests/conftest.py)
+#   LINFORMER_DS_TEST_WORKERS=0 bash scripts/test.sh   in one process (default: 2 workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
@@ -21,8 +22,13 @@ export DS_ACCELERATOR=cpu
 if [ "$(id -u)" = 0 ]; then export LINFORMER_DS_REQUIRE_SLURM=1; fi
 ruff check .
 ruff format --check .  # Markdown excluded (pyproject): code blocks there are as measured
+# two workers (pytest-xdist; LINFORMER_DS_TEST_WORKERS, 0: one process): a test module runs
+# whole on one worker (tests/conftest.py groups them); most tests run one torch thread, so a
+# second worker uses the core that one leaves idle
+workers=(-n "${LINFORMER_DS_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+if [ "${LINFORMER_DS_TEST_WORKERS:-2}" = 0 ]; then workers=(-p no:xdist); fi
 if [ "$quick" = 1 ]; then
-  python -m pytest -q -m "not slow and not gpu" "$@"
+  python -m pytest -q "${workers[@]}" -m "not slow and not gpu" "$@"
 else
-  python -m pytest -q --durations=30 "$@"
+  python -m pytest -q "${workers[@]}" --durations=30 "$@"
 fi

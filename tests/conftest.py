@@ -123,7 +123,18 @@ def _starts_ranks(fn: Callable, depth: int = 2) -> bool:
     )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  # noqa: ARG001
+# scripts/test.sh runs the suite on two pytest-xdist workers (``--dist loadgroup``): each test
+# module is one group, run whole on one worker, so its module fixtures are built once. Modules
+# that share a session fixture or a machine-wide resource are one group.
+SHARED_GROUPS = {
+    "tests/test_resume_layout.py": "layout_chains",  # the session fixture layout_chains
+    "tests/test_frozen_resume.py": "layout_chains",
+    "tests/test_slurm.py": "slurm",  # the one local SLURM cluster (/etc/slurm, /run/munge)
+    "tests/test_data_prep_mpi.py": "slurm",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     slow = pytest.mark.slow
     for item in items:
         if item.get_closest_marker("slow"):
@@ -134,6 +145,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  
             or any(_starts_ranks(f) for f in _functions(item))
         ):
             item.add_marker(slow)
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") != "no":
+        _group_for_workers(items)
+
+
+def _group_for_workers(items: list) -> None:
+    """One xdist group per module (SHARED_GROUPS merged), the groups with slow tests first, in
+    collection order otherwise (run with ``--no-loadscope-reorder``): the long multi-rank
+    groups start early and the short one-process ones fill the end on both workers."""
+    group_of = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group_of[item] = SHARED_GROUPS.get(path, path)
+        item.add_marker(pytest.mark.xdist_group(group_of[item]))
+    slow_groups = {group_of[i] for i in items if i.get_closest_marker("slow")}
+    first = {}
+    for n, item in enumerate(items):
+        first.setdefault(group_of[item], n)
+    items.sort(key=lambda i: (group_of[i] not in slow_groups, first[group_of[i]]))
 
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
