@@ -134,6 +134,7 @@ SHARED_GROUPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     slow = pytest.mark.slow
     for item in items:

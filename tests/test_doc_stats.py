@@ -36,9 +36,16 @@ def corpus(tmp_path_factory):
     return tmp, docs, write_text_corpus(tmp / "text", docs)
 
 
-def test_full_packing_counts(corpus):
-    tmp, docs, text = corpus
-    m = run(tmp, "full", [str(text)])
+@pytest.fixture(scope="module")
+def full_run(corpus):
+    """The corpus prepared with ``full`` packing (its tokenizer serves the ``pad`` run too)."""
+    tmp, _, text = corpus
+    return run(tmp, "full", [str(text)])
+
+
+def test_full_packing_counts(corpus, full_run):
+    tmp, docs, _ = corpus
+    m = full_run
     for split in ("train", "valid"):
         doc_ids = expected(docs, str(tmp / "full" / "tokenizer.model"), split)
         rec = m["splits"][split]["documents_in_rows"]
@@ -55,7 +62,7 @@ def test_full_packing_counts(corpus):
     assert 0 < m["splits"]["train"]["documents_in_rows"]["single_document_share"] < 1
 
 
-def test_pad_packing_counts(corpus):
+def test_pad_packing_counts(corpus, full_run):  # full_run: its tokenizer
     tmp, docs, text = corpus
     m = run(tmp, "pad", [str(text)], packing="pad", tokenizer=str(tmp / "full" / "tokenizer.model"))
     for split in ("train", "valid"):
