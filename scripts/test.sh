@@ -25,7 +25,7 @@ ruff format --check .  # Markdown excluded (pyproject): code blocks there are as
 # two workers (pytest-xdist; LINFORMER_DS_TEST_WORKERS, 0: one process): a test module runs
 # whole on one worker (tests/conftest.py groups them); most tests run one torch thread, so a
 # second worker uses the core that one leaves idle
-workers=(-n "${LINFORMER_DS_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+workers=(-n "${LINFORMER_DS_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 if [ "${LINFORMER_DS_TEST_WORKERS:-2}" = 0 ]; then workers=(-p no:xdist); fi
 if [ "$quick" = 1 ]; then
   python -m pytest -q "${workers[@]}" -m "not slow and not gpu" "$@"

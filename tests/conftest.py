@@ -123,9 +123,9 @@ def _starts_ranks(fn: Callable, depth: int = 2) -> bool:
     )
 
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (``--dist loadgroup``): each test
-# module is one group, run whole on one worker, so its module fixtures are built once. Modules
-# that share a session fixture or a machine-wide resource are one group.
+# scripts/test.sh runs the suite on two pytest-xdist workers (``--dist loadfile``): a test module
+# runs whole on one worker, so its module fixtures are built once. Modules that share a session
+# fixture or a machine-wide resource go to the same worker, as one unit (ModuleGroups below).
 SHARED_GROUPS = {
     "tests/test_resume_layout.py": "layout_chains",  # the session fixture layout_chains
     "tests/test_frozen_resume.py": "layout_chains",
@@ -134,8 +134,27 @@ SHARED_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return SHARED_GROUPS.get(path, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist runs too
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's types)
+    """``--dist loadfile`` with SHARED_GROUPS' modules merged into one unit each (xdist's own
+    ``loadgroup`` marks do not take effect under pytest 9: it renames ``item._nodeid``)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:  # noqa: ARG001
     slow = pytest.mark.slow
     for item in items:
         if item.get_closest_marker("slow"):
@@ -146,24 +165,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
             or any(_starts_ranks(f) for f in _functions(item))
         ):
             item.add_marker(slow)
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") != "no":
-        _group_for_workers(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: the order units go out
+        _slow_units_first(items)
 
 
-def _group_for_workers(items: list) -> None:
-    """One xdist group per module (SHARED_GROUPS merged), the groups with slow tests first, in
-    collection order otherwise (run with ``--no-loadscope-reorder``): the long multi-rank
-    groups start early and the short one-process ones fill the end on both workers."""
-    group_of = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group_of[item] = SHARED_GROUPS.get(path, path)
-        item.add_marker(pytest.mark.xdist_group(group_of[item]))
-    slow_groups = {group_of[i] for i in items if i.get_closest_marker("slow")}
-    first = {}
+def _slow_units_first(items: list) -> None:
+    """The units (modules, SHARED_GROUPS merged) with slow tests first, in collection order
+    otherwise (run with ``--no-loadscope-reorder``): the long multi-rank units start early and
+    the short one-process ones fill the end on both workers. A unit's items stay together."""
+    slow_units = {_group(i.nodeid) for i in items if i.get_closest_marker("slow")}
+    first: dict[str, int] = {}
     for n, item in enumerate(items):
-        first.setdefault(group_of[item], n)
-    items.sort(key=lambda i: (group_of[i] not in slow_groups, first[group_of[i]]))
+        first.setdefault(_group(item.nodeid), n)
+    items.sort(key=lambda i: (_group(i.nodeid) not in slow_units, first[_group(i.nodeid)]))
 
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
