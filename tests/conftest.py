@@ -181,6 +181,28 @@ def _slow_units_first(items: list) -> None:
 
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_", "CROSS_", "GROUP_")
+
+
+def _launcher_vars() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if k in DIST_VARS or k.startswith(LAUNCHER_PREFIXES)
+    }
+
+
+@pytest.fixture(autouse=True)
+def _launcher_vars_restored() -> Iterator[None]:
+    """The rank and launcher variables are as they were after every test. The trainer's and
+    data_prep's main() and setup_distributed_env fill them in os.environ, as a launcher would;
+    a test that ran after them on the same worker found itself rank 1 of 2 and its trainer
+    subprocess waited for a rank 0 that never came."""
+    before = _launcher_vars()
+    yield
+    after = _launcher_vars()
+    if after != before:
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        os.environ.update(before)
 
 
 @pytest.fixture
