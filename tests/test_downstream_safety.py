@@ -496,7 +496,11 @@ def test_data_prep_ctrl_c_is_one_line_and_releases_out(tmp_path):
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / ".data.lock").exists():  # main() runs: the handler is in place
+        lock = tmp_path / ".data.lock"
+        # the holder's record is in the lock file: the lock is taken and main() will release it
+        # (an interrupt between the file's creation and the lock leaves an empty file, a stale
+        # lock the next run takes over: not this test's case)
+        while not (lock.exists() and lock.stat().st_size > 0):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
