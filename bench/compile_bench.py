@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchError, environment
+from linformer_ds.dist_env import without_launcher_vars
 from linformer_ds.fsio import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,10 +40,9 @@ def run_mode(args: argparse.Namespace, compiled: bool) -> dict[str, Any]:
             f"train.compile={str(compiled).lower()}", f"train.compile_backend={args.backend}",
             *FIXED, *args.overrides]  # fmt: skip
     cmd = [sys.executable, str(REPO / "launch" / "pretrain.py"), "--config", args.config, *over]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = without_launcher_vars(os.environ)  # a job of its own
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("DS_ACCELERATOR", "cpu")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "log.txt", "w") as log:
         code = subprocess.run(

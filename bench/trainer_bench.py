@@ -457,9 +457,10 @@ def make_arm(spec: ArmSpec):
 
 def _clean_rank_env() -> None:
     """A spawned arm is a single process of its own (no launcher variables inherited)."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):  # fmt: skip
-        os.environ.pop(var, None)
+    from linformer_ds.dist_env import is_launcher_var
+
+    for var in [k for k in os.environ if is_launcher_var(k)]:
+        del os.environ[var]
 
 
 def _worker(conn: Any, spec: ArmSpec) -> None:

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +40,13 @@ from linformer_ds.log import get_logger
 log = get_logger(__name__)
 
 REQUIRED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# What else a launcher sets to place a process in its job: torchrun's and the deepspeed
+# launcher's other counts, and every variable of the launchers rank discovery reads.
+LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")  # fmt: skip
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_")
+# Set by a user or an administrator, not by a launcher: which cluster, running as root.
+SETTINGS_VARS = ("SLURM_CONF", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 PORT_BASE = 15000  # derived ports lie in [15000, 30000): below Linux's ephemeral range
 PORT_SPAN = 15000
 LOOPBACK = "127.0.0.1"
@@ -48,6 +55,21 @@ SLURM_SPECIAL_STEPS = 0xFFFFFFF0  # step ids from here up: batch, extern, intera
 
 class DistEnvError(LinformerError, RuntimeError):
     """The launcher's environment is inconsistent or incomplete; the message names the variable."""
+
+
+def is_launcher_var(name: str) -> bool:
+    """Whether ``name`` places a process in a launched job (a rank, a size, a rendezvous, a
+    launcher's job or step); the cluster and user settings in ``SETTINGS_VARS`` do not."""
+    if name in SETTINGS_VARS:
+        return False
+    return name in REQUIRED_VARS or name in LAUNCHER_VARS or name.startswith(LAUNCHER_PREFIXES)
+
+
+def without_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less every launcher variable (:func:`is_launcher_var`): the environment for a
+    child process that starts a job of its own. A rank's child that inherited RANK=1 and
+    WORLD_SIZE=2 (or an srun step's SLURM_PROCID) would wait for a rank 0 that never comes."""
+    return {k: v for k, v in env.items() if not is_launcher_var(k)}
 
 
 def _int_var(env: MutableMapping[str, str], name: str) -> int:

@@ -54,7 +54,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from linformer_ds.dist_env import free_port  # noqa: E402
+from linformer_ds.dist_env import free_port, without_launcher_vars  # noqa: E402
 from linformer_ds.fsio import atomic_write_text, read_jsonl  # noqa: E402
 from studies import sweep  # noqa: E402
 
@@ -231,12 +231,11 @@ class Kit:
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment of child processes: the repo importable; CPU accelerator in the dry run."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+        env = without_launcher_vars(os.environ)
+        env.update(PYTHONUNBUFFERED="1", **extra)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(var, None)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo over loopback
         if self.dry:
             env["DS_ACCELERATOR"] = "cpu"

@@ -180,14 +180,10 @@ def _slow_units_first(items: list) -> None:
     items.sort(key=lambda i: (_group(i.nodeid) not in slow_units, first[_group(i.nodeid)]))
 
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_", "CROSS_", "GROUP_")
-
-
 def _launcher_vars() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if k in DIST_VARS or k.startswith(LAUNCHER_PREFIXES)
-    }
+    from linformer_ds.dist_env import is_launcher_var  # after OMP_NUM_THREADS (torch)
+
+    return {k: v for k, v in os.environ.items() if is_launcher_var(k)}
 
 
 @pytest.fixture(autouse=True)
@@ -207,12 +203,13 @@ def _launcher_vars_restored() -> Iterator[None]:
 
 @pytest.fixture
 def _clean_env() -> Iterator[None]:
-    """The test starts without the rank variables (DIST_VARS) and gets the environment back as
-    it was afterwards (the trainer's and data_prep's main() fill them in for a single process).
-    Asked for by name, or by a whole module: ``pytestmark = pytest.mark.usefixtures(...)``."""
+    """The test starts without the launcher variables (linformer_ds.dist_env.is_launcher_var)
+    and gets the environment back as it was afterwards (the trainer's and data_prep's main()
+    fill them in for a single process). Asked for by name, or by a whole module:
+    ``pytestmark = pytest.mark.usefixtures(...)``."""
     saved = dict(os.environ)
-    for var in DIST_VARS:
-        os.environ.pop(var, None)
+    for var in _launcher_vars():
+        del os.environ[var]
     yield
     os.environ.clear()
     os.environ.update(saved)

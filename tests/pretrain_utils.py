@@ -13,7 +13,7 @@ from typing import Any
 from data_prep import PrepConfig
 from data_prep.distributed import World
 from data_prep.parallel import prepare_distributed
-from linformer_ds.dist_env import free_port
+from linformer_ds.dist_env import free_port, without_launcher_vars
 from linformer_ds.fsio import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +22,18 @@ WORKER = str(REPO / "tests" / "layout_worker.py")
 TINY_CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 RUN_MARK = "[layout_worker] run "  # tests/layout_worker.py's line before each run
 
+
 # A small, fast variant of configs/tiny_cpu.yaml for tests.
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that starts a job of its own: no launcher
+    variables (``dist_env.without_launcher_vars``: an earlier in-process run leaves RANK and the
+    rest in os.environ), the CPU accelerator, one OpenMP thread, unbuffered output; ``extra``
+    on top."""
+    env = without_launcher_vars(os.environ)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
 TEST_OVERRIDES = [
     "model.vocab_size=2000",
     "model.max_seq_len=128",
@@ -66,9 +77,7 @@ def run_pretrain(
     """Run launch/pretrain.py (or ``script``) with ``nproc`` CPU ranks; returns the completed
     process."""
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + list(overrides or [])
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env()
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, script]
@@ -98,7 +107,7 @@ def start_worker_ranks(
     file, in the order written). :func:`wait_worker_ranks` waits."""
     spec = out / f"{name}.json"
     spec.write_text(json.dumps({"out": str(out), "runs": list(runs)}))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = []
     for r in range(ranks):

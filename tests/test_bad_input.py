@@ -32,10 +32,7 @@ from linformer_ds.checkpoint.tags import (
 from linformer_ds.config import load_config
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig
-from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG
-
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG, child_env
 
 pytestmark = pytest.mark.usefixtures("_clean_env")  # main() fills in the rank variables
 
@@ -911,8 +908,7 @@ def test_checkpoint_past_ulimit_f_is_one_line(tiny_corpus, tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = child_env()
     cmd = [sys.executable, PRETRAIN, "--config", TINY_CONFIG, *TEST_OVERRIDES,
            f"data.path={tiny_corpus}", f"logging.dir={tmp_path / 'run'}", "train.max_steps=1",
            "deepspeed.precision=fp32"]  # fmt: skip

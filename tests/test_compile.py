@@ -16,7 +16,6 @@ Both launches run at once. Graph breaks are counted by the trainer (metrics.json
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -27,7 +26,14 @@ import torch
 
 from linformer_ds.config import ConfigError, load_config
 from linformer_ds.resolve import resolve
-from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, free_port, read_metrics
+from tests.pretrain_utils import (
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    child_env,
+    free_port,
+    read_metrics,
+)
 
 WORKER = str(REPO / "tests" / "layout_worker.py")
 TOL = 1e-5
@@ -67,7 +73,7 @@ ZERO3_BREAK_KINDS = {"gb0008", "gb0098", "gb0116"}
 
 
 def _launch(ranks: int, spec: Path, log: Path) -> list[subprocess.Popen]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = []
     for r in range(ranks):

@@ -29,7 +29,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from linformer_ds.fsio import read_jsonl
-from tests.pretrain_utils import PRETRAIN, REPO, TEST_OVERRIDES, TINY_CONFIG, run_pretrain
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    child_env,
+    run_pretrain,
+)
 
 EXAMPLES = int(os.environ.get("LINFORMER_CONCURRENT_EXAMPLES", "0"))
 KINDS = ("pretrain", "pretrain2", "export_run", "export", "finetune", "data_prep")
@@ -40,11 +47,8 @@ TIMEOUT_S = 600  # one command; a hang fails the example rather than the suite
 
 
 def _env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="0")  # fmt: skip
+    env = child_env(TOKENIZERS_PARALLELISM="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     return env
 
 

@@ -444,18 +444,8 @@ def _train_main(capsys, data: Path, run: Path, *overrides: str) -> str:
     return err
 
 
-@pytest.fixture
-def _no_rank_env(monkeypatch):
-    """train.main fills in one process's rank variables: undo that after the test."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def test_swapped_tokenizer_is_refused_at_start(
-    corpus_copy, other_tokenizer, tmp_path, capsys, _no_rank_env
+    corpus_copy, other_tokenizer, tmp_path, capsys, _clean_env
 ):
     """A 500-piece tokenizer.model copied over the 2000-vocab data's: refused at start, without
     verify_checksums (the sha256 data_prep recorded), before anything is written."""
@@ -488,9 +478,7 @@ def _fake_tag(run: Path, meta_extra: dict[str, Any]) -> Path:
     return d
 
 
-def test_resume_on_other_data_is_refused_unless_allowed(
-    tiny_corpus, tmp_path, capsys, _no_rank_env
-):
+def test_resume_on_other_data_is_refused_unless_allowed(tiny_corpus, tmp_path, capsys, _clean_env):
     """The checkpoint records the data it was trained on (N, tokenizer, shards' digest);
     resuming on other data names what differs and the flag that allows it."""
     from linformer_ds.checkpoint.io import check_run_config, data_identity
@@ -582,7 +570,7 @@ def test_resolved_config_is_frozen_and_the_loaded_one_untouched():
     assert resolve(job, 4).resolved.data_parallel_size == 4  # a resolved config re-resolves
 
 
-def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch):
+def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch, _clean_env):
     """launch -> load_config -> Trainer: every section's checks run once, the config is resolved
     once (precision auto, sharding, world checks) before the engine, and the components get the
     frozen result."""
@@ -618,16 +606,10 @@ def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch)
         raise Built
 
     monkeypatch.setattr(train.Trainer, "_build_engine", stop)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
     argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
             f"logging.dir={tmp_path}", "train.max_steps=2"]  # fmt: skip
-    try:
-        with pytest.raises(Built):
-            train.main(argv)
-    finally:
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(var, None)
+    with pytest.raises(Built):
+        train.main(argv)
     sections = {f"{s}" for s in config_mod.SECTIONS} | {
         "deepspeed.zero", "deepspeed.activation_checkpointing"}  # fmt: skip
     assert {k: v for k, v in calls.items() if k in sections} == dict.fromkeys(sections, 1)

@@ -11,28 +11,32 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from linformer_ds import cpu_threads
+from linformer_ds import dist_env as dist_env_mod
 from linformer_ds.dist_env import (
     REQUIRED_VARS,
     DistEnvError,
     _first_host_parse,
     first_host,
+    is_launcher_var,
     job_key_port,
     setup_distributed_env,
     slurm_port,
+    without_launcher_vars,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
 REQUIRED_VARS_LOWER = ("rank", "world_size", "local_rank", "master_addr", "master_port")
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
     """os.environ without any launcher or rendezvous variable (tests may run under srun)."""
-    for name in list(os.environ):
-        if name in REQUIRED_VARS or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
+    for name in [k for k in os.environ if is_launcher_var(k)]:
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -232,6 +236,39 @@ def test_srun_without_local_id_is_an_error(clean_env):
         setup_distributed_env()
 
 
+# ------------------------------------------------------------------- a child's own environment
+def _names_read(module) -> list[str]:
+    """Every upper-case string constant of ``module``'s source that names a variable."""
+    text = Path(module.__file__).read_text()
+    return sorted(set(re.findall(r'"([A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9]|RANK)"', text)))
+
+
+_LAUNCHER_NAMES = [
+    n
+    for n in {*_names_read(dist_env_mod), *(v for v, _ in cpu_threads.LOCAL_SIZE_VARS)}
+    if n not in dist_env_mod.SETTINGS_VARS and n != "SIGXFSZ"
+] + ["SLURM_NODEID", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"]  # cpu_threads' SLURM
+_OTHER = st.sampled_from(["PATH", "HOME", "SLURM_CONF", "OMPI_ALLOW_RUN_AS_ROOT", "LANG"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    launcher=st.dictionaries(st.sampled_from(sorted(_LAUNCHER_NAMES)),
+                             st.sampled_from(["0", "1", "2", "3", "7", "a[1-2]", "x"])),
+    other=st.dictionaries(_OTHER, st.text("abc/:", max_size=6)),
+)  # fmt: skip
+def test_without_launcher_vars_leaves_a_job_of_its_own(launcher, other):
+    """Whatever a launcher left (any mix of the variables rank discovery and the CPU share read,
+    even inconsistent ones), the environment without them is rank 0 of 1 on one local rank,
+    and every other variable is kept as it was."""
+    env = without_launcher_vars({**launcher, **other})
+    assert env == other
+    info = setup_distributed_env(environ=env)
+    assert (info["launcher"], info["rank"], info["world_size"]) == ("single", 0, 1)
+    assert cpu_threads.local_ranks(dict(other)) == (1, "")
+    assert all(is_launcher_var(n) for n in launcher)
+
+
 # ------------------------------------------------------------------------------------- single
 def test_single_process_gets_a_free_port(clean_env):
     info = setup_distributed_env()
@@ -331,8 +368,7 @@ def test_mpirun_two_ranks_discover_distinct_ranks_and_all_reduce(mode, tmp_path)
         pytest.importorskip("mpi4py", reason="the multi-node path broadcasts with mpi4py")
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env = {k: v for k, v in env.items() if k not in REQUIRED_VARS}
+    env = without_launcher_vars(os.environ)
     env["PYTHONPATH"] = str(REPO)
     cmd = [mpirun, "-np", "2", "--oversubscribe", "--allow-run-as-root"]
     cmd += [sys.executable, str(script), mode, str(tmp_path)]
@@ -362,8 +398,7 @@ def _rank_cmd(data: Path, run: Path, overrides=()) -> list:
 
 
 def _rank_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in REQUIRED_VARS and not k.startswith(LAUNCHER_PREFIXES)}  # fmt: skip
+    env = without_launcher_vars(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=addr,
                MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")  # fmt: skip

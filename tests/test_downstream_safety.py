@@ -28,6 +28,7 @@ import torch
 
 from linformer_ds.export import TIED_KEY, write_model_dir
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig
+from tests.pretrain_utils import child_env
 from tests.test_export import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ TINY = dict(vocab_size=384, max_seq_len=32, hidden_size=32, num_layers=2, num_he
 
 
 def _env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="0")
+    env = child_env(TOKENIZERS_PARALLELISM="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
@@ -456,7 +457,7 @@ def test_training_owns_its_directory_and_ctrl_c_checkpoints_and_exits_75(tiny_co
     run = tmp_path / "run"
     ov = TEST_OVERRIDES + [f"data.path={tiny_corpus}", f"logging.dir={run}",
                            "train.max_steps=100000", "checkpoint.save_interval=0"]  # fmt: skip
-    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _env()
     log = tmp_path / "first.log"
     with open(log, "w") as f:
         first = subprocess.Popen([sys.executable, PRETRAIN, "--config", TINY_CONFIG, *ov],

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from linformer_ds.dist_env import free_port
+from linformer_ds.dist_env import free_port, without_launcher_vars
 from linformer_ds.model_dir import MODEL_FILES
-from tests.pretrain_utils import init_gloo_rank
+from tests.pretrain_utils import child_env, init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ = 384, 32
@@ -174,7 +174,7 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
 
 # ===================================================================================== helpers
 def _env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="0")
+    env = child_env(TOKENIZERS_PARALLELISM="0")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
@@ -258,14 +258,9 @@ def run_fresh(script: str, args: list, cwd: Path, timeout: int = 300) -> dict:
     # No launcher or rendezvous variables: a RANK/WORLD_SIZE/MASTER_* left in this process by an
     # earlier in-process test would make transformers' Trainer (accelerate) wait for a process
     # group in the child
-    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK")  # fmt: skip
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PYTHONPATH", "PYTHONHOME", *rendezvous)
-        and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_"))
-    }
+    env = without_launcher_vars(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONHOME", None)
     env.update(TOKENIZERS_PARALLELISM="0", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-I", "-c", script, *args],

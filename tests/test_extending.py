@@ -42,6 +42,7 @@ from tests.pretrain_utils import (
     REPO,
     TEST_OVERRIDES,
     TINY_CONFIG,
+    child_env,
     run_ranks_in_threads,
 )
 from tests.test_data_prep import make_docs, shard_hashes, write_text_corpus
@@ -302,9 +303,7 @@ def plugin_runs(tmp_path_factory):
     4 trainer steps (one process) of a ``[linear, pool]`` model with ``logging.sinks:
     [collect]``, then the same run resumed to step 6."""
     tmp = tmp_path_factory.mktemp("ext")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env()
     data, run_dir = tmp / "data", tmp / "run"
     prep = subprocess.run(
         [sys.executable, "-m", "data_prep", "--plugin", "tests.extending_plugin", "--source",

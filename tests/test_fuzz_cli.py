@@ -34,7 +34,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG
+from linformer_ds.dist_env import is_launcher_var, without_launcher_vars
+from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, child_env
 
 EXAMPLES = int(os.environ.get("LINFORMER_FUZZ_EXAMPLES", "0"))
 # CPU seconds of one in-process run (a tokenizer training or an export included): this
@@ -48,7 +49,6 @@ FUZZ = settings(
     suppress_health_check=list(HealthCheck),
     database=None,
 )
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 # ====================================================================================== checks
@@ -112,8 +112,8 @@ def run_contract(
 
 
 def _clean_dist_env() -> None:
-    for var in DIST_VARS:
-        os.environ.pop(var, None)
+    for var in [k for k in os.environ if is_launcher_var(k)]:
+        del os.environ[var]
 
 
 # ===================================================================================== fixtures
@@ -619,8 +619,7 @@ def test_launch_scripts_in_subprocesses(base, script, args):
     inputs untouched."""
     with workspace(base) as ws:
         before = tree_hashes(ws)
-        env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        env = child_env()
         cmd = [sys.executable, str(REPO / "launch" / script)]
         cmd += [a.replace("{ws}", str(ws)) for a in args]
         # the timeout only catches a hang (exit 2 takes seconds on an idle machine)
@@ -680,7 +679,7 @@ def test_export_past_ulimit_f_is_one_line(base):
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
     with workspace(base) as ws:
-        env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+        env = without_launcher_vars(os.environ)
         proc = subprocess.run(
             [sys.executable, str(REPO / "launch" / "export.py"), "--checkpoint",
              str(ws / "run" / "checkpoints"), "--out", str(ws / "out" / "e")],

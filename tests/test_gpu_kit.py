@@ -7,7 +7,6 @@ files against the device's limits and its numbers against independent recomputat
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from linformer_ds.model import ModelConfig, flops_per_token
+from tests.pretrain_utils import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -36,9 +36,7 @@ def dry(tmp_path_factory):
     """(out dir, results dict, completed process) of one dry run."""
     tmp = tmp_path_factory.mktemp("gpu_kit")
     out, work = tmp / "out", tmp / "work"
-    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cpu")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env(PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", str(out), "--dry-run", "--work", str(work)],
         cwd=REPO,

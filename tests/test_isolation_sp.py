@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from linformer_ds.dist_env import free_port
 from linformer_ds.model import ModelConfig
 from linformer_ds.sequence_parallel import isolation_errors, shard_batch
-from tests.pretrain_utils import init_gloo_rank
+from tests.pretrain_utils import child_env, init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, N, N_MAX = 50, 24, 32
@@ -204,7 +204,7 @@ def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
 
 def _run_ranks(mode: str, world: int, out: Path, timeout: int = 600) -> list:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     port = free_port()
     procs = [

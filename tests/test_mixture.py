@@ -4,7 +4,6 @@ rank count, resumes exactly, and one source is the TrainBatches stream from befo
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from tests.pretrain_utils import (
     REPO,
     TEST_OVERRIDES,
     TINY_CONFIG,
+    child_env,
     free_port,
     read_metrics,
     run_pretrain,
@@ -367,9 +367,7 @@ def sample_picks(run_dir) -> dict[int, list]:
 def launch(run_dir, overrides) -> subprocess.Popen:
     ov = TEST_OVERRIDES + [f"logging.dir={run_dir}", f"debug.sample_log={run_dir / 'samples'}"]
     ov += list(overrides)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN,
            "--config", TINY_CONFIG, *ov]  # fmt: skip
     log = open(run_dir / "launch.log", "a")

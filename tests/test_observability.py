@@ -4,7 +4,6 @@ the endpoint is gone when training ends."""
 
 import json
 import math
-import os
 import re
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from tests.pretrain_utils import (
     REPO,
     TEST_OVERRIDES,
     TINY_CONFIG,
+    child_env,
     free_port,
     read_metrics,
     run_pretrain,
@@ -63,10 +63,7 @@ def refused(endpoint: str) -> bool:
 def popen_pretrain(data: Path, run_dir: Path, overrides: list[str], env_extra: dict[str, str]):
     """launch/pretrain.py under the deepspeed launcher with 2 CPU ranks, not waited for."""
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run_dir}"] + overrides
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(env_extra)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env(**env_extra)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN]
     cmd += ["--config", TINY_CONFIG] + ov
     log = open(run_dir / "launcher.log", "w")

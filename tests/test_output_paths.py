@@ -34,7 +34,7 @@ from linformer_ds import onnx_export, warm_start
 from linformer_ds.export import main as export_main
 from linformer_ds.finetune import main as finetune_main
 from linformer_ds.outpath import EXIT_INTERRUPTED, OutPathError, check_out_file, staged
-from tests.pretrain_utils import REPO
+from tests.pretrain_utils import REPO, child_env
 
 transformers = pytest.importorskip("transformers")
 
@@ -377,7 +377,7 @@ def test_sigint_during_finetune_exits_130_in_one_line_and_writes_nothing(tiny_ex
     (earlier / "linformer_export.json").write_text("{}")
     (earlier / "model.safetensors").write_bytes(b"the earlier weights" * 50)
     before = snapshot(tmp_path)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = child_env()
     procs = {}
     for out, extra in ((earlier, ["--overwrite"]),):
         cmd = [sys.executable, str(REPO / "launch" / "finetune.py"), "--model", str(model),
@@ -462,7 +462,7 @@ def test_sigint_during_data_prep_exits_130_leaves_out_as_it_was_and_resumes(tmp_
     from tests.test_data_prep import make_docs, write_text_corpus
 
     corpus = write_text_corpus(tmp_path / "corpus", make_docs(120, seed=5))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env(PYTHONPATH=str(REPO))
     base = ["--source", str(corpus), "--seq-len", "32", "--valid-fraction", "0.2",
             "--shard-rows", "5", "--workers", "0", "--quiet"]  # fmt: skip
 

@@ -30,6 +30,7 @@ from tests.pretrain_utils import (
     REPO,
     TEST_OVERRIDES,
     TINY_CONFIG,
+    child_env,
     free_port,
     read_metrics,
     run_pretrain,
@@ -108,9 +109,7 @@ def reference(tiny_corpus, tmp_path_factory):
 # ==================================================================================== SIGKILL
 def _launch(data: Path, run: Path, overrides: list[str], log: Path) -> subprocess.Popen:
     ov = TEST_OVERRIDES + [f"data.path={data}", f"logging.dir={run}", sample_log(run)] + overrides
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env()
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN]
     cmd += ["--config", TINY_CONFIG] + ov
     with open(log, "a") as f:

@@ -8,7 +8,6 @@ clipping, batch, sampler, masking, loop), equal the new ones. Never recorded-but
 """
 
 import json
-import os
 import random
 import re
 import shutil
@@ -31,7 +30,14 @@ from linformer_ds.resume_policy import (
     policy_of,
     refusal,
 )
-from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, read_metrics, run_pretrain
+from tests.pretrain_utils import (
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    child_env,
+    read_metrics,
+    run_pretrain,
+)
 
 WORKER = str(REPO / "tests" / "resume_policy_worker.py")
 BASE = ["train.max_steps=6", "train.stop_at_step=2", "checkpoint.save_interval=0"]
@@ -356,9 +362,7 @@ def _run_cases(cases, base, overrides, tmp_path, check_case):
     (tmp_path / "work").mkdir()
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = tmp_path / "out.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env()
     proc = subprocess.run([sys.executable, WORKER, str(tmp_path / "spec.json"), str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)  # fmt: skip
     results = json.loads(out.read_text()) if out.exists() else []

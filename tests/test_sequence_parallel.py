@@ -28,7 +28,7 @@ from linformer_ds.sequence_parallel import (
     group_layout,
     shard_batch,
 )
-from tests.pretrain_utils import init_gloo_rank
+from tests.pretrain_utils import child_env, init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, N, N_MAX, B = 50, 24, 32, 3
@@ -384,7 +384,7 @@ def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
 # ========================================================================================= helpers
 def _run_ranks(mode: str, world: int, out: Path, timeout: int = 600) -> list:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     port = free_port()
     procs = [

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurmCluster, running_cluster  # noqa: E402
 
+from linformer_ds.dist_env import without_launcher_vars
 from linformer_ds.fsio import read_jsonl  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -35,7 +36,6 @@ LOCAL_RESOURCES = [
     "--time=10",
     "--partition=ci",
 ]
-RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,7 @@ def tiny_data(tmp_path_factory) -> Path:
 
 def job_env() -> dict:
     """The environment sbatch exports to the job: CPU DeepSpeed, this interpreter."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-    for k in RANK_VARS:
-        env.pop(k, None)
+    env = without_launcher_vars(os.environ)
     env.update(DS_ACCELERATOR="cpu", PYTHON=sys.executable, PYTHONPATH=str(REPO))
     return env
 

@@ -24,7 +24,14 @@ import pytest
 
 from linformer_ds.dirlock import LOCK_NAME
 from linformer_ds.dist_env import START_UP_PHASES
-from tests.pretrain_utils import PRETRAIN, REPO, TEST_OVERRIDES, TINY_CONFIG, run_pretrain
+from tests.pretrain_utils import (
+    PRETRAIN,
+    REPO,
+    TEST_OVERRIDES,
+    TINY_CONFIG,
+    child_env,
+    run_pretrain,
+)
 
 DEADLINE_S = 60.0  # from the signal to the exit; measured well under 5 s (see the prints)
 
@@ -54,7 +61,7 @@ def assert_unchanged_but_created(before: dict, after: dict) -> list:
 
 
 def env() -> dict:
-    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e = child_env()
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(var, None)
     return e

@@ -12,7 +12,7 @@ import yaml
 
 from linformer_ds.fsio import read_jsonl
 from studies import sweep
-from tests.pretrain_utils import REPO
+from tests.pretrain_utils import REPO, child_env
 
 SWEEP_CLI = str(REPO / "studies" / "run_sweep.py")
 
@@ -59,7 +59,7 @@ IDS = ["linear_n128_k32_lr0.001_s0", "conv_hybrid_n128_k32_lr0.001_s0", "linear_
 
 
 def _cli(args, env_extra=None, timeout=300):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env_extra or {}))
+    env = child_env(**(env_extra or {}))
     return subprocess.run(
         [sys.executable, SWEEP_CLI, *args],
         cwd=REPO,
