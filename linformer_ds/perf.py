@@ -123,3 +123,20 @@ class MemoryProbe:
         else:
             value = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB
         return max(value, self._max_seen)
+
+
+DENSE_DROPOUT_ON_CPU = (
+    "model.attention_dropout > 0 with dense attention on the CPU: torch's SDPA has no fused CPU "
+    "kernel with dropout and takes its math path (the N x N scores and an N x N dropout mask "
+    "per head), several times slower at long N; model.attention_dropout=0 keeps the fused kernel"
+)
+
+
+def slow_kernels(model: Any, device: torch.device | str) -> list[str]:
+    """One line per setting of ``model`` (a ModelConfig) that runs a slow kernel on ``device``:
+    said once at the start of a run, never changed behind the user's back."""
+    lines = []
+    dense = "dense" in model.projection_schedule()
+    if torch.device(device).type == "cpu" and dense and model.attention_dropout > 0:
+        lines.append(DENSE_DROPOUT_ON_CPU)
+    return lines

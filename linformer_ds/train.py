@@ -49,6 +49,7 @@ from linformer_ds.metrics import (
     step_stats,
 )
 from linformer_ds.parallel.parallelize import LossScaling, parallelize
+from linformer_ds.perf import slow_kernels
 from linformer_ds.plugins import PluginError, import_plugins
 from linformer_ds.resolve import resolve
 from linformer_ds.resume_policy import record_start
@@ -275,6 +276,8 @@ class Trainer:
         else:
             rank0_log(to_yaml(cfg))
         self._print_setup()
+        for line in slow_kernels(cfg.model, self.device):  # a setting that costs speed here
+            rank0_log(f"[warn] {line}", WARN)
         self._enter_stage(self.step + 1)  # a resumed run: the stage of its next step
         self.sync_log: StepSyncLog | None = None
         if cfg.debug.sync_log:  # a test instrument: host syncs of debug.sync_steps counted

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from linformer_ds.model import kernels
+from linformer_ds.model import ModelConfig, kernels
 from linformer_ds.model.kernels import (
     EXPLICIT_UP_TO,
     attention_kernel,
@@ -25,6 +27,8 @@ from linformer_ds.model.kernels import (
     pick_kernel,
     short_attention,
 )
+from linformer_ds.perf import DENSE_DROPOUT_ON_CPU, slow_kernels
+from tests.pretrain_utils import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 # max |kernel - float64| / max |float64| (outputs and gradients), per dtype
@@ -250,7 +254,7 @@ def test_sequence_parallel_rule_sees_the_rank_slice(tmp_path):
     the 24-row whole SDPA, the loss and every gradient equal P = 1 to 1e-5."""
     from linformer_ds.dist_env import free_port
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     port = free_port()
     procs = [
@@ -274,6 +278,36 @@ def test_sequence_parallel_rule_sees_the_rank_slice(tmp_path):
             assert case["sp"] == [[12, 8, "explicit"]], (sharing, case["sp"])
             bad = {k: v for k, v in case["errs"].items() if not v <= 1e-5}
             assert not bad and len(case["errs"]) > 10, (sharing, bad)
+
+
+# ------------------------------------------------- the start-up warning for a slow CPU kernel
+def _sdpa_ops(dropout_p: float) -> set[str]:
+    q = torch.randn(1, 2, 64, 16)
+    with torch.profiler.profile() as prof:
+        F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p)
+    return {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+
+
+@given(
+    schedule=st.lists(st.sampled_from(["dense", "linear", "conv", "local"]), min_size=1,
+                      max_size=4),
+    dropout=st.sampled_from([0.0, 0.1, 0.5]),
+    device=st.sampled_from(["cpu", "cuda"]),
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_dense_attention_dropout_on_cpu_is_warned_of_and_is_the_math_path(schedule, dropout,
+                                                                           device):  # fmt: skip
+    """perf.slow_kernels warns exactly when a dense layer trains with attention dropout on the
+    CPU, and torch does take the unfused math path there (it warns of a fact: with a fused CPU
+    kernel for dropout in a later torch this fails and the warning goes)."""
+    model = ModelConfig(layer_projections=schedule, num_layers=len(schedule),
+                        attention_dropout=dropout,
+                        local_window=16 if set(schedule) - {"dense"} else 0)  # fmt: skip
+    slow = "dense" in schedule and dropout > 0 and device == "cpu"
+    assert slow_kernels(model, device) == ([DENSE_DROPOUT_ON_CPU] if slow else [])
+    if slow:
+        assert _sdpa_ops(dropout) == {"aten::_scaled_dot_product_attention_math"}
+        assert _sdpa_ops(0.0) == {"aten::_scaled_dot_product_flash_attention_for_cpu"}
 
 
 if __name__ == "__main__":

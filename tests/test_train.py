@@ -13,6 +13,7 @@ import pytest
 
 from linformer_ds.config import ConfigError, load_config
 from linformer_ds.ds_config import deepspeed_config
+from linformer_ds.perf import DENSE_DROPOUT_ON_CPU
 from tests.pretrain_utils import (
     PRETRAIN,
     REPO,
@@ -165,11 +166,14 @@ def test_zero3_resume_exact_and_on_one_rank(launches, tiny_corpus, tmp_path):
 
 
 def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
-    run_pretrain(
+    """Dense attention with attention dropout on the CPU trains, and the run says once at the
+    start that this is torch's slow math path (perf.slow_kernels)."""
+    proc = run_pretrain(
         tiny_corpus,
         tmp_path,
         [
             "model.projection=dense",
+            "model.attention_dropout=0.1",
             "train.max_steps=6",
             "train.eval_interval=3",
             "train.eval_batches=2",
@@ -187,6 +191,7 @@ def test_dense_config_trains_with_eval_and_tensorboard(tiny_corpus, tmp_path):
         assert train[6][key] == train[6][key] and train[6][key] >= 0, key  # not NaN
     assert train[6]["loss"] < train[1]["loss"]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert proc.stderr.count(f"[warn] {DENSE_DROPOUT_ON_CPU}") == 1, proc.stderr[-3000:]
 
 
 # ============================================================================= config errors
