@@ -3,7 +3,7 @@
 The corpus is cut into *units*, runs of consecutive documents in the single-process reading
 order, as each spec's source kind cuts it (a group of consecutive files of one source of about
 ``unit_bytes``, a part of a larger file cut between its documents (byte ranges, Parquet row
-groups: :meth:`data_prep.sources.Source.file_parts`), or one contiguous shard of a Hugging Face
+groups: :func:`data_prep.files.file_parts`), or one contiguous shard of a Hugging Face
 dataset, ``Dataset.shard(n, i, contiguous=True)``: :class:`data_prep.sources.SourceKind`).
 Units depend on the inputs and ``unit_bytes`` only, never on R. Because the packed streams of
 the single-process run are the concatenation of the units' streams, the run goes:

@@ -1,55 +1,36 @@
 """Corpus sources: documents (strings) streamed from local files, the stdlib, or a HF dataset.
 
 A *document* is the unit that is split into train/valid, separated by ``sep`` when packed, and
-kept apart in ``pad`` packing:
+kept apart in ``pad`` packing. Each kind of ``--source`` spec is a :class:`SourceKind` in a
+registry (:func:`register_source_kind`), asked in order:
 
-* plain text files (any suffix not listed below): one document per file; a file larger than
-  ``max_doc_bytes`` is cut at line boundaries into documents of at most that size, so memory
-  stays bounded for huge single-file corpora;
-* ``.jsonl`` / ``.ndjson`` / ``.json`` (JSON lines), ``.csv``, ``.tsv``, ``.parquet``: one
-  document per record, taken from the text column;
 * ``stdlib``: every ``.py`` file of the running interpreter's standard library
   (``sysconfig.get_paths()["stdlib"]``, without ``site-packages``/``dist-packages``), sorted;
 * ``hf:NAME[:CONFIG][:SPLIT]``: the rows of a Hugging Face dataset (streamed), text column.
   NAME is a Hub dataset, a local directory of data files (``load_dataset``), or a directory
-  written by ``save_to_disk`` (``load_from_disk``; SPLIT picks from a saved DatasetDict).
+  written by ``save_to_disk`` (``load_from_disk``; SPLIT picks from a saved DatasetDict);
+* anything else: local files (a file, a directory walked recursively in sorted order with
+  hidden entries skipped, or a glob, sorted), each read by its format (:mod:`data_prep.files`:
+  plain text, JSON lines, CSV/TSV, Parquet, or one added with ``register_file_format``).
 
-Files are read as UTF-8 (or ``encoding``); each undecodable byte becomes one U+FFFD and is
-counted (``SourceStats.undecodable_bytes``, with the files that had any). A plain-text input
-that is not text (a NUL byte, or over 5 % control bytes in its first 64 KiB, for byte-oriented
-encodings) is skipped and counted (``SourceStats.binary_files``). Directories are walked recursively in sorted order, hidden
-entries skipped; globs are expanded and sorted. Every order is deterministic.
-
-Extending: each kind of spec is a :class:`SourceKind` in a registry (:func:`register_source_kind`;
-the built-ins are ``stdlib``, ``huggingface`` and the ``files`` fallback), and each local file
-format a reader keyed by suffix (:func:`register_file_format`). See docs/extending.md.
+Every order is deterministic. :class:`Source` holds the specs, the reading options and the
+statistics (:class:`SourceStats`); each kind reads its own specs. See docs/extending.md.
 """
 
-import codecs
-import csv
 import glob
-import json
 import os
-import re
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from data_prep.errors import DataPrepError
+from data_prep.files import EXAMPLES, column_error, file_parts, read_files, text_value
+from data_prep.files import register_file_format as register_file_format  # its old home
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-PARQUET_SUFFIXES = (".parquet",)
 EXCLUDED_STDLIB_DIRS = ("site-packages", "dist-packages")
 DEFAULT_MAX_DOC_BYTES = 8 << 20
-SNIFF_BYTES = 64 << 10
-BINARY_CONTROL_FRACTION = 0.05
-# Control bytes that plain text does not hold (tab, LF, VT, FF, CR and ESC are allowed).
-_CONTROL = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
-
-
-EXAMPLES = 3  # files named in a warning (binary_examples, undecodable_files)
 
 
 @dataclass
@@ -101,56 +82,6 @@ _COUNTS = ("documents", "bytes", "undecodable_bytes", "files", "binary_files", "
 def _first(names: list[str]) -> list[str]:
     """The first :data:`EXAMPLES` distinct names, in order."""
     return list(dict.fromkeys(names))[:EXAMPLES]
-
-
-_ESCAPED = re.compile("[\udc80-\udcff]")  # undecodable bytes under "surrogateescape"
-
-
-def _replace_escaped(text: str, stats: SourceStats) -> str:
-    """Turn each escaped undecodable byte into U+FFFD, counting them."""
-    if _ESCAPED.search(text) is None:
-        return text
-    stats.undecodable_bytes += len(_ESCAPED.findall(text))
-    return _ESCAPED.sub("\ufffd", text)
-
-
-def _decode(raw: bytes, stats: SourceStats, encoding: str = "utf-8") -> str:
-    """The text of ``raw`` in ``encoding``; each undecodable byte becomes one U+FFFD and is
-    counted."""
-    try:
-        text = raw.decode(encoding)
-    except UnicodeDecodeError:
-        try:
-            text = _replace_escaped(raw.decode(encoding, "surrogateescape"), stats)
-        except UnicodeDecodeError:  # e.g. UTF-16 with an odd byte count ("truncated data")
-            text = raw.decode(encoding, "replace")
-            stats.undecodable_bytes += max(1, text.count("\ufffd"))
-    return text[1:] if text.startswith("\ufeff") else text
-
-
-def check_encoding(name: str) -> str:
-    """The canonical name of a text encoding; :class:`DataPrepError` if Python lacks it."""
-    try:
-        info = codecs.lookup(name)
-    except LookupError:
-        raise DataPrepError(
-            f"--encoding {name!r} is not a text encoding Python knows (e.g. utf-8, latin-1, "
-            "cp1252, utf-16)"
-        ) from None
-    if not getattr(info, "_is_text_encoding", True):
-        raise DataPrepError(f"--encoding {name!r} is not a text encoding")
-    return info.name
-
-
-def looks_binary(sample: bytes, encoding: str = "utf-8") -> bool:
-    """True if ``sample`` (a file's first bytes) is not text: for byte-oriented encodings a NUL
-    byte or more than 5 % control bytes (UTF-16/32 text holds NULs: not judged)."""
-    if not sample or codecs.lookup(encoding).name.startswith(("utf-16", "utf-32")):
-        return False
-    if b"\x00" in sample:
-        return True
-    control = len(sample) - len(sample.translate(None, _CONTROL))
-    return control > BINARY_CONTROL_FRACTION * len(sample)
 
 
 def stdlib_files() -> list[str]:
@@ -205,103 +136,6 @@ def parse_hf(spec: str) -> HFSpec:
     config = parts[1] if len(parts) > 1 and parts[1] else None
     split = parts[2] if len(parts) > 2 and parts[2] else "train"
     return HFSpec(parts[0], config, split)
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """Bytes ``[start, end)`` of a local file, both at boundaries between its documents (JSON
-    lines: line starts; plain text: the ends of its ``max_doc_bytes`` documents; CSV: row
-    ends): one work unit of a file larger than the unit size (its documents in order; the
-    ranges of a file are the file)."""
-
-    path: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class RowGroups:
-    """Row groups ``[start, end)`` of a Parquet file, one work unit of a file larger than the
-    unit size; ``nbytes``: its share of the file's size (its row groups' compressed bytes, the
-    first unit also the file's header and footer: the shares of a file sum to its size)."""
-
-    path: str
-    start: int
-    end: int
-    nbytes: int
-
-
-def _ranges(path: str, ends: Iterable[int], size: int, unit_bytes: int) -> list[FileRange]:
-    """``path`` (``size`` bytes) cut at the first of ``ends`` (increasing document ends,
-    streamed: only the cuts are kept) at or after each ``unit_bytes`` since the last cut."""
-    cuts = [0]
-    for e in ends:
-        if e - cuts[-1] >= unit_bytes and e < size:
-            cuts.append(e)
-    cuts.append(size)
-    return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
-
-
-def line_ranges(path: str, size: int, unit_bytes: int) -> list[FileRange]:
-    """``path`` (``size`` bytes) cut into ranges of about ``unit_bytes``, each cut moved to the
-    start of the next line (a line is never split); one range when it is smaller."""
-    cuts = [0]
-    with open(path, "rb") as f:
-        for k in range(1, -(-size // max(unit_bytes, 1))):
-            f.seek(max(k * unit_bytes - 1, cuts[-1]))
-            f.readline()  # the rest of the line holding byte k * unit_bytes - 1
-            if cuts[-1] < f.tell() < size:
-                cuts.append(f.tell())
-    cuts.append(size)
-    return [FileRange(path, a, b) for a, b in zip(cuts, cuts[1:])]
-
-
-def text_document_ends(path: str, size: int, max_doc_bytes: int) -> Iterator[int]:
-    """Where the plain-text reader ends each document of a ``size``-byte file larger than
-    ``max_doc_bytes``: after the line that brings the document to ``max_doc_bytes`` (the line
-    holding its byte ``max_doc_bytes - 1``), found by seeking; the last document's end
-    (``size``) is not given."""
-    with open(path, "rb") as f:
-        start = 0
-        while start + max_doc_bytes - 1 < size:
-            f.seek(start + max_doc_bytes - 1)
-            f.readline()
-            if f.tell() >= size:
-                return
-            start = f.tell()
-            yield start
-
-
-class _CsvLines:
-    """The lines of a binary file from byte ``pos`` (to ``end``), split where text mode with
-    ``newline=""`` splits them (``\n``, ``\r``, ``\r\n``) and decoded one at a time as UTF-8
-    (undecodable bytes escaped, a BOM at byte 0 dropped: ``utf-8-sig``); ``pos``: the byte after
-    the last line given, so after a CSV row is read, the end of that row."""
-
-    def __init__(self, f: Any, pos: int, end: int | None = None) -> None:
-        self.f, self.pos, self.end = f, pos, end
-        f.seek(pos)
-
-    def __iter__(self) -> Iterator[str]:
-        for raw in self.f:
-            for piece in raw.splitlines(keepends=True):
-                if self.end is not None and self.pos >= self.end:
-                    return
-                text = piece[len(codecs.BOM_UTF8):] if self.pos == 0 and piece.startswith(
-                    codecs.BOM_UTF8) else piece  # fmt: skip
-                self.pos += len(piece)
-                yield text.decode("utf-8", errors="surrogateescape")
-
-
-def csv_row_ends(path: str, delimiter: str) -> Iterator[int]:
-    """The byte offset after each row of a UTF-8 CSV file, by parsing it (a quoted field may
-    hold newlines, so a row end cannot be found by seeking); ``csv.Error`` if the csv module
-    refuses the file."""
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open(path, "rb") as f:
-        lines = _CsvLines(f, 0)
-        for _ in csv.reader(lines, delimiter=delimiter):
-            yield lines.pos
 
 
 @dataclass
@@ -365,238 +199,6 @@ class Source:
         """The files of a local spec, in reading order."""
         return self._state[spec]
 
-    def iter_files(self, paths: list[Any]) -> Iterator[str]:
-        """The documents of some of the local files (or :class:`FileRange` / :class:`RowGroups`
-        of them), in order (not counted as documents: see :meth:`read`)."""
-        for path in paths:
-            if isinstance(path, (FileRange, RowGroups)):
-                self.stats.files += path.start == 0
-                try:
-                    yield from self._iter_part(path)
-                except OSError as e:
-                    raise DataPrepError(f"cannot read input file {path.path!r}: {e}") from e
-                continue
-            self.stats.files += 1
-            yield from self.iter_file(path)
-
-    def _iter_part(self, part: Any) -> Iterator[str]:
-        """The documents of a :class:`FileRange` or :class:`RowGroups` (see :meth:`file_parts`)."""
-        reader = file_reader(part.path)
-        if isinstance(part, RowGroups):
-            yield from self._iter_parquet(part.path, part)
-        elif reader is _read_jsonl:
-            yield from self._iter_jsonl(part.path, part.start, part.end)
-        elif reader in (_read_csv, _read_tsv):
-            yield from self._iter_csv_range(part.path, "\t" if reader is _read_tsv else ",",
-                                            part.start, part.end)  # fmt: skip
-        else:
-            yield from self._iter_text_range(part.path, part.start, part.end)
-
-    def file_parts(self, path: str, size: int, unit_bytes: int) -> list[Any] | None:
-        """A file of ``size`` > ``unit_bytes`` bytes cut into work units read by the built-in
-        readers, whose documents in order are those of the whole file: JSON lines at line
-        starts, plain text at the ends of its documents (one of at most ``max_doc_bytes`` is
-        never cut; a file that is not text is not cut), UTF-8 CSV/TSV at row ends (found by
-        parsing it once), Parquet by row groups. None: one unit (another reader or encoding,
-        a CSV the csv module refuses, a single document or row group)."""
-        reader = file_reader(path)
-        if reader is _read_jsonl:
-            return line_ranges(path, size, unit_bytes)
-        if reader is _read_parquet:
-            return self._row_group_parts(path, size, unit_bytes)
-        if reader in (_read_csv, _read_tsv) and codecs.lookup(self.encoding).name == "utf-8":
-            ends = csv_row_ends(path, "\t" if reader is _read_tsv else ",")
-        elif reader is None and size > self.max_doc_bytes:
-            with open(path, "rb") as f:
-                if looks_binary(f.read(SNIFF_BYTES), self.encoding):
-                    return None
-            ends = text_document_ends(path, size, self.max_doc_bytes)
-        else:
-            return None
-        try:
-            parts = _ranges(path, ends, size, unit_bytes)
-        except csv.Error:  # the whole-file reader reports it
-            return None
-        return parts if len(parts) > 1 else None
-
-    @staticmethod
-    def _row_group_parts(path: str, size: int, unit_bytes: int) -> list[Any] | None:
-        """Runs of consecutive row groups of about ``unit_bytes`` (compressed) of a Parquet
-        file; None when it has one."""
-        import pyarrow.parquet as pq
-
-        try:
-            meta = pq.ParquetFile(path).metadata
-        except (OSError, ValueError):  # not Parquet (ArrowInvalid): the whole-file reader says so
-            return None
-        sizes = [
-            sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
-            for g in range(meta.num_row_groups)
-        ]
-        if len(sizes) < 2:
-            return None
-        parts: list[Any] = []
-        first, n = 0, 0
-        for g, b in enumerate(sizes):
-            n += b
-            if n >= unit_bytes or g == len(sizes) - 1:
-                parts.append(RowGroups(path, first, g + 1, n))
-                first, n = g + 1, 0
-        if len(parts) < 2:
-            return None
-        head = parts[0]  # the header, footer and page indexes: counted by the first unit
-        parts[0] = RowGroups(path, head.start, head.end, head.nbytes + size - sum(sizes))
-        return parts
-
-    # ------------------------------------------------------------------------------ readers
-    def iter_file(self, path: str) -> Iterator[str]:
-        """The documents of one local file, read by the format its suffix names (plain text if
-        none matches: :func:`register_file_format`)."""
-        reader = file_reader(path)
-        try:
-            if reader is not None:
-                yield from reader(self, path)
-            else:
-                yield from self._iter_text(path)
-        except OSError as e:
-            raise DataPrepError(f"cannot read input file {path!r}: {e}") from e
-
-    def _iter_text(self, path: str) -> Iterator[str]:
-        size = os.path.getsize(path)
-        before = self.stats.undecodable_bytes
-        with open(path, "rb") as f:
-            if looks_binary(f.read(SNIFF_BYTES), self.encoding):
-                self.stats.binary_files += 1
-                if len(self.stats.binary_examples) < EXAMPLES:
-                    self.stats.binary_examples.append(path)
-                return
-            f.seek(0)
-            yield from self._read_text(f, size)
-        if self.stats.undecodable_bytes > before and len(self.stats.undecodable_files) < EXAMPLES:
-            self.stats.undecodable_files.append(path)
-
-    def _iter_text_range(self, path: str, start: int, end: int) -> Iterator[str]:
-        """The documents of bytes ``[start, end)`` of a plain-text file, both document ends
-        (:func:`text_document_ends`; the file is text: checked when it was cut)."""
-        before = self.stats.undecodable_bytes
-        with open(path, "rb") as f:
-            f.seek(start)
-            yield from self._read_text(f, os.path.getsize(path), end - start)
-        listed = self.stats.undecodable_files
-        if self.stats.undecodable_bytes > before and len(listed) < EXAMPLES and path not in listed:
-            listed.append(path)
-
-    def _read_text(self, f: Any, size: int, limit: int | None = None) -> Iterator[str]:
-        """Documents of an open binary file of ``size`` bytes (cut at ``max_doc_bytes``), or of
-        its next ``limit`` bytes from a document end."""
-        enc = self.encoding
-        if size <= self.max_doc_bytes:
-            raw = f.read()
-            self.stats.bytes += len(raw)
-            yield _decode(raw, self.stats, enc)
-            return
-        buf: list[bytes] = []
-        n = 0
-        for line in f if limit is None else _lines_of(f, limit):
-            buf.append(line)
-            n += len(line)
-            if n >= self.max_doc_bytes:
-                self.stats.bytes += n
-                yield _decode(b"".join(buf), self.stats, enc)
-                buf, n = [], 0
-        if buf:
-            self.stats.bytes += n
-            yield _decode(b"".join(buf), self.stats, enc)
-
-    def _column_error(self, where: str, columns: Any) -> DataPrepError:
-        return DataPrepError(
-            f"{where}: no text column {self.text_column!r} (columns: {sorted(columns)}); "
-            "choose one with --text-column"
-        )
-
-    def _text_value(self, value: Any, where: str) -> str | None:
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise DataPrepError(
-                f"{where}: column {self.text_column!r} holds {type(value).__name__}, not text"
-            )
-        return value
-
-    def _iter_jsonl(self, path: str, start: int = 0, end: int | None = None) -> Iterator[str]:
-        """The records of a JSON-lines file, or of its lines in bytes ``[start, end)``."""
-        with open(path, "rb") as f:
-            f.seek(start)
-            pos = start
-            for lineno, raw in enumerate(f, 1):
-                if end is not None and pos >= end:
-                    return
-                pos += len(raw)
-                self.stats.bytes += len(raw)
-                line = _decode(raw, self.stats, self.encoding).strip()
-                if not line:
-                    continue
-                where = (f"{path}:{lineno}" if start == 0
-                         else f"{path}: the line ending at byte {pos}")  # fmt: skip
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataPrepError(f"{where}: invalid JSON ({e.msg})") from e
-                if not isinstance(record, dict):
-                    raise DataPrepError(f"{where}: expected a JSON object per line")
-                if self.text_column not in record:
-                    raise self._column_error(where, record.keys())
-                text = self._text_value(record[self.text_column], where)
-                if text is not None:
-                    yield text
-
-    def _iter_csv_range(self, path: str, delimiter: str, start: int, end: int) -> Iterator[str]:
-        """The rows of bytes ``[start, end)`` of a UTF-8 CSV file, both row ends
-        (:func:`csv_row_ends`), read as :meth:`_iter_csv` reads them; the header from byte 0."""
-        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-        self.stats.bytes += end - start
-        with open(path, "rb") as f:
-            header = next(csv.reader(_CsvLines(f, 0), delimiter=delimiter), None)
-            if header is None or self.text_column not in header:
-                raise self._column_error(path, header or [])
-            rows = _CsvLines(f, start, end)
-            # from byte 0 the reader takes the header row itself, as _iter_csv's does
-            fields = None if start == 0 else header
-            for row in csv.DictReader(rows, fieldnames=fields, delimiter=delimiter):
-                where = f"{path}: the row ending at byte {rows.pos}"
-                text = self._text_value(row[self.text_column], where)
-                if text is not None:
-                    yield _replace_escaped(text, self.stats)
-
-    def _iter_csv(self, path: str, delimiter: str) -> Iterator[str]:
-        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-        self.stats.bytes += os.path.getsize(path)
-        enc = "utf-8-sig" if codecs.lookup(self.encoding).name == "utf-8" else self.encoding
-        with open(path, encoding=enc, errors="surrogateescape", newline="") as f:
-            reader = csv.DictReader(f, delimiter=delimiter)
-            if reader.fieldnames is None or self.text_column not in reader.fieldnames:
-                raise self._column_error(path, reader.fieldnames or [])
-            for row in reader:
-                text = self._text_value(row[self.text_column], f"{path}:{reader.line_num}")
-                if text is not None:
-                    yield _replace_escaped(text, self.stats)
-
-    def _iter_parquet(self, path: str, part: RowGroups | None = None) -> Iterator[str]:
-        """The rows of a Parquet file, or of some of its row groups."""
-        import pyarrow.parquet as pq
-
-        self.stats.bytes += os.path.getsize(path) if part is None else part.nbytes
-        pf = pq.ParquetFile(path)
-        if self.text_column not in pf.schema_arrow.names:
-            raise self._column_error(path, pf.schema_arrow.names)
-        groups = None if part is None else list(range(part.start, part.end))
-        for batch in pf.iter_batches(batch_size=1024, row_groups=groups,
-                                     columns=[self.text_column]):  # fmt: skip
-            for value in batch.column(0).to_pylist():
-                text = self._text_value(value, path)
-                if text is not None:
-                    yield text
-
 
 def is_saved_dataset(path: str) -> bool:
     """``path`` is a directory written by ``datasets``' ``save_to_disk``."""
@@ -611,55 +213,6 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
 
 
 # =================================================================================== registries
-FileReader = Callable[[Source, str], Iterator[str]]
-_FILE_FORMATS: list[tuple[tuple[str, ...], FileReader]] = []
-
-
-def register_file_format(suffixes: tuple[str, ...], reader: FileReader) -> None:
-    """Read local files whose lower-cased name ends with one of ``suffixes`` with
-    ``reader(source, path) -> documents`` (it adds the bytes it reads to ``source.stats.bytes``).
-    Later registrations are tried first; files matching none are plain text."""
-    _FILE_FORMATS.insert(0, (tuple(s.lower() for s in suffixes), reader))
-
-
-def _read_parquet(src: Source, path: str) -> Iterator[str]:
-    return src._iter_parquet(path)
-
-
-def _read_tsv(src: Source, path: str) -> Iterator[str]:
-    return src._iter_csv(path, "\t")
-
-
-def _read_csv(src: Source, path: str) -> Iterator[str]:
-    return src._iter_csv(path, ",")
-
-
-def _read_jsonl(src: Source, path: str) -> Iterator[str]:
-    return src._iter_jsonl(path)
-
-
-def _lines_of(f: Any, limit: int) -> Iterator[bytes]:
-    """The lines of an open binary file from its position through its next ``limit`` bytes
-    (the caller's ``limit`` ends at a line end)."""
-    for line in f:
-        yield line
-        limit -= len(line)
-        if limit <= 0:
-            return
-
-
-register_file_format(PARQUET_SUFFIXES, _read_parquet)
-register_file_format((".tsv",), _read_tsv)
-register_file_format((".csv",), _read_csv)
-register_file_format(JSONL_SUFFIXES, _read_jsonl)
-
-
-def file_reader(path: str) -> FileReader | None:
-    """The registered reader of ``path`` by its suffix (None: plain text)."""
-    lower = path.lower()
-    return next((fmt for suffixes, fmt in _FILE_FORMATS if lower.endswith(suffixes)), None)
-
-
 class SourceKind:
     """One kind of ``--source`` spec. Register an instance with :func:`register_source_kind`.
 
@@ -716,15 +269,15 @@ class FilesKind(SourceKind):
 
     def units(self, spec: str, source: Source, unit_bytes: int) -> list[tuple[Any, int]]:
         """Runs of consecutive files of about ``unit_bytes``; a file larger than that is cut
-        at document boundaries where its reader allows (:meth:`Source.file_parts`: JSON lines,
-        plain text, CSV, Parquet), so that a corpus of a few huge files still has work for
+        at document boundaries where its format allows (:func:`data_prep.files.file_parts`:
+        JSON lines, plain text, CSV, Parquet), so that a corpus of a few huge files still has work for
         every rank."""
         out: list[tuple[Any, int]] = []
         group: list[str] = []
         size = 0
         for path in source.files(spec):
             n = os.path.getsize(path)
-            parts = source.file_parts(path, n, unit_bytes) if n > unit_bytes else None
+            parts = file_parts(source, path, n, unit_bytes) if n > unit_bytes else None
             if parts:
                 if group:
                     out.append((tuple(group), size))
@@ -741,7 +294,7 @@ class FilesKind(SourceKind):
         return out
 
     def read(self, spec: str, source: Source, part: Any) -> Iterator[str]:
-        return source.iter_files(list(source.files(spec) if part is None else part))
+        return read_files(source, source.files(spec) if part is None else part)
 
     def describe(self, spec: str, source: Source) -> dict[str, Any]:
         files = source.files(spec)
@@ -844,9 +397,9 @@ class HFKind(SourceKind):
         if first is None:
             return
         if source.text_column not in first:
-            raise source._column_error(where, first.keys())
+            raise column_error(source, where, first.keys())
         for i, row in enumerate(_chain_first(first, rows)):
-            text = source._text_value(row[source.text_column], f"{where} row {i}")
+            text = text_value(source, row[source.text_column], f"{where} row {i}")
             if text is not None:
                 yield text
 

@@ -21,14 +21,9 @@ from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.doc_stats import split_documents
 from data_prep.errors import DataPrepError
+from data_prep.files import check_encoding
 from data_prep.shards import ShardWriter
-from data_prep.sources import (
-    DEFAULT_MAX_DOC_BYTES,
-    Source,
-    SourceStats,
-    check_encoding,
-    source_kind,
-)
+from data_prep.sources import DEFAULT_MAX_DOC_BYTES, Source, SourceStats, source_kind
 from data_prep.tokenizer import (
     MAX_SENTENCE_BYTES,
     MODEL_TYPES,

@@ -356,8 +356,9 @@ def _jsonl_corpus(root: Path) -> list[str]:
 def test_e_units_of_large_jsonl_files_are_line_ranges(tmp_path):
     """Read unit by unit, the documents and byte counts are those of one sequential read for
     any unit size; the ranges of a file cover it exactly, each starting at a line start."""
+    from data_prep.files import FileRange
     from data_prep.parallel import assign, make_units
-    from data_prep.sources import FileRange, Source
+    from data_prep.sources import Source
 
     specs = _jsonl_corpus(tmp_path / "c")
     whole = Source(specs)
@@ -470,8 +471,9 @@ def test_e_units_of_large_text_csv_and_parquet_files(tmp_path):
     """Read unit by unit, the documents, byte, file and undecodable-byte counts are those of
     one sequential read for any unit size; text files are cut at the ends of their documents,
     CSV/TSV at row ends (never inside a quoted field), Parquet at row groups."""
+    from data_prep.files import FileRange, RowGroups, csv_row_ends
     from data_prep.parallel import assign, make_units
-    from data_prep.sources import FileRange, RowGroups, Source, csv_row_ends
+    from data_prep.sources import Source
 
     specs = _mixed_corpus(tmp_path / "c")
     whole = Source(specs, max_doc_bytes=MIXED_MAX_DOC)
@@ -510,13 +512,14 @@ def test_e_csv_cut_is_never_inside_a_quoted_field(tmp_path, monkeypatch):
     are row ends only (a cut at a line start inside the field would read other rows); a quote
     left open takes the rest of the file into its row, cut or not; a file the csv module
     refuses (here: a field over its size limit), and a CSV in another encoding, stay one unit."""
+    from data_prep.files import file_parts, read_files
     from data_prep.sources import Source
 
     def same_docs(path: Path, unit_bytes: int) -> int:
         src = Source([str(path)])
-        parts = src.file_parts(str(path), path.stat().st_size, unit_bytes)
+        parts = file_parts(src, str(path), path.stat().st_size, unit_bytes)
         assert parts is not None
-        assert [d for p in parts for d in src.iter_files([p])] == list(Source([str(path)]))
+        assert list(read_files(src, parts)) == list(Source([str(path)]))
         return len(parts)
 
     rows = ["text,n"] + [f'"row {i}\n{i},fake row\n",{i}' for i in range(400)]
@@ -527,11 +530,11 @@ def test_e_csv_cut_is_never_inside_a_quoted_field(tmp_path, monkeypatch):
     open_quote.write_text("text\n" + "a\n" * 300 + '"unterminated\n' + "b\n" * 100)
     assert same_docs(open_quote, 100) > 3
     latin = Source([str(path)], encoding="latin-1")
-    assert latin.file_parts(str(path), path.stat().st_size, 500) is None
+    assert file_parts(latin, str(path), path.stat().st_size, 500) is None
     real = csv.field_size_limit
     monkeypatch.setattr(csv, "field_size_limit", lambda n=None: real(8))
     try:
-        assert Source([str(path)]).file_parts(str(path), path.stat().st_size, 500) is None
+        assert file_parts(Source([str(path)]), str(path), path.stat().st_size, 500) is None
     finally:
         real(2**31 - 1)
 
