@@ -539,6 +539,49 @@ def test_e_csv_cut_is_never_inside_a_quoted_field(tmp_path, monkeypatch):
         real(2**31 - 1)
 
 
+def test_e_a_registered_format_with_parts_is_cut_like_the_built_ins(tmp_path, monkeypatch):
+    """A format added with register_file_format: one unit per file; given parts/read_part (here
+    one document per line, cut at line starts), a large file is cut and read unit by unit into
+    the documents and byte counts of one sequential read, for any unit size. parts without
+    read_part is refused."""
+    from data_prep import files
+    from data_prep.parallel import make_units
+    from data_prep.sources import Source
+
+    monkeypatch.setattr(files, "_FORMATS", list(files._FORMATS))  # registrations end with it
+
+    def read_range(src, path, start=0, end=None):
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read() if end is None else f.read(end - start)
+        src.stats.bytes += len(data)
+        yield from (line.decode() for line in data.splitlines() if line.strip())
+
+    path = tmp_path / "big.lines"
+    rng = random.Random(3)
+    path.write_text("".join(f"line {i} " + "x" * rng.randint(0, 90) + "\n" for i in range(900)))
+    files.register_file_format((".LINES",), read_range)
+    whole = Source([str(path)])
+    docs = list(whole)
+    assert len(docs) == 900 and docs[7].startswith("line 7 ")
+    assert len(make_units(Source([str(path)]), 1000)) == 1  # no parts: one unit
+    with pytest.raises(ValueError, match="both parts and read_part"):
+        files.register_file_format((".lines",), read_range, parts=lambda *a: None)
+    files.register_file_format(
+        (".lines",), read_range,
+        parts=lambda src, p, size, unit: files.line_ranges(p, size, unit),
+        read_part=lambda src, part: read_range(src, part.path, part.start, part.end),
+    )  # fmt: skip
+    for unit_bytes in (1, 500, 4096, 10**6):
+        src = Source([str(path)])
+        units = make_units(src, unit_bytes)
+        size = path.stat().st_size
+        cut = len(files.line_ranges(str(path), size, unit_bytes))
+        assert len(units) == (1 if unit_bytes >= size else cut) and (unit_bytes > 4096 or cut > 10)
+        assert [d for u in units for d in src.read(u.spec, u.part)] == docs, unit_bytes
+        assert (src.stats.bytes, src.stats.files) == (whole.stats.bytes, 1), unit_bytes
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_e_ranks_write_the_bytes_of_one_process_on_large_text_csv_parquet(tmp_path, ranks):
     """The mixed corpus (one large file of each format) on 1, 2 and 3 ranks (srun's transport,
