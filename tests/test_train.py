@@ -18,6 +18,7 @@ from tests.pretrain_utils import (
     PRETRAIN,
     REPO,
     TINY_CONFIG,
+    child_env,
     read_metrics,
     run_pretrain,
     run_worker_ranks,
@@ -237,12 +238,7 @@ def test_config_errors_fail_before_training(overrides, message, config_error_run
 
 
 def test_print_config_and_derived_deepspeed_json():
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-        and not k.startswith(("SLURM_", "OMPI_", "PMI"))
-    }
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, PRETRAIN, "--config", TINY_CONFIG, "--print-config", "model.k=32"],
         cwd=REPO,
