@@ -496,6 +496,12 @@ class Watchdog:
         """From now on a signal is the trainer's business (checkpoint at the next step)."""
         self.phase = None
 
+    def disarm(self) -> None:
+        """Neither a signal nor the launcher is this watchdog's business until it is re-armed
+        (:func:`start_watchdog`): the run returned to a caller that keeps the process."""
+        self.phase = self.on_leave = None
+        self.launchers = []
+
     def stop_for(self, signum: int, when: str) -> None:
         """End start-up on ``signum`` (exit ``exit_code``, one line); ``when``: the phase."""
         where = "" if when == "start-up" else f" ({when})"
@@ -567,3 +573,9 @@ def start_watchdog(exit_code: int = 75, watch_launcher: bool = True,
     if signum in STOP_SIGNALS:
         _WATCHDOG.stop_for(signum, "received before it began")
     return _WATCHDOG
+
+
+def disarm_watchdog() -> None:
+    """Disarm the process's watchdog, if it has one (:meth:`Watchdog.disarm`)."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.disarm()

@@ -36,7 +36,12 @@ from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stages import Stage, combine_eval, open_stages, resolve_stages
 from linformer_ds.data.stream import TrainData
 from linformer_ds.dirlock import LOCK_NAME, DirLock, LockError, run_dir_locks
-from linformer_ds.dist_env import DistEnvError, setup_distributed_env, start_watchdog
+from linformer_ds.dist_env import (
+    DistEnvError,
+    disarm_watchdog,
+    setup_distributed_env,
+    start_watchdog,
+)
 from linformer_ds.engine import all_reduce_sum, final_deepspeed_config
 from linformer_ds.evaluate import evaluate
 from linformer_ds.log import LogLevelError, get_logger, setup_logging
@@ -141,8 +146,12 @@ def nonfinite_verdict(
 def main(argv: list[str] | None = None, restart: bool = False) -> int:
     """Run a job; returns the process exit code. Bad input exits 2 with a one-line reason.
     ``restart``: the process may restart itself once for an explicit ``train.omp_wait_policy``
-    (the command-line entry point; see linformer_ds.cpu_threads)."""
+    (the command-line entry point; see linformer_ds.cpu_threads). Otherwise (a caller in its
+    own process: a notebook, a test) the process gets its signal handling back on return: the
+    handlers of SIGUSR1/SIGTERM/SIGINT as they were, and the start-up watchdog disarmed (a
+    Ctrl-C after a failed start ended the caller's process with exit 75)."""
 
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         setup_logging()  # the one console handler; LINFORMER_DS_LOG_LEVEL
         return _main(argv, restart)
@@ -151,6 +160,12 @@ def main(argv: list[str] | None = None, restart: bool = False) -> int:
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         log.error(f"{prefix}: {e}")
         return 2
+    finally:
+        if not restart:
+            disarm_watchdog()
+            for s, handler in saved.items():
+                if handler is not None:  # None: not installed from Python, nothing to restore
+                    signal.signal(s, handler)
 
 
 def run_and_exit(argv: list[str] | None = None) -> None:

@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -876,6 +878,25 @@ def test_checkpoint_pointer_problems_fail_at_start(tiny_corpus, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert re.search(message, err) and len(err.splitlines()) == 1, err
     assert started == []
+
+
+def test_a_failed_start_in_process_leaves_the_callers_signals_alone(tmp_path):
+    """train.main in a caller's own process (a notebook) that fails at data loading, after the
+    start-up watchdog armed: the caller's handlers are back, and a signal reaches them. Before,
+    the armed watchdog ended the caller's process on it (exit 75, "SIGUSR1 during start-up")."""
+    got = []
+    mine = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        handler = signal.getsignal(signal.SIGUSR1)
+        argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tmp_path / 'none'}",
+                f"logging.dir={tmp_path / 'run'}"]  # fmt: skip
+        assert train.main(argv) == 2
+        assert signal.getsignal(signal.SIGUSR1) is handler
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.5)  # the watchdog's turn: it read the signal within its poll, if armed
+        assert got == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, mine)
 
 
 def test_latest_that_is_not_a_tag_name_is_never_followed(tmp_path):

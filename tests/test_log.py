@@ -6,6 +6,7 @@ WARNING and up: stderr, ``LINFORMER_DS_LOG_LEVEL``); a real one-rank run's lines
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -144,11 +145,14 @@ def test_one_rank_run_lines_are_unchanged(tiny_corpus, tmp_path, capsys, _clean_
     from linformer_ds import train
 
     run = tmp_path / "run"
+    before = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
     rc = train.main(["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
                      f"logging.dir={run}", "train.max_steps=2", "train.eval_interval=2",
                      "train.eval_batches=1", "deepspeed.precision=fp32"])  # fmt: skip
     got = capsys.readouterr()
     assert rc == 0, got.err[-3000:]
+    # the caller's process has its signal handling back (the trainer's flag no longer eats them)
+    assert {s: signal.getsignal(s) for s in train.STOP_SIGNALS} == before
     lines = got.out.splitlines()
     assert not any("[rank" in ln for ln in lines), got.out[-3000:]
     tagged = [ln for ln in lines if re.match(r"\[(train|eval|done|setup)\] ", ln)]
