@@ -535,7 +535,9 @@ class Watchdog:
                     phase = self.phase
                     if signum in STOP_SIGNALS and phase is not None:
                         self.stop_for(signum, phase)
-            if self.launchers and orphaned_at is None:
+            if not self.launchers:  # disarmed: a countdown from before is off
+                orphaned_at = None
+            elif orphaned_at is None:
                 dead = [pid for pid in self.launchers if not _alive(pid)]
                 if dead:
                     orphaned_at = time.monotonic()

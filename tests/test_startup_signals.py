@@ -174,3 +174,31 @@ def test_signal_pending_when_the_watchdog_starts_ends_at_once(tmp_path):
         "error: rank 3: SIGTERM during start-up (received before it began): stopped before the "
         "first step (the last checkpoint is current)"
     ], proc.stderr
+
+
+def test_a_disarmed_watchdog_drops_the_orphan_countdown(tmp_path):
+    """The launcher exits: the watchdog sends the rank SIGTERM and counts ``grace_s`` down to
+    exit 143. Disarmed (the run returned to a caller that keeps the process), the countdown is
+    off: the process lives on, and a launcher that exits later is not watched either."""
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "from linformer_ds.dist_env import start_watchdog\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+        "launcher = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+        "w = start_watchdog(75, False, 1.0)\n"
+        "w.training_started()  # a signal is the trainer's now\n"
+        "w.launchers = [launcher.pid]\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not got and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('sigterm', got == [signal.SIGTERM], flush=True)\n"
+        "w.disarm()\n"
+        "time.sleep(3.0)  # three grace periods and many polls\n"
+        "print('alive', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["sigterm", "True", "alive"], proc.stdout + proc.stderr
+    assert "the launcher (pid" in proc.stderr and "did not stop" not in proc.stderr, proc.stderr
