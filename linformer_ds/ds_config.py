@@ -76,7 +76,7 @@ def deepspeed_config(cfg: JobConfig, world_size: int, with_extra: bool = True) -
                 "torch_adam": True,
                 # torch's fused AdamW kernel: the same update in one pass over the flat fp32
                 # partition; the default on CPU is the single-tensor loop (about a dozen passes,
-                # 10x slower on a 31M-parameter partition, BENCHMARKS.md "Per-op profile")
+                # several times slower: BENCHMARKS.md "Per-op profile")
                 "fused": True,
             },
         },

@@ -13,9 +13,8 @@ and ``end_logits`` of QA) and ``last_hidden_state [batch, seq, D]``. Not exporte
 
 Run the file with :func:`session` (onnxruntime with all graph optimisations, as many threads as
 torch uses, workers that sleep rather than spin between operators: on a shared or busy machine
-spinning workers cost more than they save). At 1 thread onnxruntime runs the export of the
-English recipe's size (no local mixer) at 1.0-1.5x eager PyTorch from n = 31 to 500, batch 1
-and 8 (``bench/onnx_bench.py``, BENCHMARKS.md).
+spinning workers cost more than they save). Its speed against eager PyTorch is measured by
+``bench/onnx_bench.py`` (BENCHMARKS.md).
 """
 
 import argparse

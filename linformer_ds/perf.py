@@ -36,8 +36,8 @@ def measure_matmul_peak_tflops(
     """Best-of-``repeats`` TFLOP/s of one ``size^3`` matmul: the achievable peak on this device.
 
     With ``budget_s`` the size is at most ``size`` and small enough for the whole probe to take
-    about that long (:func:`matmul_probe_size`): a CPU without native bf16 multiplies bf16 some
-    1000x slower, where a 2048^3 probe alone took minutes."""
+    about that long (:func:`matmul_probe_size`): a CPU without native bf16 multiplies bf16
+    orders of magnitude slower, where a full-size probe alone would take minutes."""
     if budget_s is not None:
         size = matmul_probe_size(dtype, device, size, budget_s / (repeats + 1))
     a = torch.randn(size, size, device=device).to(dtype)

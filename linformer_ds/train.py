@@ -175,7 +175,7 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     at a barrier and leave through ``os._exit``. A normal interpreter exit (or
     ``destroy_process_group``) after ZeRO-3 runs destroys gloo's process group while its
     threads are still live and aborts the process ("terminate called without an active
-    exception", exit 250; 4 % of 2-rank ZeRO-3 runs here) after all work was done.
+    exception", exit 250, in some 2-rank ZeRO-3 runs) after all work was done.
     Everything this trainer writes is closed and flushed before main returns.
     """
     code = main(argv, restart=True)

@@ -108,7 +108,7 @@ def _gather(x: torch.Tensor | None, order: torch.Tensor) -> torch.Tensor | None:
 def _restore(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """Undo :func:`_gather`: ``out[b, order[b, j]] = x[b, j]``, as whole rows: the inverse
     order (a ``[B, n]`` scatter) picks the rows of ``x [B, n, ...]`` (one ``index_select``; an
-    element-wise scatter of the logits was 42 % of onnxruntime's time: BENCHMARKS.md)."""
+    element-wise scatter of the logits took much of onnxruntime's time: BENCHMARKS.md)."""
     if order is None:
         return x
     b, n = order.shape

@@ -1,8 +1,8 @@
 """Which kernel runs softmax attention against a short key axis (Linformer's summaries).
 
 torch's ``scaled_dot_product_attention`` (SDPA) loses on the CPU to the explicit product
-``softmax(q k^T / sqrt(d)) v`` when the queries are few and the key axis short (the attention
-block at N = 512, k = 256 was 0.74x lucidrains' explicit ``einsum``), and wins beyond. The
+``softmax(q k^T / sqrt(d)) v`` when the queries are few and the key axis short (BENCHMARKS.md,
+"SDPA or the explicit product"), and wins beyond. The
 choice is a fixed rule, :data:`EXPLICIT_UP_TO`, measured once by ``bench/attention_kernel_bench.py``
 (the table and the run in BENCHMARKS.md): never a timing at run time, so a run is
 deterministic. Both kernels compute the same attention in the inputs' dtype (bf16 or fp32)

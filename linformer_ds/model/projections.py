@@ -167,7 +167,7 @@ class LinearProjection(Projection):
         if self.heads == 1:  # one GEMM over all heads: [k, n] @ [B, n, h*d]
             # One mm per row, not matmul or bmm: matmul runs [k, n] @ [B, n, D] as
             # (x^T E^T)^T, whose input gradient comes out transposed and makes the stack/cat
-            # that joins the k, v and q gradients (unbind/split backward) some 10x slower; bmm
+            # that joins the k, v and q gradients (unbind/split backward) several times slower; bmm
             # copies the transposed strided input for E's gradient. mm takes each row as the
             # strided slice of qkv it is and returns contiguous gradients.
             e = w.squeeze(0)

@@ -97,7 +97,7 @@ def config_errors(
         errors.append(
             f"{SHARD_KEY}: zero.stage=0 with {precision} is not supported sharded: DeepSpeed "
             "0.19's BF16_Optimizer reports a wrong gradient norm under the model-parallel mpu "
-            f"(measured 1.524 against 1.590); use zero.stage >= 1, fp32, or {SHARD_KEY}=false"
+            f"(docs/sequence_parallel.md); use zero.stage >= 1, fp32, or {SHARD_KEY}=false"
         )
     if shard and model.max_seq_len % p:
         errors.append(f"{SHARD_KEY}: {p} does not divide model.max_seq_len={model.max_seq_len}")
