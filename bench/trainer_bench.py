@@ -457,10 +457,9 @@ def make_arm(spec: ArmSpec):
 
 def _clean_rank_env() -> None:
     """A spawned arm is a single process of its own (no launcher variables inherited)."""
-    from linformer_ds.dist_env import is_launcher_var
+    from linformer_ds.dist_env import clear_launcher_vars
 
-    for var in [k for k in os.environ if is_launcher_var(k)]:
-        del os.environ[var]
+    clear_launcher_vars(os.environ)
 
 
 def _worker(conn: Any, spec: ArmSpec) -> None:

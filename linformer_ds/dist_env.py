@@ -72,6 +72,13 @@ def without_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not is_launcher_var(k)}
 
 
+def clear_launcher_vars(env: MutableMapping[str, str]) -> None:
+    """Remove every launcher variable (:func:`is_launcher_var`) from ``env`` in place (e.g.
+    ``os.environ`` of a process that starts a job of its own)."""
+    for name in [k for k in env if is_launcher_var(k)]:
+        del env[name]
+
+
 def _int_var(env: MutableMapping[str, str], name: str) -> int:
     value = env[name]
     try:

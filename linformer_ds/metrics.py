@@ -324,7 +324,8 @@ class Metrics:
             self.cfg.deepspeed.precision, torch.float32
         )
         size = 2048 if self.device.type == "cpu" else 8192
-        # in the run's precision, within ~3 s (bf16 without native support is orders of magnitude slower)
+        # in the run's precision, within ~3 s (bf16 without native support is orders of
+        # magnitude slower)
         return measure_matmul_peak_tflops(dtype, str(self.device), size, repeats=5, budget_s=3.0)
 
     def enter_stage(self, index: int, flops_per_token: float, tokens_per_step: int) -> None:

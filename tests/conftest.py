@@ -207,9 +207,10 @@ def _clean_env() -> Iterator[None]:
     and gets the environment back as it was afterwards (the trainer's and data_prep's main()
     fill them in for a single process). Asked for by name, or by a whole module:
     ``pytestmark = pytest.mark.usefixtures(...)``."""
+    from linformer_ds.dist_env import clear_launcher_vars
+
     saved = dict(os.environ)
-    for var in _launcher_vars():
-        del os.environ[var]
+    clear_launcher_vars(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)

@@ -23,7 +23,6 @@ TINY_CONFIG = str(REPO / "configs" / "tiny_cpu.yaml")
 RUN_MARK = "[layout_worker] run "  # tests/layout_worker.py's line before each run
 
 
-# A small, fast variant of configs/tiny_cpu.yaml for tests.
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child that starts a job of its own: no launcher
     variables (``dist_env.without_launcher_vars``: an earlier in-process run leaves RANK and the
@@ -34,6 +33,7 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# A small, fast variant of configs/tiny_cpu.yaml for tests.
 TEST_OVERRIDES = [
     "model.vocab_size=2000",
     "model.max_seq_len=128",

@@ -885,7 +885,7 @@ def test_a_failed_start_in_process_leaves_the_callers_signals_alone(tmp_path):
     start-up watchdog armed: the caller's handlers are back, and a signal reaches them. Before,
     the armed watchdog ended the caller's process on it (exit 75, "SIGUSR1 during start-up")."""
     got = []
-    mine = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
     try:
         handler = signal.getsignal(signal.SIGUSR1)
         argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tmp_path / 'none'}",
@@ -896,7 +896,7 @@ def test_a_failed_start_in_process_leaves_the_callers_signals_alone(tmp_path):
         time.sleep(0.5)  # the watchdog's turn: it read the signal within its poll, if armed
         assert got == [signal.SIGUSR1]
     finally:
-        signal.signal(signal.SIGUSR1, mine)
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_latest_that_is_not_a_tag_name_is_never_followed(tmp_path):

@@ -34,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from linformer_ds.dist_env import is_launcher_var, without_launcher_vars
+from linformer_ds.dist_env import clear_launcher_vars, without_launcher_vars
 from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG, child_env
 
 EXAMPLES = int(os.environ.get("LINFORMER_FUZZ_EXAMPLES", "0"))
@@ -109,11 +109,6 @@ def run_contract(
     changed = [p for p, h in before.items() if not p.startswith(skip) and after.get(p) != h]
     assert not changed, f"files changed or deleted: {changed[:5]}; {where}"
     return rc, text
-
-
-def _clean_dist_env() -> None:
-    for var in [k for k in os.environ if is_launcher_var(k)]:
-        del os.environ[var]
 
 
 # ===================================================================================== fixtures
@@ -558,7 +553,7 @@ def test_pretrain_print_config_contract(base, overrides):
         argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={base['data']}",
                 f"logging.dir={ws / 'run'}", "--print-config",
                 *[f"{k}={v}" for k, v in overrides]]  # fmt: skip
-        _clean_dist_env()
+        clear_launcher_vars(os.environ)
         run_contract(train.main, argv, ws)
 
 
@@ -587,7 +582,7 @@ def test_pretrain_on_damaged_data_dirs(base, damage):
         DATA_DAMAGE[damage](data)
         argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={data}",
                 f"logging.dir={ws / 'newrun'}", "train.max_steps=1"]  # fmt: skip
-        _clean_dist_env()
+        clear_launcher_vars(os.environ)
         rc, err = run_contract(train.main, argv, ws)
         assert rc == 2, err
 

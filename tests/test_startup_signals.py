@@ -60,10 +60,6 @@ def assert_unchanged_but_created(before: dict, after: dict) -> list:
     return sorted(set(after) - set(before))
 
 
-def env() -> dict:
-    return child_env()
-
-
 def catches(pid: int, signum: int) -> bool:
     """The process has a handler installed for ``signum`` (SigCgt in /proc/PID/status)."""
     try:
@@ -93,7 +89,7 @@ def interrupt(data: Path, run: Path, signum: int, at: str, log: Path) -> tuple:
         cmd.append(f"debug.pause_at={at}")
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=fo, stderr=fe)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=fo, stderr=fe)
     try:
         deadline = time.monotonic() + 300
         if at == "launch":
@@ -166,7 +162,7 @@ def test_signal_pending_when_the_watchdog_starts_ends_at_once(tmp_path):
         "start_watchdog(75, False, 600.0, pending=lambda: signal.SIGTERM)\n"
         "print('not stopped', flush=True)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(env(), RANK="3"),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(RANK="3"),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 75, proc.stderr
     assert proc.stdout == ""
@@ -197,7 +193,7 @@ def test_a_disarmed_watchdog_drops_the_orphan_countdown(tmp_path):
         "time.sleep(3.0)  # three grace periods and many polls\n"
         "print('alive', flush=True)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["sigterm", "True", "alive"], proc.stdout + proc.stderr

@@ -1,11 +1,10 @@
 """Which kernel runs softmax attention against a short key axis (Linformer's summaries).
 
 torch's ``scaled_dot_product_attention`` (SDPA) loses on the CPU to the explicit product
-``softmax(q k^T / sqrt(d)) v`` when the queries are few and the key axis short (BENCHMARKS.md,
-"SDPA or the explicit product"), and wins beyond. The
-choice is a fixed rule, :data:`EXPLICIT_UP_TO`, measured once by ``bench/attention_kernel_bench.py``
-(the table and the run in BENCHMARKS.md): never a timing at run time, so a run is
-deterministic. Both kernels compute the same attention in the inputs' dtype (bf16 or fp32)
+``softmax(q k^T / sqrt(d)) v`` when the queries are few and the key axis short, and wins
+beyond. The choice is a fixed rule, :data:`EXPLICIT_UP_TO`, measured once by
+``bench/attention_kernel_bench.py`` (the table and the run in BENCHMARKS.md, "SDPA or the
+explicit product"): never a timing at run time, so a run is deterministic. Both kernels compute the same attention in the inputs' dtype (bf16 or fp32)
 and agree within that dtype's rounding (tests/test_attention_kernels.py).
 
 Under sequence parallelism the rule sees the rank's slice of queries (``n``) and the gathered
