@@ -3,8 +3,9 @@
 ``python -m bench.sp_bench`` launches P CPU ranks (torch.multiprocessing spawn, gloo) per
 configuration, in fresh processes, and times full training steps (forward, backward, AdamW step)
 of a small real model through DeepSpeed, as the trainer runs it (``build_groups``,
-``global_label_count``; from linformer_ds.parallelize ``shard_for_deepspeed``,
-``partition_for_zero3``, the mpus, ``apply_sequence_parallel``, ``LossScaling``).
+``global_label_count``; from :mod:`linformer_ds.parallel.parallelize` ``shard_for_deepspeed``,
+``partition_for_zero3``, ``apply_sequence_parallel``, ``LossScaling``; the mpus from
+:mod:`linformer_ds.parallel.groups`).
 
 Phases (``--phases``):
 

@@ -1,7 +1,8 @@
 """The layout stays as documented: every module of the two packages imports (so the quick tier
 touches each one), data_prep and linformer_ds.fsio stay torch-free (data_prep's worker
 processes import them), docs/development.md's layout table names every module, script and tool,
-and every document is reachable from the README through docs/README.md."""
+every document is reachable from the README through docs/README.md, and every .md under docs/
+(the study reports included) is reachable from the README by links."""
 
 import importlib
 import re
@@ -73,4 +74,29 @@ def test_every_doc_is_reachable_from_the_readme():
     missing = [str(p.relative_to(REPO)) for p in docs if p != index and p.resolve() not in linked]
     assert not missing, f"docs/README.md does not link: {missing}"
     broken = [str(p) for p in linked | _links(REPO / "README.md") if not p.exists()]
+    assert not broken, f"links to nothing: {broken}"
+
+
+def test_every_markdown_under_docs_is_reachable_from_the_readme_by_links():
+    """Follow local links from README.md (a markdown file's links, a linked folder's README.md):
+    every .md under docs/ is reached and no followed link points at nothing."""
+    seen, todo, broken = set(), [(REPO / "README.md").resolve()], []
+    while todo:
+        page = todo.pop()
+        if page in seen:
+            continue
+        seen.add(page)
+        for target in _links(page):
+            if not target.exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+            elif target.suffix == ".md":
+                todo.append(target)
+            elif target.is_dir() and (target / "README.md").exists():
+                todo.append(target / "README.md")
+    unlinked = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / "docs").rglob("*.md"))
+        if p.resolve() not in seen
+    ]
+    assert not unlinked, f"no chain of links from README.md reaches: {unlinked}"
     assert not broken, f"links to nothing: {broken}"

@@ -5,7 +5,7 @@ Issue 28: DeepSpeed keeps the ``mpu`` of the last engine given one in a module g
 (``deepspeed.utils.groups.mpu``) and ``deepspeed.initialize`` without an mpu left it there, so
 a DP = 2 run after an SP = 2 one reduced its gradients over the SP run's groups: twice the
 gradient norm under ZeRO 0-2 with E/F whole, a crash on the sharded mpu's model-parallel rank.
-:func:`linformer_ds.parallelize.parallelize` now installs every engine's own mpu (None included).
+:func:`linformer_ds.parallel.parallelize.parallelize` now installs every engine's own mpu (None included).
 """
 
 from pathlib import Path
