@@ -17,11 +17,18 @@ spinning workers cost more than they save). Its speed against eager PyTorch is m
 ``bench/onnx_bench.py`` (BENCHMARKS.md).
 """
 
+import sys
+
+if __name__ == "__main__":  # the command: Ctrl-C while torch imports is one line, exit 130
+    from linformer_ds import entry
+
+    entry.arm("onnx_export")
+
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +38,7 @@ from torch import nn
 
 from linformer_ds.errors import LinformerError
 from linformer_ds.log import LogLevelError, get_logger, setup_logging
+from linformer_ds.model import ModelConfig, onnx_problem
 from linformer_ds.outdir import write_error
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
@@ -71,6 +79,21 @@ class _Outputs(nn.Module):
         return tuple(getattr(out, f) for f in self.fields) + (out.hidden_states[-1],)
 
 
+def _kind_problem(config: Any) -> str | None:
+    """Why the attention kinds of ``config.json``'s model cannot export (each kind answers,
+    :func:`linformer_ds.model.onnx_problem`); None: they can, or the options are not ours to
+    read (the loader then says what is wrong)."""
+    if not isinstance(config, dict):
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        model_config = ModelConfig.from_dict({k: v for k, v in config.items() if k in known})
+    except (ValueError, TypeError):
+        return None
+    problem = onnx_problem(model_config)
+    return None if problem is None else f"does not export to ONNX: {problem}"
+
+
 def load(model_dir: str, architecture: str | None = None) -> tuple[nn.Module, list[str]]:
     """The directory's model (float32, eval mode) wrapped by :class:`_Outputs`, and the output
     names. ``architecture``: one of :data:`TASKS` (default: the one in ``config.json``)."""
@@ -90,6 +113,9 @@ def load(model_dir: str, architecture: str | None = None) -> tuple[nn.Module, li
             "hold its per-document windows over a dynamic sequence axis: 'Constraints violated "
             "(seq)'); run it in PyTorch, or export a model trained with local_mixer: none"
         )
+    kind_problem = _kind_problem(config)
+    if kind_problem is not None:
+        raise OnnxExportError(f"{model_dir}: {kind_problem}")
     arch = architecture or (config.get("architectures") or ["LinformerForMaskedLM"])[0]
     if arch not in TASKS:
         raise OnnxExportError(
@@ -272,4 +298,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry.run(main)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from linformer_ds.model import layer_kinds
+
 
 def time_call(fn: Callable[[], Any], device: torch.device | str) -> float:
     """Seconds one call of ``fn`` takes (CUDA events on GPU, perf_counter on CPU)."""
@@ -136,7 +138,7 @@ def slow_kernels(model: Any, device: torch.device | str) -> list[str]:
     """One line per setting of ``model`` (a ModelConfig) that runs a slow kernel on ``device``:
     said once at the start of a run, never changed behind the user's back."""
     lines = []
-    dense = "dense" in model.projection_schedule()
+    dense = any(kind.full_attention for kind in layer_kinds(model))
     if torch.device(device).type == "cpu" and dense and model.attention_dropout > 0:
         lines.append(DENSE_DROPOUT_ON_CPU)
     return lines

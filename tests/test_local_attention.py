@@ -15,7 +15,7 @@ from linformer_ds.model import (
     flops_per_token,
 )
 from linformer_ds.model.attention import rotary_tables, rotate
-from linformer_ds.sequence_parallel import config_errors
+from linformer_ds.parallel.checks import config_errors
 
 BASE = dict(
     vocab_size=60, max_seq_len=64, hidden_size=32, num_layers=2, num_heads=4,
@@ -219,8 +219,8 @@ def test_flops_count_the_window_and_parameters_the_kind():
     [
         (dict(projection="linear", local_window=7), "model.local_window: must be even"),
         (dict(projection="linear", local_window=66), "model.local_window: 66 is wider"),
-        (dict(projection="dense", local_window=8), "model.local_window: applies to non-dense"),
-        (dict(projection="local"), "model.projection: the 'local' kind is a sliding window"),
+        (dict(projection="dense", local_window=8), "model.local_window: applies to the layers of windowed kinds"),
+        (dict(projection="local"), "model.projection: the 'local' kind attends through the sliding window"),
         (
             dict(projection="dynamic", freeze_projection=True),
             "model.freeze_projection: the 'dynamic'",

@@ -4,17 +4,29 @@ Every file of this package imports nothing but torch, the standard library and i
 (relatively): the Hugging Face export ships the files unchanged as the model's remote code (this
 ``__init__`` as ``linformer_model.py``), so an exported model loads without linformer_ds.
 
-Files: ``config`` (options and validation), ``documents`` (document isolation in packed rows),
-``projections`` (sequence projections and their registry), ``attention``, ``layers`` (FFN, local
-mixer, encoder layer), ``encoder``, ``heads`` (task models, losses, initialisation, FLOPs).
+Files (flat: the export ships them as they are):
 
-Attention variants (per layer, see ``ModelConfig.projection_schedule``):
+* ``registry``: the attention kinds' registry: what every kind answers about itself.
+* ``kinds``: the built-in kinds, one registration each.
+* ``projections``: the summary modules (linear E/F, conv, local, dynamic).
+* ``dense``: dense attention; ``window``: the exact sliding window (local + global);
+  ``rotary``: rotary positions; ``kernels``: the short-attention kernel rule.
+* ``attention``: one layer's attention, dispatched by its kind; ``layers``: FFN, local mixer,
+  encoder layer; ``documents``: document isolation in packed rows; ``encoder``.
+* ``config``: options and validation; ``heads``: task models; ``losses``, ``init`` (weight
+  initialisation), ``flops`` (FLOPs per token) beside them.
+
+Attention kinds (per layer, see ``ModelConfig.projection_schedule``; more: ``register_projection``):
 
 * ``linear``: keys and values are projected along the sequence axis by learned ``E, F`` of shape
   ``[k, N_max]``: ``softmax(Q (E K)^T / sqrt(d_h)) (F V)``. Cost O(n k), no n x n tensor.
 * ``conv`` (Conv-Linformer): keys and values are compressed by a strided 1-D convolution over the
   sequence with kernel = stride = ``N_max / k``.
+* ``local``: the exact sliding window alone (``local_window``).
+* ``dynamic``: Transformer-LS's input-dependent projection (softmax over positions).
 * ``dense``: full softmax attention (the baseline), through ``scaled_dot_product_attention``.
+* ``linear``, ``conv`` and ``dynamic`` layers also attend through the window when
+  ``local_window`` is set (Transformer-LS's local + global).
 
 Sharing modes (the paper's section 4 meaning):
 
@@ -39,6 +51,7 @@ from .config import (
     SHARING_MODES,
     ModelConfig,
 )
+from .dense import dense_attention
 from .documents import (
     DocumentChunks,
     Documents,
@@ -49,6 +62,7 @@ from .documents import (
     document_starts,
 )
 from .encoder import LinformerEncoder, check_inputs
+from .flops import flops_per_token
 from .heads import (
     ClassificationHead,
     LabelledMLMOutput,
@@ -59,30 +73,40 @@ from .heads import (
     MaskedLMOutput,
     MLMHead,
     SequenceClassifierOutput,
-    flops_per_token,
-    init_weights,
-    labelled_positions,
-    mlm_loss,
-    sequence_classification_loss,
-    sinusoidal_positions,
 )
+from .init import init_weights, sinusoidal_positions
 from .layers import EncoderLayer, FeedForward, LocalMixer, LocalMixing, local_mixer_valid
-from .projections import (
-    ConvProjection,
-    LinearProjection,
+from .losses import labelled_positions, mlm_loss, sequence_classification_loss
+from .projections import ConvProjection, DynamicProjection, LinearProjection, LocalProjection
+from .registry import (
     ModelConfigError,
     ProjectionKind,
     get_projection,
+    layer_kinds,
+    onnx_problem,
     projection_names,
     projection_stride,
     register_projection,
     tracing,
     unregister_projection,
 )
+from .rotary import rotary_tables, rotate
+from .window import LocalContext, Window, local_global, make_window
 
 __all__ = [
     "ClassificationHead",
     "ConvProjection",
+    "DynamicProjection",
+    "LocalContext",
+    "LocalProjection",
+    "Window",
+    "dense_attention",
+    "layer_kinds",
+    "local_global",
+    "make_window",
+    "onnx_problem",
+    "rotary_tables",
+    "rotate",
     "DocumentChunks",
     "DocumentSpan",
     "Documents",

@@ -5,17 +5,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .projections import ModelConfigError, get_projection, projection_names
+from .kinds import BUILTIN_KINDS
+from .registry import ModelConfigError, get_projection, layer_kinds, projection_names
 
 MODEL_FORMAT_VERSION = 1
 
-PROJECTIONS = (
-    "linear",
-    "conv",
-    "local",
-    "dynamic",
-    "dense",
-)  # the built-in kinds (more: register_projection)
+PROJECTIONS = BUILTIN_KINDS  # the built-in kinds (more: register_projection)
 SCHEDULES = PROJECTIONS + ("hybrid",)
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 PROJECTION_INITS = ("normal", "pooling")
@@ -200,33 +195,42 @@ class ModelConfig:
         self._validate_k()
         self._validate_window()
         if self.freeze_projection:
-            for p in self.projection_schedule():
-                if p != "dense" and not get_projection(p).freezable:
+            for kind in layer_kinds(self):
+                if not kind.freezable:
                     _bad(
                         "freeze_projection",
-                        f"the {p!r} kind computes its summary weights from the input: there "
+                        f"the {kind.name!r} kind computes its summary weights from the input: there "
                         "is no fixed projection to freeze (set it to false)",
                     )
 
     def _validate_window(self) -> None:
         """``local_window``: even (W/2 positions each side), at most max_seq_len, used by some
-        layer; a ``local`` layer needs one."""
-        schedule = self.projection_schedule()
+        layer; a kind that attends through the window alone (``needs_window``) needs one."""
+        kinds = layer_kinds(self)
         w = self.local_window
         if w:
             if w % 2:
                 _bad("local_window", f"must be even (W/2 keys on each side of a query), got {w}")
             if w > self.max_seq_len:
                 _bad("local_window", f"{w} is wider than max_seq_len={self.max_seq_len}")
-            if all(p == "dense" for p in schedule):
+            if not any(kind.windowed for kind in kinds):
+                takes = [name for name in projection_names() if get_projection(name).windowed]
                 _bad(
                     "local_window",
-                    "applies to non-dense layers and every layer is dense: set it to 0 or "
-                    "make some layers linear/conv/local/dynamic",
+                    f"applies to the layers of windowed kinds {takes} and no layer is one "
+                    f"({sorted({k.name for k in kinds})}): set it to 0 or change the schedule",
                 )
-        elif "local" in schedule:
-            where = "layer_projections" if self.layer_projections is not None else "projection"
-            _bad(where, "the 'local' kind is a sliding window: set model.local_window (e.g. 128)")
+        else:
+            for kind in kinds:
+                if kind.needs_window:
+                    where = (
+                        "layer_projections" if self.layer_projections is not None else "projection"
+                    )
+                    _bad(
+                        where,
+                        f"the {kind.name!r} kind attends through the sliding window: set "
+                        "model.local_window (e.g. 128)",
+                    )
 
     def _validate_schedule(self) -> None:
         """The per-layer schedule: hybrid split, explicit ``layer_projections``, ``layer_k``."""
@@ -263,7 +267,7 @@ class ModelConfig:
         kname = "layer_k" if self.layer_k is not None else "k"
         shared_k: dict = {}
         for i, p in enumerate(self.projection_schedule()):
-            if p == "dense" or not get_projection(p).summaries:
+            if not get_projection(p).summaries:
                 continue
             k = self.k_for_layer(i)
             where = f"{kname}[{i}]" if self.layer_k is not None else "k"
@@ -302,9 +306,9 @@ class ModelConfig:
         total = 0
         seen_layerwise: set = set()
         for i, p in enumerate(self.projection_schedule()):
-            if p == "dense":
-                continue
-            one = get_projection(p).parameters_of(self, i)  # one module shared by all heads
+            one = get_projection(p).parameters_of(self, i)
+            if not one:
+                continue  # one module shared by all heads
             if self.sharing == "layerwise":
                 if p not in seen_layerwise:
                     seen_layerwise.add(p)

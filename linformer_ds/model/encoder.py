@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LocalContext, Window, make_window, rotary_tables
 from .config import ModelConfig
 from .documents import Documents, document_block_mask, document_spans, document_starts
 from .layers import EncoderLayer, LocalMixer, LocalMixing, local_mixer_valid
-from .projections import _make_projection, projection_names, tracing
+from .registry import _make_projection, get_projection, layer_kinds, projection_names, tracing
+from .rotary import rotary_tables
+from .window import LocalContext, Window, make_window
 
 
 def check_inputs(
@@ -87,7 +88,9 @@ class LinformerEncoder(nn.Module):
         # The single owner of each layerwise-shared projection: one per kind in the schedule,
         # ``shared_<kind>`` (shared_linear, shared_conv), in registry order.
         self.shared = {}  # kind -> its module (the same modules as the shared_<kind> attributes)
-        for kind in projection_names()[:-1]:  # every registered kind: a module or None
+        for kind in projection_names():  # every kind with a projection: a module or None
+            if get_projection(kind).factory is None:
+                continue
             if kind in schedule and config.sharing == "layerwise":
                 self.shared[kind] = _make_projection(config, schedule.index(kind), kind, 1)
             setattr(self, f"shared_{kind}", self.shared.get(kind))
@@ -172,7 +175,8 @@ class LinformerEncoder(nn.Module):
             return docs, (position_ids, attention_mask)
         pos, mask = sp.gather_documents(position_ids, attention_mask)  # whole rows [B, N]
         docs = document_spans(pos, mask, offset, n, max_position=self.config.max_seq_len)
-        if "dense" in self.config.projection_schedule() and not docs.whole_rows:
+        full = any(kind.full_attention for kind in layer_kinds(self.config))
+        if full and not docs.whole_rows:
             docs = docs._replace(block_mask=document_block_mask(pos, mask))
         return docs, (pos, mask)
 

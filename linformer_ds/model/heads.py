@@ -1,7 +1,7 @@
-"""Task heads and models (MLM, pretraining MLM, sequence classification), their losses, the
-weight initialisation and the FLOPs count."""
+"""Task heads and models (MLM, pretraining MLM, sequence classification) over the encoder.
+Beside them: their losses (``losses.py``), the weight initialisation (``init.py``) and the
+FLOPs count (``flops.py``)."""
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -10,7 +10,9 @@ from torch import nn
 
 from .config import ModelConfig
 from .encoder import LinformerEncoder
-from .projections import get_projection
+from .flops import flops_per_token
+from .init import init_weights, sinusoidal_positions  # noqa: F401  (re-exported)
+from .losses import labelled_positions, mlm_loss, sequence_classification_loss
 from .registry import tracing
 
 
@@ -32,56 +34,6 @@ class LabelledMLMOutput(NamedTuple):
 class SequenceClassifierOutput(NamedTuple):
     loss: torch.Tensor | None
     logits: torch.Tensor  # [B, num_labels]
-
-
-def init_weights(module: nn.Module, std: float) -> None:
-    """The initialisation of every task model (project and Hugging Face classes alike)."""
-    with torch.no_grad():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding) and getattr(module, "sinusoidal_init", False):
-            module.weight.copy_(sinusoidal_positions(*module.weight.shape) * (std * math.sqrt(2.0)))
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif getattr(module, "mixer_init", False):
-            nn.init.normal_(module.weight, std=std)
-        elif getattr(module, "projection_kind", None) is not None:  # LinearProjection, ...
-            module.reset_parameters()
-
-
-def sinusoidal_positions(n: int, d: int) -> torch.Tensor:
-    """``[n, d]`` fp32 sin/cos table of Vaswani et al. (2017): column ``2i`` is
-    ``sin(p / 10000^(2i/d))``, column ``2i+1`` its cosine; RMS over a row 1/sqrt(2)."""
-    pos = torch.arange(n, dtype=torch.float64)[:, None]
-    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [ceil(d/2)]
-    table = torch.zeros(n, d, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(pos * freq)
-    table[:, 1::2] = torch.cos(pos * freq[: d // 2])
-    return table.float()
-
-
-def mlm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits [..., V]`` against ``labels [...]`` (``-100`` ignored)."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-    )
-
-
-def sequence_classification_loss(
-    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None
-) -> torch.Tensor:
-    """Loss of ``logits [B, C]``: regression (C = 1 or ``problem_type='regression'``),
-    multi-label (``'multi_label_classification'``, BCE) or single-label cross-entropy."""
-    if logits.shape[-1] == 1 or problem_type == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
-    if problem_type == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-    return F.cross_entropy(logits.float(), labels.long())
 
 
 class LinformerPreTrainedModel(nn.Module):
@@ -186,13 +138,6 @@ class LinformerForMaskedLM(LinformerPreTrainedModel):
         )
 
 
-def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Flat row-major indices ``[M]`` (int64, ascending) of the positions of ``labels [B, n]``
-    whose label is not ``-100``. Its size depends on the data: on an accelerator computing it
-    waits for the device, so the trainer's data pipeline computes it on the host."""
-    return torch.nonzero(labels.reshape(-1) != -100).reshape(-1)
-
-
 class LinformerForMaskedLMPretraining(LinformerForMaskedLM):
     """The MLM model as pretraining runs it (same parameters and state dict as
     :class:`LinformerForMaskedLM`): the head and the softmax run only on labelled positions
@@ -268,28 +213,3 @@ class LinformerForSequenceClassification(LinformerPreTrainedModel):
         if labels is not None:
             loss = sequence_classification_loss(logits, labels, self.problem_type)
         return SequenceClassifierOutput(loss=loss, logits=logits)
-
-
-def flops_per_token(
-    config: ModelConfig, seq_len: int | None = None, mlm_fraction: float = 1.0
-) -> float:
-    """Training FLOPs (forward + backward = 3x forward) per token of an MLM step.
-
-    Counts matrix multiplies only (2 FLOPs per multiply-add): QKV/output/FFN projections,
-    sequence projections (E/F or conv), attention scores and weighted sum, and the MLM head on
-    ``mlm_fraction`` of the tokens. The benchmark and the trainer's MFU both use this formula.
-    """
-    n = seq_len or config.max_seq_len
-    dm, ff = config.hidden_size, config.intermediate_size
-    fwd = 0.0
-    for i, kind in enumerate(config.projection_schedule()):
-        fwd += 2 * (3 * dm * dm + dm * dm + 2 * dm * ff)  # qkv, out, ffn
-        proj = None if kind == "dense" else get_projection(kind).flops
-        if proj is None:  # dense, or a registered kind without a formula (an upper bound)
-            fwd += 2 * 2 * n * dm  # Q K^T and A V
-        else:  # the kind's own: linear E K, F V + k summaries; conv: kernel taps + c blocks
-            fwd += proj(config, i, n)
-        if kind != "dense" and config.local_window:  # the window: scores and weighted sum
-            fwd += 2 * 2 * min(config.local_window + 1, n) * dm
-    fwd += mlm_fraction * 2 * (dm * dm + dm * config.vocab_size)
-    return 3.0 * fwd

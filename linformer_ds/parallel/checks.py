@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from linformer_ds.errors import LinformerError
-from linformer_ds.model import ModelConfig, get_projection, projection_stride
+from linformer_ds.model import ModelConfig, get_projection, layer_kinds, projection_stride
 
 KEY = "parallel.sequence_parallel_size"
 SHARD_KEY = "parallel.shard_sequence_parameters"
@@ -68,7 +68,7 @@ def config_errors(
         )
     schedule = model.projection_schedule()
     for i, kind in enumerate(schedule):  # the registered kind's own support and stride
-        if kind != "dense" and not get_projection(kind).sequence_parallel:
+        if not get_projection(kind).sequence_parallel:
             errors.append(
                 f"{KEY}: layer {i}: the {kind} projection does not support sequence parallelism "
                 "(its kind is registered without sequence_parallel=True); use P=1"
@@ -82,9 +82,10 @@ def config_errors(
                 f"the {kind} stride {r}{f' ({rule})' if rule else ''}; pick N, P or k so it is"
             )
             break
-    if "dense" in schedule and model.num_heads % p:
+    full = sorted({k.name for k in layer_kinds(model) if k.full_attention})
+    if full and model.num_heads % p:
         errors.append(
-            f"{KEY}: dense layers (DeepSpeed-Ulysses) need num_heads divisible by P, got "
+            f"{KEY}: {'/'.join(full)} layers (DeepSpeed-Ulysses) need num_heads divisible by P, got "
             f"num_heads={model.num_heads}, P={p}"
         )
     if shard and seq_len != model.max_seq_len:
@@ -117,15 +118,19 @@ def isolation_errors(sp_size: int, model: ModelConfig, shard: Any) -> list[str]:
     """Why document isolation cannot run with ``sp_size`` ranks per sequence (empty: it can):
     linear layers sum each document's partial summaries over the group, dense layers mask the
     gathered documents; conv windows that cross a slice boundary are not implemented, and
-    documents need the whole position table and E/F on every rank (no sharding)."""
+    documents need the whole position table and E/F on every rank (no sharding). A kind
+    registered with ``isolation_under_sp=False`` (conv) is refused with its reason."""
     if int(sp_size) == 1:
         return []
     errors = []
-    if "conv" in model.projection_schedule():
-        errors.append(
-            f"{ISOLATION_KEY}: conv layers under sequence parallelism (P={sp_size}) are not "
-            "supported with document isolation (windows crossing slices); use P=1 or no conv"
-        )
+    for kind in layer_kinds(model):
+        if not kind.isolation_under_sp:
+            why = f" ({kind.isolation_sp_reason})" if kind.isolation_sp_reason else ""
+            errors.append(
+                f"{ISOLATION_KEY}: {kind.name} layers under sequence parallelism (P={sp_size}) "
+                f"are not supported with document isolation{why}; use P=1 or no {kind.name}"
+            )
+            break
     if shard is True:
         errors.append(
             f"{ISOLATION_KEY}: documents start anywhere, so every rank needs every position "
