@@ -1,7 +1,13 @@
 """Command line: ``python -m data_prep --source stdlib --out data/stdlib --seq-len 128 --vocab-size 8000``."""
 
-import argparse
 import sys
+
+if __name__ == "__main__":  # the command: Ctrl-C while numpy imports is one line, exit 130
+    from linformer_ds import entry
+
+    entry.arm("data_prep")
+
+import argparse
 
 from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
@@ -188,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry.run(main)

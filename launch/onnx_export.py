@@ -9,7 +9,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from linformer_ds import entry  # noqa: E402  (standard library only)
+
+entry.arm("onnx_export")  # Ctrl-C while torch imports: one line, exit 130 (docs/reliability.md)
+
 from linformer_ds.onnx_export import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry.run(main)

@@ -34,10 +34,14 @@ without it the JSON holds the plot's data and says so). The trainer's ``eval.con
 logs the same figures at every evaluation (:func:`curve`, on a few rows).
 """
 
+if __name__ == "__main__":  # the command: Ctrl-C while torch imports is one line, exit 130
+    from linformer_ds import entry
+
+    entry.arm("context_curve")
+
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -560,4 +564,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry.run(main)

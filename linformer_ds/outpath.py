@@ -26,12 +26,11 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 from linformer_ds import outdir
+from linformer_ds.entry import EXIT_INTERRUPTED  # 128 + SIGINT: every command's Ctrl-C exit
 from linformer_ds.errors import LinformerError
 from linformer_ds.log import get_logger
 
 log = get_logger(__name__)
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class OutPathError(LinformerError, ValueError):

@@ -1,0 +1,138 @@
+"""Ctrl-C at any moment of every command is one stderr line and exit 130, with nothing
+half-written (linformer_ds.entry, docs/reliability.md).
+
+Every command (launch/export.py, launch/convert.py, launch/finetune.py, launch/onnx_export.py,
+``python -m data_prep``, ``python -m linformer_ds.context_curve``, ``python -m
+linformer_ds.onnx_export``) is started as a real process in a session of its own and sent SIGINT
+to its whole process group, as a terminal's Ctrl-C is, at instants of three kinds: while torch
+(numpy for data_prep) is being loaded (the moment its shared library appears in
+``/proc/PID/maps``: the KeyboardInterrupt tracebacks of up to 63 lines came from there), at a
+fixed early instant, and at one instant per command drawn from a seeded generator (a new seed
+with ``LINFORMER_INTERRUPT_SEED``). A signal that reaches a live process must end it with exit
+130, stderr's last non-empty line the one line saying so, no traceback, and the command's
+directory as it was (data_prep: only its documented resume state beside ``--out``, never
+``--out`` itself). The runs share 3 worker threads, so the test costs what its slowest chain of
+runs costs.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.pretrain_utils import REPO, TINY_CONFIG, child_env
+from tests.test_output_paths import snapshot, tiny_export  # noqa: F401 (the fixture)
+
+SEED = int(os.environ.get("LINFORMER_INTERRUPT_SEED", "54"))
+EARLY_S = 0.3  # after the interpreter's own start-up (its ~30 ms precede the entry's first line)
+LATEST_S = 8.0  # the seeded instants are drawn from [EARLY_S, LATEST_S)
+EXIT_TIMEOUT_S = 120.0  # from the signal to the exit, on a loaded machine
+
+
+def commands(exp: Path, work: Path) -> dict:
+    """name -> (argv, the shared library that marks the heavy import)."""
+    py, launch = sys.executable, REPO / "launch"
+    return {
+        "export": ([py, launch / "export.py", "--checkpoint", exp.parent / "ckpt", "--out",
+                    work / "out"], "libtorch"),
+        "convert": ([py, launch / "convert.py", "--from", f"hf:{work / 'no_such_model'}",
+                     "--config", TINY_CONFIG, "--out", work / "warm.yaml"], "libtorch"),
+        "finetune": ([py, launch / "finetune.py", "--model", exp, "--train",
+                      exp.parent / "train.csv", "--out", work / "out", "--epochs", "100000",
+                      "--batch-size", "2", "--validation-fraction", "0.25"], "libtorch"),
+        "onnx_launch": ([py, launch / "onnx_export.py", exp, work / "model.onnx"], "libtorch"),
+        "onnx_module": ([py, "-m", "linformer_ds.onnx_export", exp, work / "model.onnx"],
+                        "libtorch"),
+        "context_curve": ([py, "-m", "linformer_ds.context_curve", exp, exp.parent / "no_data",
+                           "--out", work / "curve"], "libtorch"),
+        "data_prep": ([py, "-m", "data_prep", "--source", "stdlib", "--out", work / "out",
+                       "--seq-len", "32", "--vocab-size", "300"], "_multiarray_umath"),
+    }  # fmt: skip
+
+
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return library in f.read()
+    except OSError:
+        return False
+
+
+def interrupt(argv: list, work: Path, when) -> dict:
+    """Start ``argv`` in ``work`` and send SIGINT to its process group ``when`` (seconds after
+    the start, or the name of a shared library: as soon as it is mapped); the outcome."""
+    work.mkdir(parents=True)
+    start = time.monotonic()
+    proc = subprocess.Popen([str(a) for a in argv], cwd=work, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        if isinstance(when, str):
+            while proc.poll() is None and not _loaded(proc.pid, when):
+                time.sleep(0.005)
+        else:
+            time.sleep(max(0.0, start + when - time.monotonic()))
+        delivered = proc.poll() is None
+        if delivered:
+            os.killpg(proc.pid, signal.SIGINT)
+        at = time.monotonic() - start
+        _, err = proc.communicate(timeout=EXIT_TIMEOUT_S)
+        return {"delivered": delivered, "at": at, "rc": proc.returncode, "stderr": err}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        try:  # a straggler of the group (a worker process) does not outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def left_behind(name: str, work: Path) -> list:
+    """What the interrupted run left in its (empty before) directory that it may not."""
+    resume_state = ".out.data_prep-partial"  # data_prep keeps it for --resume (documented)
+    return [
+        str(Path(p).relative_to(work))
+        for p in snapshot(work)
+        if not (name == "data_prep" and Path(p).relative_to(work).parts[0] == resume_state)
+    ]
+
+
+def test_ctrl_c_at_any_instant_is_one_line_and_exit_130(tiny_export, tmp_path):  # noqa: F811
+    exp = tiny_export
+    inputs_before = snapshot(exp.parent)
+    rng = random.Random(SEED)
+    runs = []
+    for name, (_, library) in commands(exp, tmp_path).items():
+        for when in (library, EARLY_S, round(rng.uniform(EARLY_S, LATEST_S), 2)):
+            runs.append((name, when, tmp_path / f"{name}_{len(runs)}"))
+    with ThreadPoolExecutor(3) as pool:
+        futures = [
+            (name, when, work, pool.submit(interrupt, commands(exp, work)[name][0], work, when))
+            for name, when, work in runs
+        ]
+        outcomes = [(name, when, work, f.result()) for name, when, work, f in futures]
+    problems, delivered = [], 0
+    for name, when, work, out in outcomes:
+        lines = [ln for ln in out["stderr"].splitlines() if ln.strip()]
+        where = f"{name} at {when} ({out['at']:.2f} s): rc {out['rc']}, stderr {out['stderr']!r}"
+        if "Traceback" in out["stderr"]:
+            problems.append(f"traceback: {where}")
+        if not out["delivered"]:  # it had ended: its own outcome, nothing to check here
+            continue
+        delivered += 1
+        if out["rc"] != 130 or not lines or "interrupted" not in lines[-1]:
+            problems.append(f"not one line and exit 130: {where}")
+        elif sum("interrupted" in ln for ln in lines) != 1:
+            problems.append(f"more than one line: {where}")
+        if left_behind(name, work):
+            problems.append(f"left {left_behind(name, work)}: {where}")
+    assert not problems, "\n".join(problems)
+    library_runs = [o for _, when, _, o in outcomes if isinstance(when, str)]
+    assert all(o["delivered"] for o in library_runs), "a heavy import was never seen"
+    assert delivered >= len(library_runs)
+    assert snapshot(exp.parent) == inputs_before  # the inputs are read, never written
