@@ -23,6 +23,7 @@ from linformer_ds.config import ConfigError, JobConfig
 from linformer_ds.log import get_logger
 from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
 from linformer_ds.prometheus import PrometheusSink
+from linformer_ds.trackers import TRACKERS
 
 log = get_logger(__name__)
 
@@ -101,6 +102,14 @@ class Sink:
     def close(self) -> None:
         """Flush and release what the sink holds."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a ``logging.sinks`` sink keeps across a resume (rank 0's, in every checkpoint;
+        e.g. a tracker's run id); ``{}``: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint's :meth:`state_dict`, given back before :meth:`resumed`."""
+
 
 # A sink named in ``logging.sinks`` is built by its registered factory on every rank:
 # ``factory(cfg, rank, world_size) -> Sink`` (or None: no sink on this rank).
@@ -117,6 +126,10 @@ def register_sink(name: str, factory: SinkFactory, replace: bool = False) -> Sin
     return factory
 
 
+for _name, _factory in TRACKERS.items():  # logging.sinks: [wandb], [mlflow] (trackers.py)
+    register_sink(_name, _factory)
+
+
 def unregister_sink(name: str) -> None:
     _SINK_KINDS.pop(name, None)
 
@@ -126,7 +139,8 @@ def registered_sinks() -> list[str]:
 
 
 def check_sinks(cfg: JobConfig) -> None:
-    """Every name of ``logging.sinks`` is a registered sink (a config error naming it)."""
+    """Every name of ``logging.sinks`` is a registered sink (a config error naming it) whose
+    factory's ``check(cfg)``, if it has one, passes (e.g. a tracker's library installed)."""
     for name in cfg.logging.sinks:
         if name not in _SINK_KINDS:
             known = ", ".join(registered_sinks()) or "none"
@@ -135,6 +149,9 @@ def check_sinks(cfg: JobConfig) -> None:
                 "register it with linformer_ds.metrics.register_sink in a module given as "
                 "launch/pretrain.py --plugin MODULE"
             )
+        check = getattr(_SINK_KINDS[name], "check", None)
+        if check is not None:
+            check(cfg)
 
 
 class ConsoleSink(Sink):
@@ -314,10 +331,13 @@ class Metrics:
                 PrometheusSink(cfg, rank, world_size, local_rank, self.memory, self.elapsed)
             )
         check_sinks(cfg)
+        self.stateful_sinks: dict[str, Sink] = {}  # logging.sinks' whose state is checkpointed
         for name in cfg.logging.sinks:  # built here, so they see every event, resumes included
             sink = _SINK_KINDS[name](cfg, rank, world_size)
             if sink is not None:
                 self.sinks.append(sink)
+                if hasattr(sink, "state_dict"):  # a sink of Sink's or of its own events
+                    self.stateful_sinks[name] = sink
 
     def _measure_peak(self) -> float:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
@@ -431,11 +451,15 @@ class Metrics:
     def state_dict(self) -> dict[str, Any]:
         """The open window's sums, elapsed seconds and resume count: saved in checkpoints so
         logs after a resume are exact."""
-        return {
+        state: dict[str, Any] = {
             "window": [float(x) for x in self.window],
             "elapsed": self.elapsed(),
             "resumes": self.resumes,
         }
+        sinks = {name: s.state_dict() for name, s in self.stateful_sinks.items()}
+        if any(sinks.values()):
+            state["sinks"] = {name: s for name, s in sinks.items() if s}
+        return state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
@@ -444,6 +468,9 @@ class Metrics:
             self.window = torch.tensor(state["window"], dtype=torch.float64)
         self._elapsed_base = float(state.get("elapsed", 0.0))
         self.resumes = int(state.get("resumes", 0))
+        for name, sink_state in state.get("sinks", {}).items():
+            if name in self.stateful_sinks:  # a sink the run no longer names: its state dropped
+                self.stateful_sinks[name].load_state_dict(sink_state)
 
     def close(self) -> None:
         """Flush and close the sinks; a ``/metrics`` endpoint stops serving."""

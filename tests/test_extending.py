@@ -4,7 +4,9 @@
   in one process and on two ranks;
 * a projection kind (``pool``: a learned weighted sum over windows of r = max_seq_len / k
   tokens) through the model's forward and backward;
-* a metrics sink receiving a run's real records and every event.
+* a metrics sink receiving a run's real records and every event;
+* beside it, the built-in tracker sinks (``wandb`` offline, ``mlflow`` on a sqlite store) on
+  the same run: one tracker run each across the resume, the TensorBoard scalars in both.
 
 Then all three through the stock commands, as a user runs them: one ``--plugin`` module
 (tests/extending_plugin.py) registers them; ``python -m data_prep --source zip:...`` prepares
@@ -301,9 +303,11 @@ def _stdlib_zip(path: Path, members: int = 40) -> Path:
 def plugin_runs(tmp_path_factory):
     """The stock commands with ``--plugin tests.extending_plugin``: data_prep on a zip archive,
     4 trainer steps (one process) of a ``[linear, pool]`` model with ``logging.sinks:
-    [collect]``, then the same run resumed to step 6."""
+    [collect, wandb, mlflow]`` and TensorBoard, then the same run resumed to step 6. W&B runs
+    offline, MLflow logs to a sqlite store outside the run's directory."""
     tmp = tmp_path_factory.mktemp("ext")
-    env = child_env()
+    db = tmp / "mlflow.db"
+    env = child_env(WANDB_MODE="offline", MLFLOW_TRACKING_URI=f"sqlite:///{db}")
     data, run_dir = tmp / "data", tmp / "run"
     prep = subprocess.run(
         [sys.executable, "-m", "data_prep", "--plugin", "tests.extending_plugin", "--source",
@@ -316,7 +320,7 @@ def plugin_runs(tmp_path_factory):
         f"data.path={data}", f"logging.dir={run_dir}", "model.num_layers=2",
         "model.layer_projections=[linear, pool]", "model.sharing=headwise",
         "train.micro_batch_size=2", "checkpoint.save_interval=0", "deepspeed.precision=fp32",
-        "logging.sinks=[collect]",
+        "logging.sinks=[collect, wandb, mlflow]", "logging.tensorboard=true",
     ]  # fmt: skip
     procs = []
     for steps in (4, 6):
@@ -330,7 +334,8 @@ def plugin_runs(tmp_path_factory):
     with open(run_dir / "metrics.jsonl") as f:
         jsonl = [json.loads(line) for line in f]
     manifest = json.loads((data / "manifest.json").read_text())
-    return {"runs": runs, "jsonl": jsonl, "manifest": manifest, "stdout": [p.stdout for p in procs]}
+    return {"runs": runs, "jsonl": jsonl, "manifest": manifest, "stdout": [p.stdout for p in procs],
+            "run_dir": run_dir, "mlflow_uri": f"sqlite:///{db}"}  # fmt: skip
 
 
 def test_source_kind_through_data_prep_cli(plugin_runs):
@@ -380,3 +385,144 @@ def test_unknown_plugin_or_sink_is_one_line(capsys):
     cfg = load_config(TINY_CONFIG, ["logging.sinks=[nope]"])
     with pytest.raises(ConfigError, match="logging.sinks: 'nope' is not a registered sink"):
         check_sinks(cfg)
+
+
+# ============================================================= the tracker sinks on the same run
+def _scalars_of_jsonl(records: list[dict]) -> dict[str, dict[int, float]]:
+    """``split/name`` -> step -> value of metrics.jsonl's records (what every sink was given)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        for k, v in r.items():
+            if k not in ("step", "split"):
+                out.setdefault(f"{r['split']}/{k}", {})[r["step"]] = float(v)
+    return out
+
+
+def _tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value of every event file under ``run_dir/tensorboard`` (both runs')."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _same(got: dict[str, dict[int, float]], want: dict[str, dict[int, float]], f32=False):
+    """Tag by tag, step by step: equal (NaN equals NaN; ``f32``: at TensorBoard's float32)."""
+    assert sorted(got) == sorted(want)
+    for tag in want:
+        assert sorted(got[tag]) == sorted(want[tag]), tag
+        for step, v in want[tag].items():
+            g = got[tag][step]
+            if f32:
+                g, v = (float(torch.tensor(x, dtype=torch.float32)) for x in (g, v))
+            assert g == v or (math.isnan(g) and math.isnan(v)), (tag, step, g, v)
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k: v})
+    return out
+
+
+def _first_config(run_dir: Path) -> dict[str, Any]:
+    """The first run's resolved config, flattened: config.json is the resumed run's (it
+    differs in train.max_steps only: config_history.jsonl says so)."""
+    changed = [json.loads(line)["changed"] for line in open(run_dir / "config_history.jsonl")]
+    assert changed == [{}, {"train.max_steps": [4, 6]}]
+    return {**_flat(json.loads((run_dir / "config.json").read_text())), "train.max_steps": 4}
+
+
+def _wandb_records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a W&B run file (``run-ID.wandb``), parsed with wandb's own
+    ``Record``: a 7-byte header (``:W&B``, magic, version), then LevelDB log blocks of 32 KiB
+    whose chunks (4-byte CRC, 2-byte length, 1-byte type: full, first, middle, last) carry one
+    record each (wandb 0.31 no longer ships its Python reader)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, part = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:
+            break
+        part += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full or last: a whole record
+            record = Record()
+            record.ParseFromString(part)
+            part = b""
+            yield record
+
+
+def test_wandb_offline_records_one_resumed_run(plugin_runs):
+    """Two processes (4 steps, then resumed to 6) wrote two offline run directories of one W&B
+    run id; the config once (the first's); the history is TensorBoard's scalars, tag by tag and
+    step by step, and metrics.jsonl's values exactly."""
+    run_dir = plugin_runs["run_dir"]
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    ids, configs, history = [], [], {}
+    for path in files:
+        for r in _wandb_records(path):
+            kind = r.WhichOneof("record_type")
+            if kind == "run":
+                ids.append(r.run.run_id)
+                configs.append({i.key: json.loads(i.value_json) for i in r.run.config.update
+                                if i.key != "_wandb"})  # fmt: skip
+            elif kind == "history":
+                step = r.history.step.num
+                for i in r.history.item:
+                    key = i.key or "/".join(i.nested_key)  # train/loss: nested ["train", "loss"]
+                    if not key.startswith("_"):
+                        history.setdefault(key, {})[step] = json.loads(i.value_json)
+    assert len(ids) == 2 and len(set(ids)) == 1
+    assert configs == [_first_config(run_dir), {}]
+    _same(history, _tensorboard_scalars(run_dir), f32=True)
+    _same(history, _scalars_of_jsonl(plugin_runs["jsonl"]))
+    assert sorted(history["train/loss"]) == [1, 2, 3, 4, 5, 6]
+
+
+def test_mlflow_records_one_resumed_run(plugin_runs):
+    """Read back with MlflowClient from the sqlite store: one run, finished, the first run's
+    resolved config as params, every TensorBoard scalar (steps 1-6) under the same tag."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(plugin_runs["mlflow_uri"])
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {k: str(v) for k, v in _first_config(plugin_runs["run_dir"]).items()}
+    history = {
+        tag: {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
+        for tag in run.data.metrics
+    }
+    _same(history, _tensorboard_scalars(plugin_runs["run_dir"]), f32=True)
+    _same(history, _scalars_of_jsonl(plugin_runs["jsonl"]))
+    assert sorted(history["train/loss"]) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_tracker_not_installed_is_one_config_error(monkeypatch):
+    """A tracker sink whose library does not import stops the run before any work (every rank:
+    check_sinks) with one line naming the extra; the sink itself is rank 0's only."""
+    from linformer_ds.config import ConfigError, load_config
+    from linformer_ds.metrics import check_sinks
+    from linformer_ds.trackers import TRACKERS
+
+    cfg = load_config(TINY_CONFIG, ["logging.sinks=[mlflow, wandb]"])
+    check_sinks(cfg)  # both installed here (the dev extra)
+    assert TRACKERS["wandb"](cfg, 1, 2) is None and TRACKERS["mlflow"](cfg, 3, 4) is None
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails: not installed
+    with pytest.raises(ConfigError) as e:
+        check_sinks(cfg)
+    assert str(e.value) == (
+        "logging.sinks: wandb needs the wandb package, which is not installed; install it with: "
+        "pip install linformer_ds[wandb]"
+    )
