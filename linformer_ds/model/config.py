@@ -38,6 +38,7 @@ _INT_RANGES = {
     "format_version": (1, MODEL_FORMAT_VERSION),
     "local_mixer_kernel": (1, 2**10 + 1),
     "local_window": (0, _MAX_SIZE),
+    "routed_blocks": (1, _MAX_SIZE),
 }
 # Floats: (test, the range as the message states it); nan fails every test.
 _FLOAT_RANGES = {
@@ -118,6 +119,9 @@ class ModelConfig:
     # never padding), in the same softmax as the layer's projected summaries; 0 = off. The
     # projection kind "local" is the window alone (no summaries).
     local_window: int = 0
+    # The routed kind (content-routed block attention, routed.py): how many blocks of
+    # max_seq_len / k tokens each block of queries reads exactly (beside the summaries)
+    routed_blocks: int = 8
     # "learned": a position table added to the embeddings (BERT); "rope": no table, queries and
     # keys of exact attention (windows, dense layers) rotated by their position (RoFormer);
     # projected summaries see unrotated keys (E/F columns are positional already)

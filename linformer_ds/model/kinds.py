@@ -5,6 +5,8 @@
 * ``local``: no summaries, the sliding window alone (``model.local_window``).
 * ``dynamic``: Transformer-LS's input-dependent projection.
 * ``dense``: full softmax attention (``dense.py``), the baseline.
+* ``routed``: content-routed block attention (``routed.py``): block summaries plus an exact
+  read of the ``routed_blocks`` blocks each query block's scores pick; it retrieves.
 
 A new kind is one file (its module or attention function) and one call here (or in a plugin
 module: :func:`register_projection`, docs/extending.md).
@@ -22,6 +24,7 @@ from .projections import (
     LocalProjection,
 )
 from .registry import Config, projection_names, register_projection
+from .routed import routed_attention, routed_check, routed_flops
 
 
 def _linear(config: Config, layer_idx: int, heads: int) -> nn.Module:
@@ -108,6 +111,11 @@ register_projection(
 register_projection(
     "dense", attend=dense_attention, summaries=False, windowed=False, full_attention=True,
     sequence_parallel=True, num_parameters=lambda c, i: 0,
+)  # fmt: skip
+register_projection(
+    "routed", attend=routed_attention, check=routed_check, flops=routed_flops,
+    num_parameters=lambda c, i: 0,
+    isolation_under_sp=False, isolation_sp_reason="not implemented",
 )  # fmt: skip
 
 BUILTIN_KINDS = projection_names()  # the kinds above, in registration order
