@@ -37,9 +37,10 @@ def _config(n: int, **kind) -> ModelConfig:
                        intermediate_size=512, k=32, **opts)  # fmt: skip
 
 
-def _measured(config: ModelConfig, dtype: torch.dtype, checkpoint, batch: int):  # noqa: ANN001
+def _measured(config: ModelConfig, dtype: torch.dtype, checkpoint, batch: int, masked: bool):  # noqa: ANN001, E501
     """(measured peak of live tensor bytes of one forward + backward, parameter bytes,
-    labelled fraction)."""
+    labelled fraction). ``masked``: an attention mask with the last row's tail padded, as the
+    trainer passes one."""
     torch.manual_seed(0)
     model = LinformerForMaskedLMPretraining(config).to(dtype)
     if checkpoint:
@@ -49,10 +50,15 @@ def _measured(config: ModelConfig, dtype: torch.dtype, checkpoint, batch: int): 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config.vocab_size, (batch, n), generator=g)
     labels = torch.where(torch.rand(batch, n, generator=g) < 0.15, ids, -100)
+    mask = None
+    if masked:
+        mask = torch.ones_like(ids)
+        mask[-1, n - n // 8 :] = 0
+        labels[mask == 0] = -100
     index = labelled_positions(labels)
     params = list(model.parameters())
     with LiveBytes(params) as live:
-        model(ids, labels=labels, labelled_index=index).loss.backward()
+        model(ids, mask, labels=labels, labelled_index=index).loss.backward()
     return (
         live.peak,
         sum(p.numel() * p.element_size() for p in params),
@@ -60,17 +66,23 @@ def _measured(config: ModelConfig, dtype: torch.dtype, checkpoint, batch: int): 
     )
 
 
+# every kind x dtype x checkpointing with an attention mask (the trainer's case); without one
+# (keys and values are then views of the qkv product, not a masked copy) without checkpointing
+RATIOS: dict = {}  # predicted / measured of every case run (printed with -s by the last)
 LAYOUTS = list(itertools.product(range(len(KINDS)), (torch.float32, torch.bfloat16),
-                                 (None, "layer", "sublayer")))  # fmt: skip
+                                 (None, "layer", "sublayer"), (True,)))  # fmt: skip
+LAYOUTS += list(itertools.product(range(len(KINDS)), (torch.float32, torch.bfloat16),
+                                  (None,), (False,)))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind, dtype, checkpoint", LAYOUTS)
-def test_predicted_peak_within_10_percent(kind, dtype, checkpoint):  # noqa: ANN001
+@pytest.mark.parametrize("kind, dtype, checkpoint, masked", LAYOUTS)
+def test_predicted_peak_within_10_percent(kind, dtype, checkpoint, masked):  # noqa: ANN001
     config = _config(256, **KINDS[kind])
-    peak, param_bytes, labelled = _measured(config, dtype, checkpoint, batch=2)
+    peak, param_bytes, labelled = _measured(config, dtype, checkpoint, 2, masked)
     elem = torch.empty(0, dtype=dtype).element_size()
-    step = Step(batch=2, n=256, seq_len=256, elem=elem, device="cpu", labelled=labelled)
+    step = Step(2, 256, 256, elem, device="cpu", labelled=labelled, masked=masked)
     predicted = param_bytes + activation_peak(config, step, checkpoint)["peak"]
+    RATIOS[(kind, str(dtype), checkpoint, masked)] = predicted / peak
     assert abs(predicted / peak - 1) < 0.10, (KINDS[kind], dtype, checkpoint, predicted, peak)
 
 
@@ -100,3 +112,9 @@ def test_cli_plans_the_config_and_ranks_layouts(capsys):  # noqa: ANN001
     out = capsys.readouterr().out
     assert "per-rank peak" in out and "largest N that fits" in out
     assert "layouts of 2 GPUs that fit" in out and "tokens/s/GPU" in out
+
+
+def test_print_ratios():
+    """The figures behind the 10 % bound (``pytest -s``): predicted / measured per case."""
+    for key, ratio in sorted(RATIOS.items(), key=lambda kv: abs(kv[1] - 1)):
+        print(f"{KINDS[key[0]]} {key[1:]}: {ratio:.3f}")

@@ -18,7 +18,8 @@ class Step:
     """What the activations depend on besides the model: ``batch`` rows of ``n`` tokens on this
     rank (N / P under sequence parallelism, ``seq_len`` = N), ``elem`` bytes per activation
     (4 fp32, 2 bf16/fp16), ``device`` type (``cpu``: torch's CPU kernels; else fused
-    attention), ``labelled`` fraction of tokens through the MLM head."""
+    attention), ``labelled`` fraction of tokens through the MLM head, ``masked``: an attention
+    mask is passed (keys and values are then multiplied by it, a copy)."""
 
     batch: int
     n: int
@@ -27,6 +28,7 @@ class Step:
     device: str = "cuda"
     labelled: float = 0.15
     sp: int = 1
+    masked: bool = True  # an attention mask is passed (the trainer always passes one)
 
 
 @dataclass(frozen=True)
@@ -94,16 +96,16 @@ def attention_saved(config, i: int, step: Step) -> int:  # noqa: ANN001
         return 3 * u + u + b * h * n * FP32  # qkv (views), output, log-sum-exp
     m = kind.summaries
     summ = 2 * b * m * d * e  # projected keys and values [B, m, 2D]
-    # the projection's own: linear (E K) keeps the qkv its product read; conv a copy of K, V
-    # in blocks; a computed projection the qkv, a copy of K, V, its weights and their softmax
+    # the projection's own: a product over the sequence keeps its input (the qkv whose views
+    # K, V are, or their copy multiplied by the mask); conv a copy of K, V in blocks; a
+    # computed projection also a copy of K, V, its weights and their softmax
+    kv_in = (2 * u if step.masked else 3 * u) if m and not kind.blocked else 0
     if kind.blocked:
         proj = 2 * u
     elif kind.weighted:
-        proj = 3 * u + 2 * u + 2 * b * h * m * n * e + 2 * b * n * h * m * FP32
-    elif m:
-        proj = 3 * u
+        proj = kv_in + 2 * u + 2 * b * h * m * n * e + 2 * b * n * h * m * FP32
     else:
-        proj = 0
+        proj = kv_in
     if kind.windowed:
         r = config.local_window // 2
         nb = -(-n // r)
@@ -116,7 +118,7 @@ def attention_saved(config, i: int, step: Step) -> int:  # noqa: ANN001
     es = _attention_path(step, config, m, False)
     if es:  # queries, summaries, scores (the path's dtype), the output
         return proj + (u + summ) * es // e + scores(m, es) + u
-    flash = 0 if proj >= 3 * u else 3 * u  # the fused kernel keeps views of qkv
+    flash = 0 if kv_in == 3 * u else 3 * u  # the fused kernel keeps q, a view of qkv
     return proj + flash + summ + u + b * h * n * FP32
 
 
