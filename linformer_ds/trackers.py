@@ -146,13 +146,13 @@ class Tracker:
         raise NotImplementedError
 
 
-def _wandb_key_configured() -> bool:
+def _wandb_key_configured(wandb: Any) -> bool:
     """An API key in ``WANDB_API_KEY`` or in ~/.netrc for the W&B host (``wandb login``)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url).hostname
     try:
-        return netrc.netrc().authenticators(host or "api.wandb.ai") is not None
+        return host is not None and netrc.netrc().authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
@@ -166,7 +166,11 @@ class WandbSink(Tracker):
         wandb = self._import()
         cfg = self.cfg
         self.run_id = self.run_id or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
-        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+        mode = os.environ.get("WANDB_MODE") or (
+            "online" if _wandb_key_configured(wandb) else "offline"
+        )
+        # no network: wandb retries until its init timeout (90 s by default); here 30 s
+        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", "30"))
         kwargs = dict(
             id=self.run_id,
             resume="allow",
@@ -174,15 +178,16 @@ class WandbSink(Tracker):
             project=os.environ.get("WANDB_PROJECT") or cfg.name,
             dir=os.environ.get("WANDB_DIR") or cfg.logging.dir,
             config=None if resume else flat_config(cfg),  # once: a resumed run has it
-            settings=wandb.Settings(console="off", quiet=True),
+            settings=wandb.Settings(console="off", quiet=True, init_timeout=timeout),
         )
         try:
             self.run = wandb.init(mode=mode, **kwargs)
         except Exception as e:  # noqa: BLE001 - no network: the run syncs later
             if mode != "online":
                 raise
-            log.warning(f"[warn] wandb: online start failed ({type(e).__name__}: {e}); "
-                        "logging offline")  # fmt: skip
+            log.warning(f"[warn] wandb: online start failed ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())}); logging offline")  # fmt: skip
+            wandb.teardown()  # the failed run holds its id in wandb's service until then
             mode = "offline"
             self.run = wandb.init(mode=mode, **kwargs)
         where = os.path.dirname(self.run.dir)
