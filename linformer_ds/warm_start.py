@@ -34,10 +34,10 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from linformer_ds.config import _load_yaml
 from linformer_ds.config_fields import ConfigError
+from linformer_ds.config_yaml import load_yaml
 from linformer_ds.log import LogLevelError, get_logger, setup_logging
-from linformer_ds.model import ModelConfig
+from linformer_ds.model import ModelConfig, layer_kinds
 from linformer_ds.outdir import error_line
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
@@ -465,6 +465,20 @@ def _projection_param(name: str) -> bool:
     return ".shared_" in f".{name}" or ".proj_k." in name or ".proj_v." in name
 
 
+def _projection_init_note(cfg: ModelConfig) -> str:
+    """What ``model.projection_init`` set, for the ``[init]`` line: the E/F (or conv kernels) of
+    the layers whose kind has learned, freezable summary weights (each kind answers); a model
+    without such layers (dense, dynamic: computed from the input, local, routed) has none."""
+    kinds = layer_kinds(cfg)
+    with_ef = [k.name for i, k in enumerate(kinds) if k.freezable and k.parameters_of(cfg, i)]
+    names = ", ".join(dict.fromkeys(k.name for k in kinds))
+    if not with_ef:
+        return f"no E/F to initialise ({names} layers)"
+    if len(with_ef) == len(kinds):
+        return f"E/F: {cfg.projection_init}"
+    return f"E/F: {cfg.projection_init} ({', '.join(dict.fromkeys(with_ef))} layers)"
+
+
 def check_source(spec: str, model: ModelConfig, data_vocab: int | None = None,
                  data: str = "", data_ids: dict[str, int] | None = None,
                  manifest: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -510,8 +524,7 @@ def load_into(model: torch.nn.Module, spec: str, data_vocab: int | None = None,
     rule = (f"{p} positions copied to {cfg.max_seq_len}" if cfg.max_seq_len > p
             else f"the first {cfg.max_seq_len} of {p} positions")  # fmt: skip
     layers = len({k.split(".")[2] for k in weights if k.startswith("encoder.layers.")})
-    init = getattr(cfg, "projection_init", "normal")
-    where = f"{hf['model_type']}, {rule}, {layers} layers, E/F: {init}"
+    where = f"{hf['model_type']}, {rule}, {layers} layers, {_projection_init_note(cfg)}"
     if not headless:
         notes.insert(0, "MLM head copied")
     if tokenizer_note:
@@ -609,7 +622,7 @@ def job_config_text(spec: str, section: dict[str, Any], base: str | None,
 
 def _base_model(path: str) -> dict[str, Any]:
     """The ``model:`` section of job config ``path`` (with its ``defaults:`` chain)."""
-    model = OmegaConf.to_container(_load_yaml(path), resolve=True).get("model") or {}
+    model = OmegaConf.to_container(load_yaml(path), resolve=True).get("model") or {}
     return dict(model) if isinstance(model, dict) else {}
 
 

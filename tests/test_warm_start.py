@@ -333,7 +333,22 @@ def test_init_line_says_what_was_copied(source, tmp_path):
     src = _copy(source, tmp_path / "src")
     _, line = ours(src, max_seq_len=100)
     assert line == (f"[init] weights from hf:{src} (bert, 64 positions copied to 100, 2 layers, "
-                    "E/F: normal; MLM head copied)"), line  # fmt: skip
+                    "no E/F to initialise (dense layers); MLM head copied)"), line  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"projection": "dynamic", "k": 8}, "no E/F to initialise (dynamic layers)"),
+        ({"projection": "linear", "k": 8, "projection_init": "pooling"}, "E/F: pooling;"),
+        ({"layer_projections": ["dense", "linear"], "k": 8}, "E/F: normal (linear layers);"),
+    ],
+)
+def test_init_line_names_e_f_only_for_the_layers_that_have_them(source, tmp_path, options, says):
+    """model.projection_init sets the E/F of the kinds with learned, freezable summary weights;
+    a dense or dynamic model (computed from the input) has none, a mixed schedule names them."""
+    _, line = ours(_copy(source, tmp_path / "src"), **options)
+    assert says in line, line
 
 
 def _vocab_txt(pieces):
