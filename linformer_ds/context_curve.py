@@ -487,6 +487,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def resolve_device(name: str | None) -> torch.device:
+    """``--device`` as a device this torch can use (default: cuda when available, else cpu),
+    checked before any work: a name torch does not know, or a device it was not built for or
+    cannot see (``cuda`` on a CPU-only torch was an AssertionError), is one line."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ContextCurveError(f"--device {name}: {' '.join(str(e).split())}") from None
+    if device.type == "meta":
+        raise ContextCurveError(f"--device {name}: holds no data; pass --device cpu or cuda")
+    try:
+        torch.empty(0, device=device)
+    except (AssertionError, RuntimeError) as e:
+        reason = (" ".join(str(e).split()) or type(e).__name__).split(". ")[0][:200]
+        raise ContextCurveError(
+            f"--device {name}: not usable with this torch ({torch.__version__}: {reason}); "
+            "pass --device cpu, or leave --device out (cuda when available, else cpu)"
+        ) from None
+    return device
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rows < 1:
         raise ContextCurveError(f"--rows {args.rows}: must be at least 1")
@@ -496,6 +519,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ContextCurveError(f"--mlm-probability {args.mlm_probability}: must be in (0, 1)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ContextCurveError(f"--out {args.out}: exists and is not a directory")
+    device = resolve_device(args.device)
     dataset, meter = open_data(args.data, args.split)
     windows = parse_windows(args.windows, dataset.seq_len)
     if windows[0] > dataset.seq_len:
@@ -506,7 +530,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ContextCurveError(f"DATA {args.data}: vocabulary {dataset.vocab_size} > the model's "
                                 f"{model.config.vocab_size}: not the data of this model")  # fmt: skip
     isolation, why = decide_isolation(args.isolation, dataset, info["training_config"])
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     log = logger.info  # progress: stderr (main); stdout holds the result
     log(f"[context] model {args.model} ({info['kind']}), data {args.data} ({args.split}, "

@@ -207,7 +207,9 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert res["windows"][1]["loss"] == pytest.approx(direct["windows"][1]["loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("case", ["no_model", "not_a_model", "no_data", "short_rows", "windows"])
+@pytest.mark.parametrize(
+    "case", ["no_model", "not_a_model", "no_data", "short_rows", "windows", "device", "no_device"]
+)
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
     rng = np.random.default_rng(4)
     data = write_data(tmp_path / "data", "pad", {"train": one_doc_rows(rng, 2),
@@ -220,10 +222,14 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
         "no_data": [str(exp), str(tmp_path / "missing")],
         "short_rows": [str(exp), str(data), "--windows", "128,256"],
         "windows": [str(exp), str(data), "--windows", "16,abc"],
+        "device": [str(exp), str(data), "--device", "bogus"],
+        # a CPU-only torch (an AssertionError before) or a GPU machine without a 100th GPU
+        "no_device": [str(exp), str(data), "--device", "cuda:99"],
     }[case]
     assert main([*args, "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("context_curve: error:"), err
+    assert "device" not in case or "--device" in err, err
     assert not (tmp_path / "out").exists()
 
 
