@@ -53,6 +53,16 @@ class ModelSizes:
 # k summaries
 WINDOW = 128
 WINDOWED = {"local": {"projection": "local"}, "local_linear": {"projection": "linear"}}
+# the ModernBERT-like hybrid (Warner et al. 2024): dense attention every third layer (the first
+# of each three), the 128-token window alone in the others
+MODERN = "modern"
+
+
+def _schedule(sizes: ModelSizes, variant: str) -> dict[str, Any]:
+    if variant == MODERN:
+        kinds = ["dense" if i % 3 == 0 else "local" for i in range(sizes.layers)]
+        return {"layer_projections": kinds}
+    return WINDOWED.get(variant, {"projection": variant})
 
 
 def model_config(sizes: ModelSizes, variant: str, n: int) -> ModelConfig:
@@ -70,8 +80,8 @@ def model_config(sizes: ModelSizes, variant: str, n: int) -> ModelConfig:
         hybrid_linear_layers=sizes.layers // 2 if variant == "hybrid" else 6,
         k=sizes.k,
         sharing="layerwise",
-        **WINDOWED.get(variant, {"projection": variant}),
-        local_window=min(WINDOW, n - n % 2) if variant in WINDOWED else 0,
+        **_schedule(sizes, variant),
+        local_window=min(WINDOW, n - n % 2) if variant in (*WINDOWED, MODERN) else 0,
     )
 
 

@@ -46,7 +46,16 @@ from bench.common import (
 from linformer_ds.model import LinformerForMaskedLMPretraining, flops_per_token, labelled_positions
 from linformer_ds.perf import measure_matmul_peak_tflops, time_call
 
-VARIANTS = ("linear", "conv", "hybrid", "local", "local_linear", "dense")  # every --variants
+VARIANTS = (
+    "linear",
+    "conv",
+    "hybrid",
+    "local",
+    "local_linear",
+    "routed",
+    "modern",
+    "dense",
+)  # every --variants
 DEFAULT_VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
 DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -90,7 +99,11 @@ class BenchConfig(ModelSizes):
         if not self.seq_lens:
             raise BenchError("--seq-lens: give at least one sequence length")
         for n in self.seq_lens:
-            if n < 1 or n % self.k and any(v in ("conv", "hybrid") for v in self.variants):
+            if (
+                n < 1
+                or n % self.k
+                and any(v in ("conv", "hybrid", "routed") for v in self.variants)
+            ):
                 raise BenchError(
                     f"--seq-lens: N={n} must be >= 1 and a multiple of k={self.k} "
                     "(conv stride = N / k)"

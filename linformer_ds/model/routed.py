@@ -80,91 +80,104 @@ def _routed(
     dropout_p: float,
 ) -> torch.Tensor:
     """One row set ``q, k, v [B, n, h, d]`` (``mask [B, n]`` bool, None: no padding) ->
-    ``[B, n, h, d]``."""
+    ``[B, n, h, d]``. Heads and rows are one batch dimension (``G = B h``) and every product
+    one batched GEMM: the summary scores of all queries ``[G, n, c]``, the exact read of each
+    query block ``[G c, b, m b]``."""
     B, n, h, d = q.shape
     nb = -(-n // bs)
     tail = nb * bs - n
     m = min(top, nb)
-    dev = q.device
+    G, dev = B * h, q.device
     acc = torch.promote_types(q.dtype, torch.float32)  # scores and softmax: at least fp32
     neg = torch.finfo(acc).min
     scale = 1.0 / math.sqrt(d)
 
-    def blocks(t: torch.Tensor) -> torch.Tensor:  # [B, n, h, d] -> [B, h, nb, bs, d]
-        return F.pad(t.transpose(1, 2), (0, 0, 0, tail)).view(B, h, nb, bs, d)
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [B, n, h, d] -> [G, nb bs, d]
+        t = t.permute(0, 2, 1, 3).reshape(G, n, d).contiguous()
+        return F.pad(t, (0, 0, 0, tail)) if tail else t
 
+    padded = mask is not None or tail > 0
     real = torch.ones(B, n, dtype=torch.bool, device=dev) if mask is None else mask.bool()
     real_b = F.pad(real, (0, tail)).view(B, nb, bs)  # padding and the tail: False
-    count = real_b.sum(-1)  # [B, nb] real tokens per block
-    block_ok = count > 0
-    w = real_b.to(k.dtype)[:, None, :, :, None]  # [B, 1, nb, bs, 1]
-    denom = count.clamp(min=1).to(k.dtype)[:, None, :, None]
-    k_sum = (blocks(k) * w).sum(3) / denom  # [B, h, nb, d]: unrotated key means
-    v_sum = (blocks(v) * w).sum(3) / denom
+    real_g = real_b.repeat_interleave(h, dim=0)  # [G, nb, bs]
+    kh, vh = heads(k), heads(v)
+    if padded:
+        count = real_g.sum(-1, keepdim=True)  # [G, nb, 1]
+        w = real_g.to(k.dtype)[..., None]
+        denom = count.clamp(min=1).to(k.dtype)
+        k_sum = (kh.view(G, nb, bs, d) * w).sum(2) / denom  # [G, nb, d]: unrotated key means
+        v_sum = (vh.view(G, nb, bs, d) * w).sum(2) / denom
+    else:
+        k_sum, v_sum = kh.view(G, nb, bs, d).mean(2), vh.view(G, nb, bs, d).mean(2)
 
     # summary scores of every query = the routing scores; a query block takes the best of its
     # queries for each summary and reads its m best blocks exactly
-    qs = blocks(q) * scale  # [B, h, nb, bs, d]
-    s_sum = torch.matmul(qs, k_sum[:, :, None].transpose(-1, -2)).to(acc)  # [B, h, nb, bs, nb]
-    s_sum = s_sum.masked_fill(~block_ok[:, None, None, None, :], neg)
-    q_ok = real_b[:, None, :, :, None]  # queries that route (padding queries do not)
-    route = s_sum.masked_fill(~q_ok, neg).amax(3)  # [B, h, nb, nb]
-    sel = route.topk(m, dim=-1).indices  # [B, h, nb, m]
-    picked = torch.zeros(B, h, nb, nb, dtype=torch.bool, device=dev).scatter(-1, sel, True)
-    s_sum = s_sum.masked_fill(picked[:, :, :, None, :], neg)  # read exactly: no summary
+    qh = heads(q) * scale
+    s_sum = torch.bmm(qh, k_sum.transpose(1, 2)).to(acc).view(G, nb, bs, nb)
+    if padded:
+        s_sum = s_sum.masked_fill(~(count > 0).view(G, 1, 1, nb), neg)
+        route = s_sum.masked_fill(~real_g[..., None], neg).amax(2)  # [G, nb, nb]
+    else:
+        route = s_sum.amax(2)
+    sel = route.topk(m, dim=-1).indices  # [G, nb, m]
+    picked = torch.zeros(G, nb, nb, dtype=torch.bool, device=dev).scatter(-1, sel, True)
+    s_sum = s_sum.masked_fill(picked[:, :, None, :], neg)  # read exactly: no summary
 
-    qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
-    qb = blocks(qr) * scale
-    kb, vb = blocks(kr), blocks(v)
-    flat = (sel + torch.arange(B * h, device=dev).view(B, h, 1, 1) * nb).reshape(-1)
-    kg = kb.reshape(B * h * nb, bs, d).index_select(0, flat).view(B, h, nb, m * bs, d)
-    vg = vb.reshape(B * h * nb, bs, d).index_select(0, flat).view(B, h, nb, m * bs, d)
-    s_ex = torch.matmul(qb, kg.transpose(-1, -2)).to(acc)  # [B, h, nb, bs, m bs]
-    rows = (sel + torch.arange(B, device=dev).view(B, 1, 1, 1) * nb).reshape(-1)
-    ex_ok = real_b.reshape(B * nb, bs).index_select(0, rows).view(B, h, nb, 1, m * bs)
-    s_ex = s_ex.masked_fill(~ex_ok, neg)
-    parts = [s_ex]
+    if rotary is not None:
+        qh, kh = heads(rotate(q, rotary)) * scale, heads(rotate(k, rotary))
+    flat = (sel + torch.arange(G, device=dev).view(G, 1, 1) * nb).reshape(-1)
+    kg = kh.view(G * nb, bs, d).index_select(0, flat).view(G * nb, m * bs, d)
+    vg = vh.view(G * nb, bs, d).index_select(0, flat).view(G * nb, m * bs, d)
+    qb = qh.view(G * nb, bs, d)
+    parts = [torch.bmm(qb, kg.transpose(1, 2)).to(acc)]  # [G nb, bs, m bs]
+    if padded:
+        ex_ok = real_g.view(G * nb, bs).index_select(0, flat).view(G * nb, 1, m * bs)
+        parts[0] = parts[0].masked_fill(~ex_ok, neg)
     values = [vg]
     if r:  # the window: keys of the blocks before, at and after each query block, |offset| <= r
-        kw, vw, win_ok = _window(kb, vb, real_b, picked, r)
-        parts.insert(0, torch.matmul(qb, kw.transpose(-1, -2)).to(acc).masked_fill(~win_ok, neg))
-        values.insert(0, vw)
-    parts.append(s_sum)
+        kw, vw, win_ok = _window(kh.view(G, nb, bs, d), vh.view(G, nb, bs, d), real_g, picked, r)
+        s_win = torch.bmm(qb, kw.view(G * nb, 3 * bs, d).transpose(1, 2)).to(acc)
+        parts.insert(0, s_win.masked_fill(~win_ok.view(G * nb, bs, 3 * bs), neg))
+        values.insert(0, vw.view(G * nb, 3 * bs, d))
+    parts.append(s_sum.view(G * nb, bs, nb))
     scores = torch.cat(parts, dim=-1)
     p = scores.softmax(dim=-1)
-    has_key = scores.amax(-1, keepdim=True) > neg  # padding among padding: no output
-    p = p.masked_fill(~has_key, 0.0).to(q.dtype)
+    if padded:  # padding among padding: no output
+        p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0)
+    p = p.to(q.dtype)
     if dropout_p:
         p = F.dropout(p, dropout_p)
-    sizes = [t.shape[-2] for t in values] + [nb]
-    p_parts = p.split(sizes, dim=-1)
-    y = sum(torch.matmul(pi, vi) for pi, vi in zip(p_parts[:-1], values))
-    y = y + torch.matmul(p_parts[-1], v_sum[:, :, None])  # [B, h, nb, bs, d]
-    return y.view(B, h, nb * bs, d)[:, :, :n].transpose(1, 2)
+    # contiguous parts: a strided slice of p (and its transpose, backward) sends bmm to a slow
+    # path on the CPU
+    p_parts = [t.contiguous() for t in p.split([t.shape[1] for t in values] + [nb], dim=-1)]
+    y = torch.bmm(p_parts[0], values[0])
+    for pi, vi in zip(p_parts[1:-1], values[1:]):
+        y = y + torch.bmm(pi, vi)
+    y = y.view(G, nb * bs, d) + torch.bmm(p_parts[-1].reshape(G, nb * bs, nb), v_sum)
+    return y[:, :n].view(B, h, n, d).transpose(1, 2)
 
 
 def _window(
     kb: torch.Tensor, vb: torch.Tensor, real_b: torch.Tensor, picked: torch.Tensor, r: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The window's keys and values ``[B, h, nb, 3 bs, d]`` (the blocks before, at and after each
-    query block) and which each query may see ``[B, h, nb, bs, 3 bs]``: within ``r`` positions,
+    """The window's keys and values ``[G, nb, 3 bs, d]`` (the blocks before, at and after each
+    query block) and which each query may see ``[G, nb, bs, 3 bs]``: within ``r`` positions,
     a real token, in a block the query block did not read exactly."""
-    B, h, nb, bs, d = kb.shape
+    G, nb, bs, d = kb.shape
     dev = kb.device
 
     def around(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0, 0, 0, 1, 1))  # [B, h, nb + 2, bs, d]
-        return torch.cat([t[:, :, :-2], t[:, :, 1:-1], t[:, :, 2:]], dim=3)
+        t = F.pad(t, (0, 0, 0, 0, 1, 1))  # [G, nb + 2, bs, ...]
+        return torch.cat([t[:, :-2], t[:, 1:-1], t[:, 2:]], dim=2)
 
     pos_q = torch.arange(bs, device=dev)[:, None]
     pos_k = torch.arange(3 * bs, device=dev)[None, :] - bs
     band = (pos_k - pos_q).abs() <= r  # [bs, 3 bs]
-    real = F.pad(real_b, (0, 0, 1, 1))  # [B, nb + 2, bs]
-    key_real = torch.cat([real[:, :-2], real[:, 1:-1], real[:, 2:]], dim=2)  # [B, nb, 3 bs]
-    near = F.pad(picked, (1, 1))  # [B, h, nb, nb + 2]: picked[j, j - 1 + t] for t = 0, 1, 2
+    key_real = around(real_b[..., None])[..., 0]  # [G, nb, 3 bs]
+    near = F.pad(picked, (1, 1))  # [G, nb, nb + 2]: picked[j, j - 1 + t] for t = 0, 1, 2
     idx = torch.arange(nb, device=dev)[:, None] + torch.arange(3, device=dev)[None, :]
-    read = near.gather(-1, idx.expand(B, h, nb, 3)).repeat_interleave(bs, dim=-1)
-    ok = band & key_real[:, None, :, None, :] & ~read[:, :, :, None, :]
+    read = near.gather(-1, idx.expand(G, nb, 3)).repeat_interleave(bs, dim=-1)
+    ok = band & (key_real & ~read)[:, :, None, :]
     return around(kb), around(vb), ok
 
 
