@@ -48,15 +48,17 @@ def arm(prog: str) -> None:
 
 def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
     """``sys.exit(main())`` with SIGINT as a KeyboardInterrupt while ``main`` runs (one line and
-    exit 130 if it escapes ``main``) and ignored once ``main`` has returned."""
+    exit 130 if it escapes ``main``) and ignored once ``main`` has ended, however it ended
+    (a return, SystemExit from argparse, an exception's traceback)."""
     prog = prog or _prog
     try:
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         code = main()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: not in the line below
         print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)

@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.pretrain_utils import REPO, TINY_CONFIG, child_env
 from tests.test_output_paths import snapshot, tiny_export  # noqa: F401 (the fixture)
 
@@ -144,3 +146,48 @@ def test_ctrl_c_at_any_instant_is_one_line_and_exit_130(tiny_export, tmp_path): 
     assert all(o["delivered"] for _, _, o in triggered), f"a trigger never came: {triggered}"
     assert delivered >= len(triggered)
     assert snapshot(exp.parent) == inputs_before  # the inputs are read, never written
+
+
+ARMED = (
+    "import os, signal, sys; from linformer_ds import entry; entry.arm('probe'); "
+    "os.kill(os.getpid(), signal.SIGINT); "
+    "print('still running'); entry.run(lambda: 3)"
+)
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_armed_entry_ends_at_once_unless_sigint_was_ignored_at_start(ignored):
+    """Armed, a SIGINT is the start-up line and exit 130 at once; a process started with SIGINT
+    ignored (nohup, ``cmd &`` in a script) keeps ignoring it and runs main (exit 3 here)."""
+
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.run([sys.executable, "-c", ARMED], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=ignore if ignored else None)  # fmt: skip
+    if ignored:
+        assert (proc.returncode, proc.stdout, proc.stderr) == (3, "still running\n", "")
+    else:
+        assert proc.returncode == 130 and proc.stdout == "", proc
+        assert proc.stderr == "probe: interrupted (Ctrl-C) during start-up; nothing written\n"
+
+
+def test_run_turns_an_escaped_interrupt_into_one_line_and_130(capsys):
+    """In-process: a KeyboardInterrupt that escapes main is one line and exit 130, main's own
+    code passes through, and SIGINT is ignored once main has ended (restored here after)."""
+    from linformer_ds import entry
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        for main, code, err in ((interrupted, 130, "cmd: interrupted (Ctrl-C)\n"),
+                                (lambda: 4, 4, "")):  # fmt: skip
+            with pytest.raises(SystemExit) as e:
+                entry.run(main, "cmd")
+            assert (e.value.code, capsys.readouterr().err) == (code, err)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
