@@ -15,9 +15,11 @@ fails falls back to offline. MLflow logs to ``MLFLOW_TRACKING_URI`` (any URI MLf
 ``sqlite:///LOGGING_DIR/mlflow.db``. The W&B project and the MLflow experiment are
 ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME`` or the config's ``name``.
 
-Neither library is a dependency: ``pip install linformer_ds[wandb]`` / ``[mlflow]``; a run that
-names one which does not import stops before any work with a config error naming the extra. A
-tracker that fails while the run trains logs one warning and stops sending; training goes on.
+Neither library is a dependency: ``pip install linformer_ds[wandb]`` / ``[mlflow]``. A run
+that names one which is not installed stops before any work, on every rank, with a config error
+naming the extra (one installed but broken: the same error on rank 0, when the metrics are
+built, before the checkpoint load). A tracker that fails while the run trains logs one warning
+and is sent nothing more; training goes on.
 """
 
 import importlib
@@ -52,14 +54,16 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
 
 
 class Tracker:
-    """What both trackers share. The sink is built on rank 0 with the metrics; its run starts at
-    the first of: the resume (a checkpoint's run id is known by then), the first record, the
-    first checkpoint save. Events other than records, saves and the resume are no-ops."""
+    """What both trackers share. The sink is built on rank 0 with the metrics (its library
+    imported then); its run starts at the first of: the resume (a checkpoint's run id is known
+    by then), the first record, the first checkpoint save. Events other than records, saves
+    and the resume are no-ops."""
 
     name = ""  # logging.sinks' name, the pip extra and the module to import
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        self.lib = self._import()  # with the metrics, before the checkpoint load and any step
         self.run_id: str | None = None  # the checkpoint's (load_state_dict), then the run's
         self.started = False
         self.failed = False
@@ -99,8 +103,6 @@ class Tracker:
     def _guard(self, what: str, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except ConfigError:
-            raise
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
             self.failed = True
             log.warning(f"[warn] {self.name}: {what} failed ({type(e).__name__}: {e}); "
@@ -108,8 +110,7 @@ class Tracker:
 
     def record(self, step: int, split: str, values: dict[str, float], console: dict) -> None:
         if self._ensure(False):
-            scalars = {f"{split}/{k}": float(v) for k, v in values.items()}
-            self._guard(f"logging step {step}", self._log, step, scalars)
+            self._guard(f"logging step {step}", self._log, step, split, values)
 
     def resumed(self, step: int, resumes: int) -> None:
         self._ensure(True)
@@ -139,7 +140,8 @@ class Tracker:
     def _start(self, resume: bool) -> None:
         raise NotImplementedError
 
-    def _log(self, step: int, scalars: dict[str, float]) -> None:
+    def _log(self, step: int, split: str, values: dict[str, float]) -> None:
+        """Send ``split/name`` -> value of one record at ``step``."""
         raise NotImplementedError
 
     def _finish(self) -> None:
@@ -163,8 +165,7 @@ class WandbSink(Tracker):
     name = "wandb"
 
     def _start(self, resume: bool) -> None:
-        wandb = self._import()
-        cfg = self.cfg
+        wandb, cfg = self.lib, self.cfg
         self.run_id = self.run_id or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
         mode = os.environ.get("WANDB_MODE") or (
             "online" if _wandb_key_configured(wandb) else "offline"
@@ -195,8 +196,8 @@ class WandbSink(Tracker):
         log.info(f"[wandb] run {self.run_id} ({'resumed, ' if resume else ''}{mode}) in {where}"
                  f"{how}")  # fmt: skip
 
-    def _log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
+    def _log(self, step: int, split: str, values: dict[str, float]) -> None:
+        self.run.log({f"{split}/{k}": float(v) for k, v in values.items()}, step=step)
 
     def _finish(self) -> None:
         self.run.finish()
@@ -209,7 +210,6 @@ class MlflowSink(Tracker):
     PARAMS_PER_BATCH = 100  # MLflow's limit of params in one log_batch
 
     def _start(self, resume: bool) -> None:
-        self._import()
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
@@ -235,11 +235,11 @@ class MlflowSink(Tracker):
             self.client.log_batch(self.run_id, params=params[i : i + self.PARAMS_PER_BATCH])
         log.info(f"[mlflow] run {self.run_id} (experiment {name}) at {self.uri}")
 
-    def _log(self, step: int, scalars: dict[str, float]) -> None:
+    def _log(self, step: int, split: str, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
+        metrics = [Metric(f"{split}/{k}", float(v), now, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def _finish(self) -> None:
