@@ -143,7 +143,9 @@ class DirLock:
                     continue
                 self.created.append(d)
             return self._lock(mode)
-        except BaseException:
+        except BaseException:  # Ctrl-C while the record is written included: no lock file left
+            if self.fd is not None:
+                self.release()
             self._remove_created()
             raise
 

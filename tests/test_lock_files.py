@@ -137,3 +137,24 @@ def test_stale_holder_is_judged_by_pid_and_start_time(tmp_path):
         assert dirlock.holder_state(held) == "alive"
     finally:
         lk.release()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ctrl_c_while_the_record_is_written_leaves_no_lock_file(tmp_path, monkeypatch, shared):
+    """A KeyboardInterrupt inside acquire once the lock is held (here: while the holder record
+    is made) releases it: no lock file and no directory acquire made are left (a command's
+    ``with`` never reaches ``__exit__`` when ``__enter__`` raises). The lock then works."""
+
+    def interrupted() -> str:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "new" / "out"
+    lock = dirlock.output_lock(str(out), "probe", shared=shared)
+    monkeypatch.setattr(dirlock, "_boot_id", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire()
+    assert lock.fd is None and sorted(os.listdir(tmp_path)) == []
+    monkeypatch.undo()
+    with dirlock.output_lock(str(out), "probe", shared=shared):
+        assert os.listdir(tmp_path / "new") == [".out.lock"]
+    assert sorted(os.listdir(tmp_path)) == []
