@@ -371,6 +371,10 @@ def _main(mode: str, rank: int, world: int, port: int, out: str) -> None:
             res[m] = _equivalence_worker(rank, world, Path(out))
         elif m == "exact":
             res[m] = _exact_scale_worker(rank, world, deepspeed)
+        elif m == "plan":  # the planner's two-rank measurements (tests/plan_worker.py)
+            from tests.plan_worker import plan_worker
+
+            res[m] = plan_worker(rank, world, deepspeed)
         else:
             res[m] = _deepspeed_worker(rank, world, Path(out), deepspeed, sp_size=int(m[-1]))
     res = res if "+" in mode else res[mode]
@@ -493,13 +497,48 @@ def test_loss_scaling_rule():
 
 # The 2-rank work of the three tests below in one launch: the DP-only DeepSpeed reference
 # first (a fresh process, as alone), the exact-scale cases last (their sharded mpu stays set)
-TWO_RANK_MODES = "ds_sp1+equivalence+exact"
+TWO_RANK_MODES = "ds_sp1+equivalence+plan+exact"
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list:
     """Each rank's results of TWO_RANK_MODES (one 2-rank launch), by mode."""
     return _run_ranks(TWO_RANK_MODES, 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.mark.slow
+def test_plan_holds_on_two_ranks(two_ranks):
+    """The planner (linformer_ds.plan) against the two-rank launch (tests/plan_worker.py): with
+    P = 2 each rank's measured peak of live tensor bytes within 10 % of the plan and the bytes
+    counted on the sequence-parallel collectives equal to it; with DP = 2 the parameters and
+    optimizer states (Adam's moments, fp32 master partitions) a DeepSpeed engine holds per rank
+    equal to the plan's ZeRO accounting, every stage, fp32 and bf16."""
+    from linformer_ds.config import load_config
+    from linformer_ds.plan import (
+        Step,
+        activation_peak,
+        model_states,
+        sp_bytes_per_layer,
+        sp_mask_bytes,
+    )
+    from tests import plan_worker as pw
+    from tests.pretrain_utils import TINY_CONFIG
+
+    for rank in two_ranks:
+        for (kind, dtype, ckpt), got in zip(pw.SP_CASES, rank["plan"]["sp"]):
+            config, elem = pw.sp_config(**kind), 4 if dtype == "float32" else 2
+            step = Step(pw.B, pw.N // 2, pw.N, elem, "cpu", labelled=got["labelled"], sp=2)
+            peak = 2 * got["param_bytes"] + activation_peak(config, step, ckpt)["peak"]
+            assert abs(peak / got["peak"] - 1) < 0.10, (kind, dtype, ckpt, peak, got["peak"])
+            layers = [sp_bytes_per_layer(config, i, pw.N, 2, pw.B, elem) for i in range(2)]
+            want = sum(b["forward"] * (2 if ckpt else 1) + b["backward"] for b in layers)
+            assert want + sp_mask_bytes(config, 2, pw.B, pw.N // 2) == got["bytes"], kind
+        model = load_config(TINY_CONFIG).model
+        for (precision, stage), got in zip(pw.STATE_CASES, rank["plan"]["states"]):
+            plan = model_states(model, precision, stage, dp=2, sp=1, shard=False,
+                                fp32_grad_accum=False)  # fmt: skip
+            assert (plan["parameters"], plan["optimizer"]) == (
+                got["parameters"], got["optimizer"]), (precision, stage)  # fmt: skip
 
 
 @pytest.mark.slow

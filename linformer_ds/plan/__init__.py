@@ -4,8 +4,8 @@ docs/cluster.md ("Planning a run") has the table it generates. ``measure.LiveByt
 measured side its tests compare against."""
 
 from .activations import Step, activation_peak
-from .core import Hardware, Layout, candidate_layouts, largest_seq_len, plan_layout
-from .states import model_states, parameter_counts, sp_bytes_per_layer
+from .core import Hardware, Layout, candidate_layouts, collectives, largest_seq_len, plan_layout
+from .states import model_states, parameter_counts, sp_bytes_per_layer, sp_mask_bytes
 
 __all__ = [
     "Hardware",
@@ -13,9 +13,11 @@ __all__ = [
     "Step",
     "activation_peak",
     "candidate_layouts",
+    "collectives",
     "largest_seq_len",
     "model_states",
     "parameter_counts",
     "plan_layout",
     "sp_bytes_per_layer",
+    "sp_mask_bytes",
 ]

@@ -185,7 +185,18 @@ def attention_transient(config, i: int, step: Step) -> int:  # noqa: ANN001
         return (b * h * n * keys * es if es else 3 * u) + 6 * u + u
     keys = step.seq_len if kind.full else kind.summaries
     es = _attention_path(step, config, keys, kind.full)
-    return (b * h * n * keys * es if es else 3 * u) + u
+    out = (b * h * n * keys * es if es else 3 * u) + u
+    if kind.weighted:  # the gradients of its fp32 weights over positions, keys and values
+        out += b * n * 2 * h * keys * FP32
+    return out
+
+
+def mixer_transient(config, step: Step) -> int:  # noqa: ANN001
+    """Gradients in flight inside a local mixer's backward: of its output, one tap's product
+    and weight, and the padded input they accumulate into."""
+    if config.local_mixer != "layers":
+        return 0
+    return 4 * step.batch * step.n * config.hidden_size * step.elem
 
 
 def ffn_transient(config, step: Step) -> int:  # noqa: ANN001
@@ -195,7 +206,7 @@ def ffn_transient(config, step: Step) -> int:  # noqa: ANN001
 
 def activation_peak(config, step: Step, checkpoint: str | None = None) -> dict:  # noqa: ANN001
     """Bytes of activations at the peak of one forward + backward: ``saved`` (kept across the
-    whole backward), ``head`` (the MLM head's), ``working`` (at the worst moment of one layer's
+    whole backward), ``head`` (the MLM head's at its backward), ``working`` (at the worst moment of one layer's
     backward: its recomputed activations under checkpointing, and the gradients in flight) and
     ``per_layer`` (each kind's saved bytes per layer). ``checkpoint``: None, ``layer`` or
     ``sublayer`` (every layer)."""
@@ -203,7 +214,8 @@ def activation_peak(config, step: Step, checkpoint: str | None = None) -> dict: 
     L = config.num_layers
     attn = [attention_block_saved(config, i, step) for i in range(L)]
     ffn = ffn_saved(config, step)
-    a_tr = [attention_transient(config, i, step) for i in range(L)]
+    a_tr = [attention_transient(config, i, step) + mixer_transient(config, step)
+            for i in range(L)]  # fmt: skip
     f_tr = ffn_transient(config, step)
     by_kind: dict[str, int] = {}
     for i, name in enumerate(config.projection_schedule()):
@@ -219,11 +231,14 @@ def activation_peak(config, step: Step, checkpoint: str | None = None) -> dict: 
     else:
         saved = 2 * L * u + u
         working = max(max(attn[i] + a_tr[i] for i in range(L)), ffn + f_tr)
-    head = head_saved(config, step)
+    # the head's backward comes first: its activations and the logits' gradients (fp32 and
+    # the compute dtype) are gone before any layer's backward starts
+    rows = math.ceil(step.labelled * step.batch * step.n)
+    head = head_saved(config, step) + rows * config.vocab_size * (FP32 + step.elem)
     return {
         "saved": saved,
         "head": head,
         "working": working,
         "per_layer": by_kind,
-        "peak": saved + head + working,
+        "peak": saved + max(head, working),
     }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..model import flops_per_token
 from .activations import Step, activation_peak
-from .states import model_states, sp_bytes_per_layer, zero_buffers
+from .states import model_states, sp_bytes_per_layer, sp_mask_bytes, zero_buffers
 
 GiB = 2**30
 CHECKPOINTS = (None, "layer", "sublayer")
@@ -77,7 +77,7 @@ def plan_layout(job, layout: Layout, hw: Hardware) -> dict:  # noqa: ANN001
         "parameters": states["parameters"],
         "gradients": states["gradients"],
         "optimizer": states["optimizer"],
-        "activations": act["saved"] + act["head"] + act["working"],
+        "activations": act["peak"],
         "buffers": buffers,
     }
     peak = sum(memory.values())
@@ -124,6 +124,7 @@ def collectives(job, config, layout: Layout, elem: int, states: dict) -> dict:  
     for i in range(config.num_layers):
         b = sp_bytes_per_layer(config, i, layout.seq_len, layout.sp, layout.micro_batch, elem)
         sp += b["forward"] * (2 if layout.checkpoint else 1) + b["backward"]
+    sp += sp_mask_bytes(config, layout.sp, layout.micro_batch, layout.seq_len // layout.sp)
     sp *= acc
     psi = states["per_rank_count"]
     grad_e = 4 if (job.deepspeed.precision == "fp32" or job.deepspeed.fp32_grad_accum) else 2

@@ -127,3 +127,12 @@ def sp_bytes_per_layer(config, i: int, seq_len: int, sp: int, batch: int, elem: 
         edge = batch * 2 * (config.local_window // 2) * d * elem
         fwd, bwd = fwd + 2 * edge, bwd + 2 * edge * sp
     return {"forward": fwd, "backward": bwd}
+
+
+def sp_mask_bytes(config, sp: int, batch: int, n: int) -> int:  # noqa: ANN001
+    """Bytes one rank hands per forward to gather the whole rows' attention mask for the
+    window and for the local mixer (each its own all-gather of ``B N/P`` bytes)."""
+    if sp == 1:
+        return 0
+    uses = int(bool(config.local_window)) + int(config.local_mixer != "none")
+    return uses * batch * n
