@@ -18,3 +18,14 @@ def __getattr__(name: str) -> Any:
     if name in __all__:  # the pipeline's names (DataPrepError is bound above)
         return getattr(importlib.import_module("data_prep.pipeline"), name)
     raise AttributeError(f"module 'data_prep' has no attribute {name!r}")
+
+
+def console_main() -> None:
+    """The ``linformer-data-prep`` console script: ``python -m data_prep`` through the same entry
+    (Ctrl-C while the pipeline imports is one line and exit 130, linformer_ds.entry)."""
+    from linformer_ds import entry
+
+    entry.arm("data_prep")
+    from data_prep.__main__ import main
+
+    entry.run(main)

@@ -2,18 +2,18 @@
 half-written (linformer_ds.entry, docs/reliability.md).
 
 Every command (launch/export.py, launch/convert.py, launch/finetune.py, launch/onnx_export.py,
-``python -m data_prep``, ``python -m linformer_ds.context_curve``, ``python -m
-linformer_ds.onnx_export``) is started as a real process in a session of its own and sent SIGINT
-to its whole process group, as a terminal's Ctrl-C is, at instants of four kinds: while torch
-(numpy for data_prep) is being loaded (the moment its shared library appears in
-``/proc/PID/maps``: the KeyboardInterrupt tracebacks of up to 63 lines came from there), at a
-fixed early instant, at one instant per command drawn from a seeded generator (a new seed with
-``LINFORMER_INTERRUPT_SEED``), and, for the commands whose main takes its output's lock within
-seconds (export, finetune, data_prep), the moment the first file appears beside ``--out``. A signal that reaches a live process must end it with exit
-130, stderr's last non-empty line the one line saying so, no traceback, and the command's
-directory as it was (data_prep: only its documented resume state beside ``--out``, never
-``--out`` itself). The runs share 4 threads, so the test costs what its slowest chain of
-runs costs.
+``python -m data_prep`` and the ``linformer-data-prep`` script's call, ``python -m
+linformer_ds.context_curve``, ``python -m linformer_ds.onnx_export``) is started as a real
+process in a session of its own and sent SIGINT to its whole process group, as a terminal's
+Ctrl-C is, at instants of four kinds: while torch (numpy for data_prep) is being loaded (the
+moment its shared library appears in ``/proc/PID/maps``: the KeyboardInterrupt tracebacks of up
+to 63 lines came from there), at a fixed early instant, at one instant per command drawn from a
+seeded generator (a new seed with ``LINFORMER_INTERRUPT_SEED``), and, for the commands whose
+main takes its output's lock within seconds (export, finetune, data_prep), the moment the first
+file appears beside ``--out``. A signal that reaches a live process must end it with exit 130,
+stderr's last non-empty line the one line saying so, no traceback, and the command's directory
+as it was (data_prep: only its documented resume state beside ``--out``, never ``--out``
+itself). The runs share 4 threads, so the test costs what its slowest chain of runs costs.
 """
 
 import os
@@ -35,7 +35,7 @@ EARLY_S = 0.5  # after the interpreter's own start-up: 20-30 ms idle, ~0.1 s at 
 LATEST_S = 6.0  # the seeded instants are drawn from [EARLY_S, LATEST_S)
 EXIT_TIMEOUT_S = 120.0  # from the signal to the exit, on a loaded machine
 WRITING = "writing"  # the instant the first file (lock, staging directory) appears in the run's dir
-LOCK_EARLY = ("export", "finetune", "data_prep")  # the others write only at the end
+LOCK_EARLY = ("export", "finetune", "data_prep", "data_prep_script")  # the others: at the end
 
 
 def commands(exp: Path, work: Path) -> dict:
@@ -56,6 +56,10 @@ def commands(exp: Path, work: Path) -> dict:
                            "--out", work / "curve"], "libtorch"),
         "data_prep": ([py, "-m", "data_prep", "--source", "stdlib", "--out", work / "out",
                        "--seq-len", "32", "--vocab-size", "300"], "_multiarray_umath"),
+        # what the linformer-data-prep console script runs (pyproject's project.scripts)
+        "data_prep_script": ([py, "-c", "from data_prep import console_main; console_main()",
+                              "--source", "stdlib", "--out", work / "out", "--seq-len", "32",
+                              "--vocab-size", "300"], "_multiarray_umath"),
     }  # fmt: skip
 
 
@@ -107,7 +111,7 @@ def left_behind(name: str, work: Path) -> list:
     return [
         str(Path(p).relative_to(work))
         for p in snapshot(work)
-        if not (name == "data_prep" and Path(p).relative_to(work).parts[0] == resume_state)
+        if not (name.startswith("data_prep") and Path(p).relative_to(work).parts[0] == resume_state)
     ]
 
 
