@@ -40,9 +40,12 @@ class Layout:
 class Hardware:
     """``memory`` bytes per GPU; ``tflops``: the sustained rate per GPU (a stated MFU x peak);
     ``intra``/``inter`` bytes/s a rank moves over the node's links / between nodes; ``node``
-    GPUs per node; ``device``: cuda (fused attention) or cpu (torch's CPU kernels)."""
+    GPUs per node; ``device``: cuda (fused attention) or cpu (torch's CPU kernels);
+    ``usable``: the share of ``memory`` a plan may fill (the rest: the CUDA context, NCCL's
+    buffers, the allocator's fragmentation)."""
 
     memory: float = 80 * GiB
+    usable: float = 0.9
     tflops: float = 400.0
     intra: float = 150e9
     inter: float = 25e9
@@ -100,7 +103,7 @@ def plan_layout(job, layout: Layout, hw: Hardware) -> dict:  # noqa: ANN001
         "peak": peak,
         "cpu": states["cpu"],
         "per_layer": act["per_layer"],
-        "fits": peak <= hw.memory,
+        "fits": peak <= hw.memory * hw.usable,
         "flops_per_token": fpt,
         "step_flops": fpt * tokens,
         "step_s": step_s,
@@ -154,7 +157,8 @@ def candidate_layouts(job, gpus: int, seq_len: int, hw: Hardware) -> list:  # no
     """Every layout of ``gpus`` for N = ``seq_len`` that the model allows: P a power of two
     dividing both (heads divisible by P where a layer is dense; N/P a multiple of every
     stride), ZeRO 0-3, checkpointing off / per layer / per sub-layer, and for each the largest
-    micro-batch (a power of two up to 64) that fits; ranked by tokens/s per GPU."""
+    micro-batch (a power of two up to 64) that fits; ranked by tokens/s per GPU (three
+    figures), then by memory."""
     from ..model import projection_stride
 
     config = job_model(job, seq_len)
@@ -176,7 +180,8 @@ def candidate_layouts(job, gpus: int, seq_len: int, hw: Hardware) -> list:  # no
                     if best is not None:
                         plans.append(best)
         p *= 2
-    plans.sort(key=lambda x: (-x["tokens_per_s_per_gpu"], x["peak"]))
+    # tokens/s to three figures (closer is noise of the model), then the least memory
+    plans.sort(key=lambda x: (-float(f"{x['tokens_per_s_per_gpu']:.3g}"), x["peak"]))
     return plans
 
 
