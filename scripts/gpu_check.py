@@ -405,6 +405,11 @@ class Kit:
         res["seconds"] = round(time.perf_counter() - t0, 1)
         rec = {**res, "command": "deepspeed " + shlex.join(proc.args[3:])}  # type: ignore[index]
         rec.update(main_metrics(self.work / "main", self.work / "main.log"))
+        rec["plan"] = plan_beside(self.work / "main", rec, "cpu" if self.dry else "cuda")
+        if rec["plan"].get("predicted_peak_gib") is not None:
+            p = rec["plan"]
+            self.log(f"main: plan {p['predicted_peak_gib']:.2f} GiB peak, measured "
+                     f"{p['measured_peak_gib']:.2f} GiB (ratio {p['peak_ratio']})")  # fmt: skip
         rec["syncs"] = sync_counts(syncs / "syncs.rank0.jsonl")
         if res["timed_out"]:
             rec.update(status="timeout", reason=f"stopped at the {budget:.0f}s budget")
@@ -890,6 +895,37 @@ def main_metrics(logdir: Path, log: Path) -> dict[str, Any]:
         given = c["train"].get("peak_tflops")
         out["gemm_peak_source"] = "measured by the trainer" if given is None else "given"
     return out
+
+
+def plan_beside(logdir: Path, measured: dict[str, Any], device: str) -> dict[str, Any]:
+    """The planner's figures for the run of ``logdir`` (its config.json: the layout it ran, one
+    rank) beside what it measured: the per-rank peak (CUDA's max allocated; the dry run's is the
+    RSS, not comparable) and the tokens/s at the run's own model TFLOP/s (linformer_ds.plan,
+    docs/cluster.md)."""
+    from linformer_ds.config import from_dict
+    from linformer_ds.plan import Hardware, Layout, plan_layout
+
+    cfg_path = logdir / "config.json"
+    if not cfg_path.is_file() or not measured.get("peak_mem_gib"):
+        return {"reason": "no config.json or no logged step"}
+    job = from_dict(json.loads(cfg_path.read_text()))
+    ck = job.deepspeed.activation_checkpointing
+    layout = Layout(1, job.parallel.sequence_parallel_size, job.deepspeed.zero.stage,
+                    ck.granularity if ck.enabled else None, job.train.micro_batch_size,
+                    job.model.max_seq_len, job.train.gradient_accumulation_steps)  # fmt: skip
+    hw = Hardware(tflops=measured.get("model_tflops") or 1.0, device=device)
+    plan = plan_layout(job, layout, hw)
+    peak = plan["peak"] / 2**30
+    return {
+        "layout": layout.text(),
+        "predicted_peak_gib": round(peak, 3),
+        "measured_peak_gib": round(measured["peak_mem_gib"], 3),
+        "peak_ratio": round(peak / measured["peak_mem_gib"], 3),
+        "predicted_mib": {k: round(v / 2**20, 1) for k, v in plan["memory"].items()},
+        "predicted_tokens_per_s": round(plan["tokens_per_s_per_gpu"], 1),
+        "measured_tokens_per_s": measured.get("tokens_per_s"),
+        "comparable": device == "cuda",
+    }
 
 
 def sync_counts(path: Path) -> dict[str, Any]:

@@ -119,6 +119,13 @@ def test_dry_run_main_job(dry) -> None:
     assert s["gemm_peak_tflops"] > 0 and s["gemm_peak_source"] == "measured by the trainer"
     assert 0 < s["peak_mem_gib"] < 8
     assert abs(s["first_loss"] - math.log(1000)) < 0.5
+    # the plan beside it (linformer_ds.plan): its layout; at the run's own model TFLOP/s the
+    # planned tokens/s are the measured ones less the checkpointed forward's recomputation (one
+    # rank: no exposed communication); the dry run's peak is the RSS, not comparable
+    plan = s["plan"]
+    assert plan["layout"] == "P=1 DP=1 ZeRO-2 ckpt=layer B=2" and plan["comparable"] is False
+    assert plan["predicted_tokens_per_s"] == pytest.approx(0.75 * s["tokens_per_s"], rel=1e-3)
+    assert plan["predicted_peak_gib"] > 0 and set(plan["predicted_mib"]) >= {"activations"}
 
 
 def test_dry_run_main_job_counts_host_syncs(dry) -> None:
