@@ -23,14 +23,16 @@ LENGTHS = (17, SEQ)  # 17: conv blocks of stride 4 with a partial last one; SEQ:
 
 
 def _export(root: Path, sharing: str) -> Path:
-    """A randomly initialised MLM export: one linear, one conv (stride 4) and one dense layer."""
+    """A randomly initialised MLM export: one linear, one conv (stride 4), one dense and one
+    routed layer (blocks of 4, two read exactly)."""
     from linformer_ds.export import TIED_KEY, write_model_dir
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
 
     sp_path = train_tokenizer(root / "sp.model", VOCAB)
     mc = ModelConfig(
-        vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=32, num_layers=3, num_heads=2,
-        intermediate_size=64, k=16, layer_projections=["linear", "conv", "dense"],
+        vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=32, num_layers=4, num_heads=2,
+        intermediate_size=64, k=16, layer_projections=["linear", "conv", "dense", "routed"],
+        routed_blocks=2,
         sharing=sharing, dropout=0.1, attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -108,3 +110,31 @@ def test_a_local_mixer_is_refused_before_any_work(tmp_path, capsys, mixer):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"local_mixer '{mixer}' does not export" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+@pytest.mark.parametrize(
+    "options, option",
+    [
+        (dict(layer_projections=["conv", "dense"], local_window=8), "model.local_window"),
+        (dict(layer_projections=["dynamic", "dense"], local_window=8), "model.sharing"),
+    ],
+)
+def test_a_kind_that_cannot_export_is_refused_before_any_work(tmp_path, options, option):
+    """The kind answers (its ``onnx`` rule): one line naming the layer and the option, before
+    transformers loads anything and with no file written."""
+    from linformer_ds.export import TIED_KEY, write_model_dir
+    from linformer_ds.model import LinformerForMaskedLM, ModelConfig
+    from linformer_ds.onnx_export import OnnxExportError
+
+    mc = ModelConfig(
+        vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=16, num_layers=2, num_heads=2,
+        intermediate_size=32, k=16, sharing="layerwise", **options,
+    )  # fmt: skip
+    state = {k: v for k, v in LinformerForMaskedLM(mc).state_dict().items() if k != TIED_KEY}
+    write_model_dir(
+        str(tmp_path / "export"), mc, state, str(train_tokenizer(tmp_path / "sp.model", VOCAB))
+    )
+    with pytest.raises(OnnxExportError, match=rf"layer 0 \(\w+\): .*{option}") as e:
+        export_onnx(str(tmp_path / "export"), str(tmp_path / "m.onnx"), lengths=LENGTHS)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "m.onnx").exists()

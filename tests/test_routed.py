@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from linformer_ds.model import LinformerForMaskedLM, ModelConfig, rotary_tables, rotate
-from linformer_ds.model.routed import _routed
+from linformer_ds.model.routed import _routed, _routed_traced
 from linformer_ds.parallel.checks import isolation_errors
 
 
@@ -87,6 +87,8 @@ def test_routed_matches_the_per_query_reference(n, bs, m, r, padded, rope, seed)
     got = _routed(q, k, v, real, rot64, bs, m, r, 0.0)[0]
     want = reference(q[0], k[0], v[0], real[0], bs, m, r, rot64)
     torch.testing.assert_close(got[real[0]], want[real[0]], rtol=1e-9, atol=1e-9)
+    traced = _routed_traced(q, k, v, real, rot64, bs, m, r)[0]  # the export's graph: every row
+    torch.testing.assert_close(traced, got, rtol=1e-9, atol=1e-9)
 
 
 BASE = dict(

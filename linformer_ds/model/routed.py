@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .documents import Documents
+from .registry import tracing
 from .rotary import rotate
 from .window import LocalContext
 
@@ -83,6 +84,8 @@ def _routed(
     ``[B, n, h, d]``. Heads and rows are one batch dimension (``G = B h``) and every product
     one batched GEMM: the summary scores of all queries ``[G, n, c]``, the exact read of each
     query block ``[G c, b, m b]``."""
+    if tracing():
+        return _routed_traced(q, k, v, mask, rotary, bs, top, r)
     B, n, h, d = q.shape
     nb = -(-n // bs)
     tail = nb * bs - n
@@ -117,6 +120,7 @@ def _routed(
     if padded:
         s_sum = s_sum.masked_fill(~(count > 0).view(G, 1, 1, nb), neg)
         route = s_sum.masked_fill(~real_g[..., None], neg).amax(2)  # [G, nb, nb]
+        route = _no_query_order(route, real_g.any(-1))
     else:
         route = s_sum.amax(2)
     sel = route.topk(m, dim=-1).indices  # [G, nb, m]
@@ -155,6 +159,71 @@ def _routed(
         y = y + torch.bmm(pi, vi)
     y = y.view(G, nb * bs, d) + torch.bmm(p_parts[-1].reshape(G, nb * bs, nb), v_sum)
     return y[:, :n].view(B, h, n, d).transpose(1, 2)
+
+
+def _routed_traced(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    bs: int,
+    top: int,
+    r: int,
+) -> torch.Tensor:
+    """:func:`_routed` for ``torch.export`` (one row = one document): the same function with
+    no branch or view on the length, as ``[n, n]`` masks (a block is a one-hot column of each
+    token; the routing table gets ``top`` empty blocks, so ``top`` can always be picked)."""
+    B, n, h, d = q.shape
+    G, dev = B * h, q.device
+    acc = torch.promote_types(q.dtype, torch.float32)
+    neg = torch.finfo(acc).min
+    scale = 1.0 / math.sqrt(d)
+    pos = torch.arange(n, device=dev)
+    blk = torch.div(pos, bs, rounding_mode="floor")  # [n]
+    nb = (n + bs - 1) // bs
+    real = torch.ones(B, n, dtype=torch.bool, device=dev) if mask is None else mask.bool()
+    real_g = real.repeat_interleave(h, dim=0)  # [G, n]
+    member = (blk[:, None] == torch.arange(nb, device=dev)[None, :])[None] & real_g[..., None]
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 1, 3).reshape(G, n, d)
+
+    kh, vh = heads(k), heads(v)
+    w = member.to(k.dtype)  # [G, n, nb]
+    count = w.sum(1)  # [G, nb]
+    k_sum = torch.bmm(w.transpose(1, 2), kh) / count.clamp(min=1)[..., None]
+    v_sum = torch.bmm(w.transpose(1, 2), vh) / count.clamp(min=1)[..., None]
+    s_sum = torch.bmm(heads(q) * scale, k_sum.transpose(1, 2)).to(acc)  # [G, n, nb]
+    s_sum = s_sum.masked_fill(~(count > 0)[:, None, :], neg)
+    routing = s_sum.masked_fill(~real_g[..., None], neg)
+    in_block = (blk[None, :] == torch.arange(nb, device=dev)[:, None])[None, :, :, None]
+    route = routing[:, None].masked_fill(~in_block, neg).amax(2)  # [G, nb, nb]
+    route = _no_query_order(route, route.amax(-1) > neg)
+    sel = F.pad(route, (0, top), value=neg).topk(top, dim=-1).indices
+    # a comparison, not a scatter: the graph's one ScatterElements stays the row order's
+    picked = (sel[..., None] == torch.arange(nb, device=dev)).any(-2)  # [G, nb, nb]
+    picked_q = picked.index_select(1, blk)  # [G, n, nb]: the query's blocks
+    exact = picked_q.index_select(2, blk) & real_g[:, None, :]  # [G, n, n]
+    ok = exact
+    if r:
+        near = (pos[:, None] - pos[None, :]).abs() <= r
+        ok = ok | (near[None] & real_g[:, None, :] & ~picked_q.index_select(2, blk))
+    qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
+    s_tok = torch.bmm(heads(qr) * scale, heads(kr).transpose(1, 2)).to(acc)
+    scores = torch.cat([s_tok.masked_fill(~ok, neg), s_sum.masked_fill(picked_q, neg)], dim=-1)
+    p = scores.softmax(dim=-1)
+    p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0).to(q.dtype)
+    p_tok, p_sum = p.split([n, nb], dim=-1)
+    y = torch.bmm(p_tok, vh) + torch.bmm(p_sum, v_sum)
+    return y.view(B, h, n, d).transpose(1, 2)
+
+
+def _no_query_order(route: torch.Tensor, has_query: torch.Tensor) -> torch.Tensor:
+    """A block of padding queries (``has_query [G, nb]`` False) picks the first blocks, not
+    whichever equal scores the kernel returns first: its outputs are the same everywhere."""
+    order = -torch.arange(route.shape[-1], device=route.device, dtype=route.dtype)
+    return torch.where(has_query[..., None], route, order)
 
 
 def _window(
