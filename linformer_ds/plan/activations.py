@@ -7,6 +7,8 @@ per term below); tests/test_plan.py checks the sum against the live tensor bytes
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..model import ModelConfigError, get_projection
 from ..model.kernels import pick_kernel
 
@@ -38,8 +40,11 @@ class Kind:
     full: bool  # every query sees every key (n x n scores)
     summaries: int  # m: summaries each query attends to (the whole sequence's)
     windowed: bool  # the exact window (model.local_window) joins them
-    blocked: bool  # summaries by a strided kernel over blocks (a copy of K, V in blocks)
-    weighted: bool  # summary weights computed from the input (a softmax over positions)
+    # the kind has a stride: its summaries are blocks of it (a copy of K, V laid out in blocks)
+    blocked: bool
+    # the kind's module takes the mask: it computes its summary weights from the input (a
+    # softmax over positions and copies of K, V for it)
+    weighted: bool
 
 
 def kind_of(config, i: int, seq_len: int) -> Kind:  # noqa: ANN001
@@ -69,8 +74,6 @@ def _attention_path(step: Step, config, m: int, full: bool) -> int:  # noqa: ANN
     path, which computes in fp32."""
     if step.device != "cpu":
         return 0
-    import torch
-
     dtype = torch.float32 if step.elem == 4 else torch.bfloat16
     if not full and m and pick_kernel(step.n, m, dtype, torch.device("cpu")) == "explicit":
         return step.elem
@@ -180,9 +183,8 @@ def attention_transient(config, i: int, step: Step) -> int:  # noqa: ANN001
     u = b * n * d * e
     kind = kind_of(config, i, step.seq_len)
     if kind.windowed:
-        keys = 3 * (config.local_window // 2) + kind.summaries
-        es = e if step.device == "cpu" else 0
-        return (b * h * n * keys * es if es else 3 * u) + 6 * u + u
+        keys = 3 * (config.local_window // 2) + kind.summaries  # explicit products anywhere
+        return b * h * n * keys * e + 6 * u + u
     keys = step.seq_len if kind.full else kind.summaries
     es = _attention_path(step, config, keys, kind.full)
     out = (b * h * n * keys * es if es else 3 * u) + u
