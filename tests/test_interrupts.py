@@ -13,7 +13,10 @@ main takes its output's lock within seconds (export, finetune, data_prep), the m
 file appears beside ``--out``. A signal that reaches a live process must end it with exit 130,
 stderr's last non-empty line the one line saying so, no traceback, and the command's directory
 as it was (data_prep: only its documented resume state beside ``--out``, never ``--out``
-itself). The runs share 4 threads, so the test costs what its slowest chain of runs costs.
+itself). A run whose command had ended on its own first, or whose main had returned (SIGINT is
+ignored from then on), must show that outcome: its own exit code, no traceback, nothing but its
+published output. The runs share 4 threads, so the test costs what its slowest chain of runs
+costs.
 """
 
 import os
@@ -39,27 +42,29 @@ LOCK_EARLY = ("export", "finetune", "data_prep", "data_prep_script")  # the othe
 
 
 def commands(exp: Path, work: Path) -> dict:
-    """name -> (argv, the shared library that marks the heavy import)."""
+    """name -> (argv, the shared library that marks the heavy import, how the command ends on its
+    own: (exit code, the output it publishes) or None when it does not within the instants)."""
     py, launch = sys.executable, REPO / "launch"
     return {
         "export": ([py, launch / "export.py", "--checkpoint", exp.parent / "ckpt", "--out",
-                    work / "out"], "libtorch"),
+                    work / "out"], "libtorch", (0, "out")),
         "convert": ([py, launch / "convert.py", "--from", f"hf:{work / 'no_such_model'}",
-                     "--config", TINY_CONFIG, "--out", work / "warm.yaml"], "libtorch"),
+                     "--config", TINY_CONFIG, "--out", work / "warm.yaml"], "libtorch", (2, None)),
         "finetune": ([py, launch / "finetune.py", "--model", exp, "--train",
                       exp.parent / "train.csv", "--out", work / "out", "--epochs", "100000",
-                      "--batch-size", "2", "--validation-fraction", "0.25"], "libtorch"),
-        "onnx_launch": ([py, launch / "onnx_export.py", exp, work / "model.onnx"], "libtorch"),
+                      "--batch-size", "2", "--validation-fraction", "0.25"], "libtorch", None),
+        "onnx_launch": ([py, launch / "onnx_export.py", exp, work / "model.onnx"], "libtorch",
+                        (0, "model.onnx")),
         "onnx_module": ([py, "-m", "linformer_ds.onnx_export", exp, work / "model.onnx"],
-                        "libtorch"),
+                        "libtorch", (0, "model.onnx")),
         "context_curve": ([py, "-m", "linformer_ds.context_curve", exp, exp.parent / "no_data",
-                           "--out", work / "curve"], "libtorch"),
+                           "--out", work / "curve"], "libtorch", (2, None)),
         "data_prep": ([py, "-m", "data_prep", "--source", "stdlib", "--out", work / "out",
-                       "--seq-len", "32", "--vocab-size", "300"], "_multiarray_umath"),
+                       "--seq-len", "32", "--vocab-size", "300"], "_multiarray_umath", None),
         # what the linformer-data-prep console script runs (pyproject's project.scripts)
         "data_prep_script": ([py, "-c", "from data_prep import console_main; console_main()",
                               "--source", "stdlib", "--out", work / "out", "--seq-len", "32",
-                              "--vocab-size", "300"], "_multiarray_umath"),
+                              "--vocab-size", "300"], "_multiarray_umath", None),
     }  # fmt: skip
 
 
@@ -120,7 +125,7 @@ def test_ctrl_c_at_any_instant_is_one_line_and_exit_130(tiny_export, tmp_path): 
     inputs_before = snapshot(exp.parent)
     rng = random.Random(SEED)
     runs = []
-    for name, (_, library) in commands(exp, tmp_path).items():
+    for name, (_, library, _) in commands(exp, tmp_path).items():
         instants = [library, EARLY_S, round(rng.uniform(EARLY_S, LATEST_S), 2)]
         for when in instants + [WRITING] * (name in LOCK_EARLY):
             runs.append((name, when, tmp_path / f"{name}_{len(runs)}"))
@@ -130,15 +135,24 @@ def test_ctrl_c_at_any_instant_is_one_line_and_exit_130(tiny_export, tmp_path): 
             for name, when, work in runs
         ]
         outcomes = [(name, when, work, f.result()) for name, when, work, f in futures]
-    problems, delivered = [], 0
+    problems, interrupted = [], 0
     for name, when, work, out in outcomes:
         lines = [ln for ln in out["stderr"].splitlines() if ln.strip()]
         where = f"{name} at {when} ({out['at']:.2f} s): rc {out['rc']}, stderr {out['stderr']!r}"
         if "Traceback" in out["stderr"]:
             problems.append(f"traceback: {where}")
-        if not out["delivered"]:  # it had ended: its own outcome, nothing to check here
+        own = commands(exp, work)[name][2]
+        if own and out["rc"] == own[0] and not any("interrupted" in ln for ln in lines):
+            # ended before the signal, or main had returned (SIGINT ignored from then on): its
+            # own outcome, with only its published output left (no temporary name, no lock)
+            extra = {Path(p).parts[0] for p in left_behind(name, work)} - {own[1]}
+            if extra:
+                problems.append(f"left {sorted(extra)} after ending on its own: {where}")
             continue
-        delivered += 1
+        if not out["delivered"]:
+            problems.append(f"ended before the signal, not as it ends on its own: {where}")
+            continue
+        interrupted += 1
         if out["rc"] != 130 or not lines or "interrupted" not in lines[-1]:
             problems.append(f"not one line and exit 130: {where}")
         elif sum("interrupted" in ln for ln in lines) != 1:
@@ -148,7 +162,7 @@ def test_ctrl_c_at_any_instant_is_one_line_and_exit_130(tiny_export, tmp_path): 
     assert not problems, "\n".join(problems)
     triggered = [(name, when, o) for name, when, _, o in outcomes if isinstance(when, str)]
     assert all(o["delivered"] for _, _, o in triggered), f"a trigger never came: {triggered}"
-    assert delivered >= len(triggered)
+    assert interrupted >= len(triggered)  # every trigger comes before the command's own end
     assert snapshot(exp.parent) == inputs_before  # the inputs are read, never written
 
 
