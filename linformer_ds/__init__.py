@@ -7,7 +7,10 @@ The model classes are imported on first use (PEP 562), so that torch-free helper
 import importlib
 from typing import Any
 
+from linformer_ds import entry  # standard library only: Ctrl-C under python -m (arm_under_m)
 from linformer_ds.errors import LinformerError  # standard library only: no torch
+
+entry.arm_under_m()
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,8 @@ Importing torch, transformers or deepspeed takes seconds, and a KeyboardInterrup
 them is a traceback of dozens of lines. Every command's entry (``launch/export.py``,
 ``launch/convert.py``, ``launch/finetune.py``, ``launch/onnx_export.py``, ``python -m
 data_prep``, ``python -m linformer_ds.context_curve``, ``python -m linformer_ds.onnx_export``)
-calls :func:`arm` before its first heavy import and runs its ``main`` through :func:`run`:
+calls :func:`arm` before its first heavy import (under ``python -m`` already
+``linformer_ds/__init__`` does, :func:`arm_under_m`) and runs its ``main`` through :func:`run`:
 
 * armed (the imports; nothing has been written): SIGINT writes ``PROG: interrupted (Ctrl-C)
   during start-up; nothing written`` and ends the process at once with ``os._exit(130)``, so no
@@ -44,6 +45,31 @@ def arm(prog: str) -> None:
     _prog = prog
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _before_main)
+
+
+# ``python -m NAME`` commands -> their prog; armed while their package imports (arm_under_m)
+MODULE_COMMANDS = {
+    "linformer_ds.context_curve": "context_curve",
+    "linformer_ds.onnx_export": "onnx_export",
+    "data_prep": "data_prep",
+}
+
+
+def arm_under_m() -> None:
+    """Arm when this process is ``python -m`` of one of :data:`MODULE_COMMANDS` (called by
+    ``linformer_ds/__init__``). Under ``-m`` the package is imported, and then the module compiled
+    (``PYTHONDONTWRITEBYTECODE``: hundreds of lines, no cache), before the module's own first line
+    can arm: this closes that window. Python sets ``sys.argv[0]`` to ``-m`` until the module is
+    found, so any other process (``python -m pytest`` importing linformer_ds) is left alone."""
+    if sys.argv[:1] != ["-m"]:
+        return
+    argv = list(getattr(sys, "orig_argv", []))
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("-m"):
+            name = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            if name in MODULE_COMMANDS:
+                arm(MODULE_COMMANDS[name])
+            return
 
 
 def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:

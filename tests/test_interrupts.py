@@ -35,6 +35,9 @@ from tests.test_output_paths import snapshot, tiny_export  # noqa: F401 (the fix
 
 SEED = int(os.environ.get("LINFORMER_INTERRUPT_SEED", "54"))
 EARLY_S = 0.5  # after the interpreter's own start-up: 20-30 ms idle, ~0.1 s at load 9 on 2 cores
+# and never before the child has used this much CPU (its start-up, before the entry's first line,
+# is ~25 ms of it; at load 15 on 2 cores 0.5 s of wall time was not always enough)
+CPU_FLOOR_S = 0.1
 LATEST_S = 6.0  # the seeded instants are drawn from [EARLY_S, LATEST_S)
 EXIT_TIMEOUT_S = 120.0  # from the signal to the exit, on a loaded machine
 WRITING = "writing"  # the instant the first file (lock, staging directory) appears in the run's dir
@@ -68,6 +71,16 @@ def commands(exp: Path, work: Path) -> dict:
     }  # fmt: skip
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _loaded(pid: int, library: str) -> bool:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -78,8 +91,8 @@ def _loaded(pid: int, library: str) -> bool:
 
 def interrupt(argv: list, work: Path, when) -> dict:
     """Start ``argv`` in ``work`` and send SIGINT to its process group ``when``: seconds after
-    the start, :data:`WRITING`, or the name of a shared library (as soon as it is mapped); the
-    outcome."""
+    the start (once the child has used :data:`CPU_FLOOR_S` of CPU), :data:`WRITING`, or the name
+    of a shared library (as soon as it is mapped); the outcome."""
     work.mkdir(parents=True)
     start = time.monotonic()
     proc = subprocess.Popen([str(a) for a in argv], cwd=work, env=child_env(),
@@ -94,6 +107,8 @@ def interrupt(argv: list, work: Path, when) -> dict:
                 time.sleep(0.005)
         else:
             time.sleep(max(0.0, start + when - time.monotonic()))
+            while proc.poll() is None and _cpu_s(proc.pid) < CPU_FLOOR_S:
+                time.sleep(0.005)
         delivered = proc.poll() is None
         if delivered:
             os.killpg(proc.pid, signal.SIGINT)
