@@ -19,7 +19,9 @@ SP_CASES = [  # (model options, dtype, checkpointing)
     ({"projection": "dense", "attention_dropout": 0.0}, "float32", None),
     ({"projection": "local", "local_window": 32}, "bfloat16", None),
 ]
-STATE_CASES = [(p, z) for p in ("fp32", "bf16") for z in range(4)]
+# every stage in bf16; fp32 where its accounting differs (ZeRO-0: the parameters are the master
+# copy; ZeRO-3: a flat fp32 partition beside the parameters' own)
+STATE_CASES = [("fp32", 0), ("fp32", 3)] + [("bf16", z) for z in range(4)]
 
 
 def sp_config(**kind) -> ModelConfig:

@@ -512,7 +512,7 @@ def test_plan_holds_on_two_ranks(two_ranks):
     P = 2 each rank's measured peak of live tensor bytes within 10 % of the plan and the bytes
     counted on the sequence-parallel collectives equal to it; with DP = 2 the parameters and
     optimizer states (Adam's moments, fp32 master partitions) a DeepSpeed engine holds per rank
-    equal to the plan's ZeRO accounting, every stage, fp32 and bf16."""
+    equal to the plan's ZeRO accounting (ZeRO 0-3 in bf16, 0 and 3 in fp32)."""
     from linformer_ds.config import load_config
     from linformer_ds.plan import (
         Step,
