@@ -39,9 +39,9 @@ from .tasks import TASKS, TaskSpec, Vocab, make_rows
 
 JSON_FILE, PNG_FILE = "probe.json", "probe.png"
 BASE_MODEL = {  # the probe model every kind starts from (--model changes it)
-    "hidden_size": 64, "num_layers": 3, "num_heads": 4, "intermediate_size": 256,
+    "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,
     "dropout": 0.0, "attention_dropout": 0.0, "k": 128, "sharing": "layerwise",
-    "positions": "learned", "position_init": "sinusoidal",
+    "positions": "rope", "local_mixer": "layers",
 }  # fmt: skip
 
 
@@ -201,9 +201,9 @@ def evaluate(model: Any, spec: TaskSpec, vocab: Vocab, rows: int, seed: int, bat
 
 
 def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
-              seq_lens: Sequence[int], steps: int, batch: int = 16, lr: float = 1e-3,
+              seq_lens: Sequence[int], steps: int, batch: int = 16, lr: float = 3e-3,
               seed: int = 0, eval_rows: int = 64, base: dict[str, Any] | None = None,
-              vocab: Vocab | None = None, items: int = 8, min_distance: int = 16,
+              vocab: Vocab | None = None, items: int = 4, min_distance: int = 16,
               log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Train and score every kind on every task and N: the probe's JSON (see the module doc)."""
     vocab = vocab or Vocab()
@@ -270,12 +270,12 @@ def plot(result: dict[str, Any], path: str) -> str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", default="dense,linear",
                    help="comma-separated LABEL[:OPTION=VALUE...] (see the module doc)")  # fmt: skip
-    p.add_argument("--tasks", default="recall,copy", help=f"of {', '.join(TASKS)}")
+    p.add_argument("--tasks", default="induction", help=f"of {', '.join(TASKS)}")
     p.add_argument("--seq-len", default="512", help="N, comma-separated (e.g. 512,1024)")
-    p.add_argument("--steps", type=int, default=600, help="AdamW steps per kind (default 600)")
+    p.add_argument("--steps", type=int, default=1500, help="AdamW steps per kind (default 1500)")
     p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--items", type=int, default=8, help="pairs or spans per row (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--items", type=int, default=4, help="pairs or spans per row (default 4)")
     p.add_argument("--min-distance", type=int, default=16)
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)

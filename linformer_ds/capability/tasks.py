@@ -1,26 +1,28 @@
 """The synthetic probes' rows: masked associative recall and copying (numpy, seeded).
 
 Vocabulary (:class:`Vocab`): the five specials (pad 0, unk 1, cls 2, sep 3, mask 4), then
-``keys`` key tokens, ``keys`` query tokens (one per key, for the one-hop recall), ``values``
-value tokens and ``filler`` filler tokens. A row is ``[cls]`` then N - 1 tokens of random filler
-with the task written over it; only the probe's positions carry a label (-100 elsewhere).
+``keys`` key tokens, ``keys`` query tokens (one per key), ``values`` value tokens,
+``keys * values`` bound tokens (one per (key, value)) and ``filler`` filler tokens. A row is
+``[cls]`` then N - 1 tokens of random filler with the task written over it; only the probe's
+positions carry a label (-100 elsewhere).
 
 Tasks (each row holds ``items`` of them; ``distance``: how far the query or the copy lies from
 what it needs, drawn log-uniform in ``[min_distance, N - 4]`` and placed at random, before or
 after, so that every distance bucket is as well represented as the next):
 
-* ``recall`` (two-hop, induction style): pairs ``key value`` (adjacent tokens, distinct keys, a
-  random value each) anywhere in the row; a query ``key [MASK]`` elsewhere, labelled with the
-  pair's value. The masked position must find its left neighbour's key (hop 1), then the
-  position right of that key's other occurrence (hop 2): two layers and positions.
-* ``recall1`` (one-hop): the same pairs; the query is one masked position whose input is the
-  key's query token (the query names the key), labelled with the value.
+* ``induction`` (associative recall, two-hop): pairs ``key value`` (adjacent tokens, distinct
+  keys, a random value each) anywhere in the row; a query ``key [MASK]`` elsewhere, labelled with
+  the pair's value. The masked position must know its left neighbour's key (hop 1: positions,
+  or the local mixer), then find the position whose left neighbour is the same key (hop 2).
+* ``recall`` (one-hop): each pair is one bound token; the query is one position whose input is
+  the key's query token (the query names the key), labelled with the value.
 * ``copy``: a span of ``span`` random filler tokens repeated ``distance`` tokens later (or
   earlier); every other token of the repeat (``mask_every``: 2) is masked and labelled. The
   unmasked neighbours locate the original; the masked tokens are read from it.
 
 ``chance``: the accuracy of a guess among the answers the task allows (1 / values for recall,
-1 / filler for copy); a model that only knows which values the row holds reaches 1 / items.
+1 / filler for copy); a model that only knows which values the row holds reaches about
+1 / items (recall, induction).
 """
 
 from dataclasses import dataclass
