@@ -88,6 +88,20 @@ def test_predicted_peak_within_10_percent(kind, dtype, checkpoint, masked):  # n
     assert abs(predicted / peak - 1) < 0.10, (KINDS[kind], dtype, checkpoint, predicted, peak)
 
 
+@pytest.mark.parametrize(
+    "kind, checkpoint", [(0, None), (0, "sublayer"), (1, "sublayer"), (6, "sublayer")]
+)  # linear, conv, local window
+def test_predicted_peak_long_rows(kind, checkpoint):  # noqa: ANN001
+    """Rows of 16,384 tokens (one row, fp32): the same 10 % where activations are nearly all."""
+    n = 16384
+    config = _config(n, **KINDS[kind])
+    peak, param_bytes, labelled = _measured(config, torch.float32, checkpoint, 1, True)
+    step = Step(1, n, n, 4, device="cpu", labelled=labelled)
+    predicted = 2 * param_bytes + activation_peak(config, step, checkpoint)["peak"]
+    RATIOS[(kind, "float32 N=16384", checkpoint, True)] = predicted / peak
+    assert abs(predicted / peak - 1) < 0.10, (KINDS[kind], checkpoint, predicted, peak)
+
+
 def test_parameter_count_exact():
     for kind in KINDS:
         config = _config(256, **kind)

@@ -208,10 +208,10 @@ def ffn_transient(config, step: Step) -> int:  # noqa: ANN001
 
 def activation_peak(config, step: Step, checkpoint: str | None = None) -> dict:  # noqa: ANN001
     """Bytes of activations at the peak of one forward + backward: ``saved`` (kept across the
-    whole backward), ``head`` (the MLM head's at its backward), ``working`` (at the worst moment of one layer's
-    backward: its recomputed activations under checkpointing, and the gradients in flight) and
-    ``per_layer`` (each kind's saved bytes per layer). ``checkpoint``: None, ``layer`` or
-    ``sublayer`` (every layer)."""
+    whole backward), ``head`` (the MLM head's at its backward), ``working`` (at the worst
+    moment of one layer's backward: its recomputed activations under checkpointing, and the
+    gradients in flight) and ``per_layer`` (each kind's saved bytes per layer).
+    ``checkpoint``: None, ``layer`` or ``sublayer`` (every layer)."""
     u = step.batch * step.n * config.hidden_size * step.elem
     L = config.num_layers
     attn = [attention_block_saved(config, i, step) for i in range(L)]
@@ -227,12 +227,12 @@ def activation_peak(config, step: Step, checkpoint: str | None = None) -> dict: 
     if checkpoint is None:
         saved = embed_saved(config, step) + sum(attn) + L * ffn
         working = max(f_tr, max(inside[i] - attn[i] - ffn for i in range(L)))
-    elif checkpoint == "layer":
+    elif checkpoint == "layer":  # a recomputed layer's own output is not kept inside it
         saved = embed_saved(config, step) + L * u
-        working = max(inside)
-    else:
+        working = max(inside) - u
+    else:  # nor a recomputed sub-layer's
         saved = 2 * L * u + u
-        working = max(max(attn[i] + a_tr[i] for i in range(L)), ffn + f_tr)
+        working = max(max(attn[i] + a_tr[i] for i in range(L)), ffn + f_tr) - u
     # the head's backward comes first: its activations and the logits' gradients (fp32 and
     # the compute dtype) are gone before any layer's backward starts
     rows = math.ceil(step.labelled * step.batch * step.n)
