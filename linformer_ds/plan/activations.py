@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import ModelConfigError, get_projection
+from ..model import get_projection
 from ..model.kernels import pick_kernel
 
 FP32 = 4  # LayerNorm statistics, log-softmax and attention log-sum-exp stay fp32
@@ -48,22 +48,16 @@ class Kind:
 
 
 def kind_of(config, i: int, seq_len: int) -> Kind:  # noqa: ANN001
-    """Layer ``i``'s :class:`Kind`, read from the registry. The one place that reads a kind:
-    ``full`` falls back to "not registered" until the registry's ``full_attention`` field lands
-    (the dense kind was not a registered kind before it)."""
-    name = config.projection_schedule()[i]
-    try:
-        kind = get_projection(name)
-    except ModelConfigError:
-        kind = None
-    full = bool(getattr(kind, "full_attention", kind is None))
-    if full:
+    """Layer ``i``'s :class:`Kind`, read from the registry: the one place the planner asks a
+    kind anything."""
+    kind = get_projection(config.projection_schedule()[i])
+    if kind.full_attention:
         return Kind(True, 0, False, False, False)
     stride = kind.stride(config, i) if kind.stride is not None else None
     m = 0
     if kind.summaries:
         m = math.ceil(seq_len / stride) if stride else config.k_for_layer(i)
-    windowed = bool(config.local_window) and bool(getattr(kind, "windowed", True))
+    windowed = bool(config.local_window) and kind.windowed
     return Kind(False, m, windowed, stride is not None, kind.masked)
 
 
