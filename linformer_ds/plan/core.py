@@ -58,6 +58,14 @@ def job_model(job, seq_len: int):  # noqa: ANN001
     return dataclasses.replace(job.model, max_seq_len=seq_len)
 
 
+def zero_group(job, layout: Layout) -> int:  # noqa: ANN001
+    """The ranks ZeRO partitions over: the data-parallel replicas, or every rank (DP x P) when
+    sequence parallelism leaves E/F whole (DeepSpeed's sequence-data-parallel group; sharded,
+    the SP group is its model-parallel group: docs/sequence_parallel.md)."""
+    shard = layout.sp > 1 and job.parallel.shard_sequence_parameters is not False
+    return layout.dp if shard or layout.sp == 1 else layout.dp * layout.sp
+
+
 def plan_layout(job, layout: Layout, hw: Hardware) -> dict:  # noqa: ANN001
     """Everything predicted for ``layout`` of ``job`` (a JobConfig) on ``hw``."""
     config = job_model(job, layout.seq_len)
@@ -67,7 +75,7 @@ def plan_layout(job, layout: Layout, hw: Hardware) -> dict:  # noqa: ANN001
     n = layout.seq_len // layout.sp
     shard = layout.sp > 1 and job.parallel.shard_sequence_parameters is not False
     states = model_states(
-        config, ds.precision, layout.stage, layout.dp, layout.sp, shard,
+        config, ds.precision, layout.stage, zero_group(job, layout), layout.sp, shard,
         z.offload_optimizer and layout.stage > 0, z.offload_param and layout.stage == 3,
         ds.fp32_grad_accum,
     )  # fmt: skip
@@ -133,16 +141,17 @@ def collectives(job, config, layout: Layout, elem: int, states: dict) -> dict:  
     grad_e = 4 if (job.deepspeed.precision == "fp32" or job.deepspeed.fp32_grad_accum) else 2
     pe = 4 if job.deepspeed.precision == "fp32" else 2
     reduce = allgather = 0
-    if layout.dp > 1:
+    group = zero_group(job, layout)
+    if group > 1:
         if layout.stage <= 1:
             reduce = psi * grad_e
         else:
             reduce = psi * grad_e * acc
         if layout.stage in (1, 2):
-            allgather = psi * pe // layout.dp
+            allgather = psi * pe // group
         elif layout.stage == 3:
             passes = 3 if layout.checkpoint else 2
-            allgather = passes * psi * pe // layout.dp * acc
+            allgather = passes * psi * pe // group * acc
     shard = layout.sp > 1 and job.parallel.shard_sequence_parameters is not False
     sp_grad = 0
     if shard:
