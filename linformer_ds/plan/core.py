@@ -168,14 +168,23 @@ def candidate_layouts(job, gpus: int, seq_len: int, hw: Hardware) -> list:  # no
     stride), ZeRO 0-3, checkpointing off / per layer / per sub-layer, and for each the largest
     micro-batch (a power of two up to 64) that fits; ranked by tokens/s per GPU (three
     figures), then by memory."""
-    from ..model import projection_stride
+    from ..model import layer_kinds, projection_stride
 
     config = job_model(job, seq_len)
     strides = [projection_stride(config, i) or 1 for i in range(config.num_layers)]
+    kinds = layer_kinds(config)
+    sp_ok = all(k.sequence_parallel for k in kinds)  # a kind without it: P = 1 only (refused)
+    full = any(k.full_attention for k in kinds)  # Ulysses: heads divisible by P
     plans = []
     p = 1
     while p <= gpus and p <= seq_len:
-        if gpus % p == 0 and seq_len % p == 0 and all((seq_len // p) % s == 0 for s in strides):
+        allowed = p == 1 or (sp_ok and not (full and config.num_heads % p))
+        if (
+            allowed
+            and gpus % p == 0
+            and seq_len % p == 0
+            and all((seq_len // p) % s == 0 for s in strides)
+        ):
             for stage in range(4):
                 for ck in CHECKPOINTS:
                     best = None
