@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     module = copy_distance if args.command == "copy" else probe
+    threads = torch.get_num_threads()
     try:
         setup_logging()
         if args.threads is not None:
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as e:  # the model refused an input (one line)
         logger.error(f"capability {args.command}: error: {' '.join(str(e).split())[:400]}")
         return 1
+    finally:
+        torch.set_num_threads(threads)  # (a caller's setting, as it was)
     module.report(result, args.out)
     return 0
 
