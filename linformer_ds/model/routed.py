@@ -130,8 +130,10 @@ def _routed(
     if rotary is not None:
         qh, kh = heads(rotate(q, rotary)) * scale, heads(rotate(k, rotary))
     flat = (sel + torch.arange(G, device=dev).view(G, 1, 1) * nb).reshape(-1)
-    kg = kh.view(G * nb, bs, d).index_select(0, flat).view(G * nb, m * bs, d)
-    vg = vh.view(G * nb, bs, d).index_select(0, flat).view(G * nb, m * bs, d)
+    # the blocks as rows of an embedding table: its backward (a sorted accumulation) is several
+    # times faster on the CPU than index_select's scatter-add
+    kg = F.embedding(flat, kh.view(G * nb, bs * d)).view(G * nb, m * bs, d)
+    vg = F.embedding(flat, vh.view(G * nb, bs * d)).view(G * nb, m * bs, d)
     qb = qh.view(G * nb, bs, d)
     parts = [torch.bmm(qb, kg.transpose(1, 2)).to(acc)]  # [G nb, bs, m bs]
     if padded:
