@@ -4,8 +4,8 @@
 configuration, in fresh processes, and times full training steps (forward, backward, AdamW step)
 of a small real model through DeepSpeed, as the trainer runs it (``build_groups``,
 ``global_label_count``; from :mod:`linformer_ds.parallel.parallelize` ``shard_for_deepspeed``,
-``partition_for_zero3``, ``apply_sequence_parallel``, ``LossScaling``; the mpus from
-:mod:`linformer_ds.parallel.groups`).
+``partition_for_zero3``, ``apply_sequence_parallel``; ``LossScaling`` from :mod:`linformer_ds.loss`;
+the mpus from :mod:`linformer_ds.parallel.groups`).
 
 Phases (``--phases``):
 
@@ -319,16 +319,19 @@ def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], p
     torch.set_num_threads(max(1, bc.threads // p))
     import deepspeed
 
-    from linformer_ds import parallelize as par
-    from linformer_ds import sequence_parallel as sp
     from linformer_ds.dist_env import disable_deepspeed_shm_allreduce
+    from linformer_ds.loss import LossScaling
     from linformer_ds.model import LinformerForMaskedLMPretraining
     from linformer_ds.optim import param_groups
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import parallelize as par
+    from linformer_ds.parallel import sharding
+    from linformer_ds.parallel.collectives import global_label_count
 
     rss_imports = _rss()
     disable_deepspeed_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    groups = sp.build_groups(p) if p > 1 else None
+    groups = grp.build_groups(p) if p > 1 else None
     sp_group = groups.sp_group if groups is not None else None
     torch.manual_seed(bc.seed)
     job = job_config(model_config(bc, case.variant, case.n), case.zero, bc.precision, sp=p)
@@ -338,11 +341,11 @@ def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], p
     scale = 1.0
     if groups is not None and case.shard:  # as the trainer: E/F and positions per SP rank
         par.shard_for_deepspeed(model, groups)
-        kwargs["mpu"] = par.ShardedSequenceParallelMPU(groups)
+        kwargs["mpu"] = grp.ShardedSequenceParallelMPU(groups)
     elif groups is not None:
         par.partition_for_zero3(model, groups, cfg)
-        kwargs["mpu"] = par.SequenceParallelMPU(groups)
-        scale = par.LossScaling(p, sp_size=p, zero_stage=case.zero).backward_scale
+        kwargs["mpu"] = grp.SequenceParallelMPU(groups)
+        scale = LossScaling(p, sp_size=p, zero_stage=case.zero).backward_scale
     if groups is not None:
         par.apply_sequence_parallel(model, sp_group)
     if case.ac:
@@ -357,11 +360,11 @@ def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], p
     # in the training dtype (counted after initialize: bf16 runs cast the parameters there)
     sp_grad_bytes = sum(
         getattr(q, "ds_numel", q.numel()) * q.element_size() for q in model.parameters()
-        if q.requires_grad and not hasattr(q, sp.SHARD_ATTR)
+        if q.requires_grad and not hasattr(q, sharding.SHARD_ATTR)
     ) if groups is not None and case.shard else 0  # fmt: skip
     batch = mlm_batch(bc.vocab, 1, case.n, bc.mlm_fraction, bc.seed)
     if groups is not None:
-        batch, _ = sp.shard_batch(batch, groups.sp_rank, p)
+        batch, _ = sharding.shard_batch(batch, groups.sp_rank, p)
     rss_init = _rss()
     steps: list[dict[str, Any]] = []
     n_steps = case.steps or bc.warmup + bc.iters
@@ -370,7 +373,7 @@ def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], p
         torch.distributed.barrier()
         hwm = _reset_peak_rss()
         t0 = time.perf_counter()
-        denom = sp.global_label_count(batch["labels"], sp_group) if groups is not None else None
+        denom = global_label_count(batch["labels"], sp_group) if groups is not None else None
         rss_before = _rss()
         with TimedCollectives(sp_group) as fwd:
             out = engine(batch["input_ids"], batch["attention_mask"], labels=batch["labels"],

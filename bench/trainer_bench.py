@@ -252,7 +252,7 @@ class OursArm:
 
     def __init__(self, spec: ArmSpec):
         from linformer_ds.config import load_config
-        from linformer_ds.train import Trainer
+        from linformer_ds.trainer import Trainer
 
         self.spec, self.variant = spec, spec.name.split(":", 1)[1]
         self.log = io.StringIO()

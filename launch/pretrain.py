@@ -24,7 +24,7 @@ class _EarlySignals:
         os.write(2, f"error: rank {rank}: {signal.Signals(signum).name} during start-up "
                     "(received before it began): stopped before the first step (the last "
                     "checkpoint is current)\n".encode())  # fmt: skip
-        os._exit(75)  # linformer_ds.train.EXIT_PREEMPTED (not imported yet)
+        os._exit(75)  # linformer_ds.trainer.EXIT_PREEMPTED (not imported yet)
 
 
 _early = _EarlySignals()

@@ -1,7 +1,9 @@
 """The typed job config: the single source of truth for a pretraining run.
 
 YAML files and ``key=value`` command-line overrides (OmegaConf dotlist) are merged onto the
-structured schema below; unknown keys and wrong types are errors naming the key path.
+structured schema below (:func:`load_config`; the files, includes and one-line errors of the
+merge are ``linformer_ds.config_yaml``); unknown keys and wrong types are errors naming the key
+path.
 Loading checks every field and the rules across fields (:func:`validate`, once); what needs
 the world size or the data's N is decided once by ``linformer_ds.resolve.resolve``, which returns
 the config frozen. The DeepSpeed JSON is derived from it in ``linformer_ds.ds_config``.
@@ -9,12 +11,10 @@ the config frozen. The DeepSpeed JSON is derived from it in ``linformer_ds.ds_co
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from linformer_ds.config_fields import (
@@ -30,9 +30,18 @@ from linformer_ds.config_fields import (
     unusable_dir,
 )
 from linformer_ds.config_fields import ConfigError as ConfigError  # re-exported
+from linformer_ds.config_yaml import (
+    LOAD_ERRORS,
+    check_shape,
+    load_yaml,
+    merge,
+    omegaconf_message,
+    parse_override,
+)
 from linformer_ds.cpu_threads import MAX_THREADS, WAIT_POLICIES
-from linformer_ds.dist_env import DEFAULT_INIT_TIMEOUT_S, START_UP_PHASES
+from linformer_ds.dist_env import DEFAULT_INIT_TIMEOUT_S
 from linformer_ds.model import ModelConfig, ModelConfigError
+from linformer_ds.watchdog import START_UP_PHASES
 
 
 class Section:
@@ -443,130 +452,28 @@ class JobConfig:
 
 
 # ====================================================================================== loading
-# Everything a user wrote passes through this boundary: every YAML, OmegaConf or type error
-# becomes one ConfigError naming the file or the override (and the key where it is known).
-_LOAD_ERRORS = (OmegaConfBaseException, yaml.YAMLError, TypeError, ValueError, KeyError)
-
-
-def _load_yaml(path: str, chain: tuple[str, ...] = ()) -> DictConfig:
-    """One YAML file, with its ``defaults: other.yaml`` (relative to it) merged underneath."""
-    real = os.path.realpath(path)
-    if real in chain:
-        cycle = " -> ".join(os.path.basename(p) for p in (*chain, real))
-        raise ConfigError(f"{path}: defaults: includes itself ({cycle}); remove the cycle")
-    if os.path.isdir(path):
-        raise ConfigError(f"config file {path} is a directory: give a YAML file in it")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        cfg = OmegaConf.load(path)
-    except Exception as e:  # yaml parse errors, undecodable bytes, unreadable file
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    base = cfg.pop("defaults", None)
-    if base is not None:
-        if not isinstance(base, str) or not base.strip():
-            raise ConfigError(
-                f"{path}: defaults: must be one YAML file name (relative to this file), got {base}"
-            )
-        parent = _load_yaml(os.path.join(os.path.dirname(path), base), (*chain, real))
-        cfg = _merge(parent, cfg, path)
-    return cfg
-
-
-def _omegaconf_message(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None)
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"{key}: {msg}" if key else msg
-
-
-def _shape_mismatch(schema: Any, user: Any, prefix: str = "") -> str | None:
-    """The first key where ``user`` puts a mapping, a list or a scalar in place of another kind
-    in ``schema`` (OmegaConf's own error names neither the key nor the kinds)."""
-    kinds = {DictConfig: "a mapping (a config section)", ListConfig: "a list"}
-
-    def kind(node: Any) -> str:
-        return next((v for t, v in kinds.items() if isinstance(node, t)), "a single value")
-
-    if not isinstance(user, DictConfig) or not isinstance(schema, DictConfig):
-        return None
-    for key in user.keys():
-        if key not in schema:
-            continue
-        path = f"{prefix}.{key}" if prefix else str(key)
-        want = schema._get_node(key)
-        got = user._get_node(key)
-        if isinstance(want, DictConfig) and want._metadata.object_type in (dict, None):
-            if not isinstance(got, DictConfig) and not got._is_none():
-                return f"{path}: must be {kind(want)}, got {got._value()}"
-            continue  # a free-form mapping (deepspeed.extra, model.extra)
-        if kind(want) != kind(got) and not got._is_none() and not got._is_interpolation():
-            value = (
-                OmegaConf.to_container(got) if isinstance(got, (DictConfig, ListConfig)) else got
-            )
-            return f"{path}: must be {kind(want)}, got {value}"
-        deeper = _shape_mismatch(want, got, path)
-        if deeper:
-            return deeper
-    return None
-
-
-def _check_shape(base: DictConfig, user: Any, source: str) -> None:
-    try:
-        mismatch = _shape_mismatch(base, user)
-    except AttributeError:  # OmegaConf's node API changed: its own merge error still names it
-        mismatch = None
-    if mismatch:
-        raise ConfigError(f"{source}: {mismatch}")
-
-
-def _merge(base: DictConfig, user: Any, source: str) -> DictConfig:
-    """``base`` <- ``user`` (read from ``source``: a file or an override), one line on error."""
-    _check_shape(base, user, source)
-    try:
-        return OmegaConf.merge(base, user)  # type: ignore[return-value]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{source}: {_omegaconf_message(e)}") from None
-    except _LOAD_ERRORS as e:
-        raise ConfigError(f"{source}: {e}") from None
-
-
-def _parse_override(item: str) -> DictConfig:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    try:
-        return OmegaConf.from_dotlist([item])
-    except _LOAD_ERRORS as e:
-        if isinstance(e, yaml.MarkedYAMLError):
-            msg = ": ".join(str(m) for m in (e.context, e.problem) if m)
-        else:
-            msg = _omegaconf_message(e) if isinstance(e, OmegaConfBaseException) else str(e)
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({msg})") from None
-
-
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Schema <- YAML file <- ``key=value`` overrides; interpolations resolved; checked once
     (:func:`validate`). Not yet resolved for a world: see ``linformer_ds.resolve.resolve``."""
     merged = OmegaConf.structured(JobConfig)
     if path:
-        merged = _merge(merged, _load_yaml(path), path)
+        merged = merge(merged, load_yaml(path), path)
     if overrides:
         for item in overrides:  # each parses, and puts no list or value in place of a section
-            _check_shape(merged, _parse_override(item), f"override {item!r}")
+            check_shape(merged, parse_override(item), f"override {item!r}")
         try:  # one merge (each merge copies the whole config)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        except _LOAD_ERRORS:  # name the override that fails
+        except LOAD_ERRORS:  # name the override that fails
             for item in overrides:
-                merged = _merge(merged, _parse_override(item), f"override {item!r}")
+                merged = merge(merged, parse_override(item), f"override {item!r}")
     try:
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(_omegaconf_message(e)) from None
+        raise ConfigError(omegaconf_message(e)) from None
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
-    except (*_LOAD_ERRORS, RecursionError) as e:
+    except (*LOAD_ERRORS, RecursionError) as e:
         raise ConfigError(f"the config cannot be resolved: {e}") from None
     assert isinstance(cfg, JobConfig)
     _check_required(path, overrides or [])
@@ -577,13 +484,13 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 def _check_required(path: str | None, overrides: list[str]) -> None:
     """A config that sets nothing, or leaves ``data.path`` / ``model`` to the schema, is an error
     (the YAML file and the overrides together must set them)."""
-    user = _load_yaml(path) if path else OmegaConf.create({})
+    user = load_yaml(path) if path else OmegaConf.create({})
     if path and len(user) == 0:
         raise ConfigError(
             f"{path}: the config file sets nothing; start from one in configs/ (e.g. "
             "configs/tiny_cpu.yaml)"
         )
-    user = _merge(user, OmegaConf.from_dotlist(list(overrides)), "the overrides")
+    user = merge(user, OmegaConf.from_dotlist(list(overrides)), "the overrides")
     if not path and not overrides:
         raise ConfigError(
             "no job config: pass --config FILE (see configs/, e.g. configs/tiny_cpu.yaml) "
@@ -616,8 +523,8 @@ def from_dict(d: dict[str, Any]) -> JobConfig:
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(JobConfig), d))  # type: ignore[return-value]
     except OmegaConfBaseException as e:
-        raise ConfigError(_omegaconf_message(e)) from None
-    except (ModelConfigError, *_LOAD_ERRORS) as e:
+        raise ConfigError(omegaconf_message(e)) from None
+    except (ModelConfigError, *LOAD_ERRORS) as e:
         raise ConfigError(str(e)) from None
 
 

@@ -37,7 +37,7 @@ import numpy as np
 if TYPE_CHECKING:  # numpy only at run time: data_prep records the counts without torch
     import torch
 
-IGNORE_INDEX = -100  # = linformer_ds.data.masking.IGNORE_INDEX (the labels of unscored positions)
+IGNORE_INDEX = -100  # = linformer_ds.loss.IGNORE_INDEX (not imported: torch-free here)
 COUNTS_FILE = "unigram_counts.npy"  # data_prep's record of the train split's counts
 CHUNK_TOKENS = 1 << 22  # tokens per bincount (bounded memory for any corpus size)
 FIELDS = (

@@ -10,8 +10,8 @@ Outside it, on purpose:
   ``ValueError``): its files ship unchanged inside every exported model directory and import only
   torch, the standard library and each other (tests/test_import_graph.py), so they cannot import
   this module; catch ``(LinformerError, ModelConfigError)`` for both;
-- ``linformer_ds.train.StopTraining``: not an error but the trainer's stop signal (it carries the
-  exit code and never leaves ``Trainer.train``);
+- ``linformer_ds.trainer.StopTraining``: not an error but the trainer's stop signal (it carries
+  the exit code and never leaves ``Trainer.train``);
 - the tools beside the installed packages (bench/'s ``BenchError``, scripts/gpu_check.py's
   ``KitError``).
 """

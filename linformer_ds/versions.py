@@ -3,7 +3,7 @@
 ``linformer_ds.engine`` patches DeepSpeed internals (``engine._global_grad_norm``,
 ``engine.clip_fp32_gradients``) and ``linformer_ds.checkpoint`` repairs what DeepSpeed 0.19.8's
 universal checkpoints carry: another DeepSpeed (or torch) may change them silently, so
-:class:`linformer_ds.train.Trainer` refuses to start outside the tested range unless
+:class:`linformer_ds.trainer.Trainer` refuses to start outside the tested range unless
 ``LINFORMER_DS_UNTESTED_DEPS=1`` (then it prints a one-line warning). The ranges match
 ``pyproject.toml``; ``constraints.txt`` pins the whole tested set (torch 2.13.0+cpu); the
 torch range also admits 2.11, the device image's, for the GPU kit.

@@ -1,12 +1,15 @@
-"""The package's shape in numbers: module sizes, import cycles, imports inside functions, the
-longest functions.
+"""The package's shape in numbers: module sizes against their budget, import cycles (between
+modules, between linformer_ds's subpackages, between the packages), imports inside functions,
+the longest functions.
 
     python scripts/arch_report.py [ROOT]          # a markdown summary of ROOT (default: the repo)
     python scripts/arch_report.py --json [ROOT]   # the same as JSON
 
 It reads the source with ``ast`` (nothing is imported), so it runs on any checkout, an old
-commit's worktree included. ``tests/test_import_graph.py`` uses :func:`import_graph` and
-:func:`cycles` to fail on any import cycle, lazy imports (inside functions) included.
+commit's worktree included. The size budget is ROOT's docs/module_budget.md (:func:`read_budget`),
+the one list of modules allowed over 500 lines. ``tests/test_import_graph.py`` uses
+:func:`import_graph`, :func:`package_graph`, :func:`cycles` and :func:`budget_problems` to fail
+on any import cycle (lazy imports, inside functions, included) and any module over its budget.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("linformer_ds", "data_prep")
+BUDGET_FILE = Path("docs") / "module_budget.md"  # under ROOT
+BUDGETED = ("linformer_ds", "data_prep", "launch")  # not tests/ nor bench/
+DEFAULT_LINES = 500  # a module over this needs a row in BUDGET_FILE
 
 
 @dataclass
@@ -144,14 +151,74 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The same graph between top-level packages (linformer_ds <-> data_prep)."""
+def package_graph(graph: dict[str, set[str]], depth: int = 1) -> dict[str, set[str]]:
+    """The same graph between packages. ``depth`` 1: the top-level packages (linformer_ds <->
+    data_prep); 2: their parts, each subpackage one node (``linformer_ds.data``) and each
+    top-level module its own (``linformer_ds.engine``)."""
+
+    def part(m: str) -> str:
+        return ".".join(m.split(".")[:depth])
+
     out: dict[str, set[str]] = {}
     for m, targets in graph.items():
-        a = m.split(".")[0]
+        a = part(m)
         out.setdefault(a, set())
-        out[a] |= {t.split(".")[0] for t in targets if t.split(".")[0] != a}
+        out[a] |= {part(t) for t in targets if part(t) != a}
     return out
+
+
+def subpackage_cycles(graph: dict[str, set[str]], package: str = "linformer_ds") -> list[list[str]]:
+    """The cycles between ``package``'s parts (:func:`package_graph` at depth 2): a knot that
+    no single module shows (e.g. data -> engine -> parallel -> data, each through another file)."""
+    parts = package_graph(graph, depth=2)
+    inside = {p: {t for t in ts if t.startswith(package + ".")}
+              for p, ts in parts.items() if p.startswith(package + ".")}  # fmt: skip
+    return cycles(inside)
+
+
+# ================================================================================ size budget
+def _lines(path: Path) -> int:
+    text = path.read_text(encoding="utf-8")
+    return text.count("\n") + (not text.endswith("\n"))
+
+
+def read_budget(text: str) -> dict[str, tuple[int, str]]:
+    """``{path: (budget, why)}`` from the rows ``| `path` | lines | why |`` of the budget file."""
+    rows = re.findall(r"^\| `([^`]+\.py)` \| *(\d+) *\| *(.*?) *\|$", text, re.M)
+    budget: dict[str, tuple[int, str]] = {}
+    for path, lines, why in rows:
+        assert path not in budget, f"{BUDGET_FILE.name}: {path} has two rows"
+        assert why, f"{BUDGET_FILE.name}: {path} says not why it is over {DEFAULT_LINES} lines"
+        budget[path] = (int(lines), why)
+    return budget
+
+
+def module_sizes(root: Path) -> dict[str, int]:
+    """Lines of every budgeted module (``BUDGETED``), by path relative to ``root``."""
+    return {
+        p.relative_to(root).as_posix(): _lines(p)
+        for top in BUDGETED
+        for p in sorted((root / top).rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
+
+
+def budget_problems(root: Path, budget: dict[str, tuple[int, str]]) -> list[str]:
+    """What breaks the budget: a module over 500 lines without a row, one over its row's budget,
+    a row for a module that is gone or back under 500 lines."""
+    sizes = module_sizes(root)
+    problems = []
+    for path, lines in sizes.items():
+        allowed = budget[path][0] if path in budget else DEFAULT_LINES
+        if lines > allowed:
+            where = f"its budget of {allowed}" if path in budget else f"{DEFAULT_LINES} with no row"
+            problems.append(f"{path}: {lines} lines, over {where}")
+    for path in budget:
+        if path not in sizes:
+            problems.append(f"{path}: in the budget but not a module of {', '.join(BUDGETED)}")
+        elif sizes[path] <= DEFAULT_LINES:
+            problems.append(f"{path}: {sizes[path]} lines, under {DEFAULT_LINES}: remove its row")
+    return problems
 
 
 def report(root: Path) -> dict:
@@ -162,9 +229,19 @@ def report(root: Path) -> dict:
     funcs = sorted(
         ((f"{m.name}.{q}", n) for m in mods.values() for q, n in m.functions), key=lambda x: -x[1]
     )
+    budget_path = root / BUDGET_FILE
+    budget = read_budget(budget_path.read_text(encoding="utf-8")) if budget_path.exists() else {}
+    sizes = module_sizes(root)
     return {
         "modules": {m.name: m.lines for m in sorted(mods.values(), key=lambda m: -m.lines)},
+        "over_default": {
+            p: {"lines": n, "budget": budget.get(p, (DEFAULT_LINES, ""))[0]}
+            for p, n in sorted(sizes.items(), key=lambda x: -x[1])
+            if n > DEFAULT_LINES
+        },
+        "budget_problems": budget_problems(root, budget),
         "cycles": cycles(graph),
+        "subpackage_cycles": subpackage_cycles(graph),
         "package_cycles": cycles(package_graph(graph)),
         "project_imports": n_imports,
         "project_imports_in_functions": lazy,
@@ -196,14 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rep, indent=1))
         return 0
-    big = {k: v for k, v in rep["modules"].items() if v > 600}
+    over = rep["over_default"]
     print(
-        f"modules: {len(rep['modules'])}; over 600 lines: "
-        + (", ".join(f"{k} {v}" for k, v in big.items()) or "none")
+        f"modules: {len(rep['modules'])}; over {DEFAULT_LINES} lines ({BUDGET_FILE.as_posix()}): "
+        + (", ".join(f"{k} {v['lines']}/{v['budget']}" for k, v in over.items()) or "none")
     )
+    for problem in rep["budget_problems"]:
+        print(f"  budget: {problem}")
     print(f"import cycles: {len(rep['cycles'])}")
     for c in rep["cycles"]:
         print("  " + " <-> ".join(c))
+    print(f"subpackage cycles: {rep['subpackage_cycles'] or 'none'}")
     print(f"package cycles: {rep['package_cycles'] or 'none'}")
     s, i = rep["import_statements"], rep["import_statements_in_functions"]
     print(f"import statements inside functions: {i} of {s} ({100 * i / max(s, 1):.0f} %)")

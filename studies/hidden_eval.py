@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from linformer_ds.context_meter import UnigramMeter  # noqa: E402
-from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking  # noqa: E402
+from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.shards import ShardDataset  # noqa: E402
+from linformer_ds.loss import IGNORE_INDEX  # noqa: E402
 
 KINDS = ("hidden", "random", "kept", "all")
 

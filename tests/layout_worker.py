@@ -4,7 +4,8 @@ the other, in one process group (the launch and imports are paid once per world 
     python tests/layout_worker.py SPEC.json      (RANK, WORLD_SIZE, MASTER_* set per rank)
 
 SPEC: ``{"out": DIR, "runs": [{"name": ..., "overrides": [...]}, ...]}``. Each run trains
-through the real :class:`linformer_ds.train.Trainer` with ``logging.dir = DIR/name`` (its
+through the real :class:`linformer_ds.trainer.Trainer`, built as the command line builds it
+(:func:`linformer_ds.train.start_trainer`), with ``logging.dir = DIR/name`` (its
 metrics.jsonl holds the per-step loss and grad norm; its output follows a line
 ``[layout_worker] run NAME``); rank 0 then writes the whole final
 parameters to ``DIR/name/params.pt`` (gathered from ZeRO-3 partitions and sequence shards).
@@ -24,7 +25,8 @@ import torch  # noqa: E402
 
 from linformer_ds import engine as eng  # noqa: E402
 from linformer_ds.config import load_config  # noqa: E402
-from linformer_ds.train import Trainer  # noqa: E402
+from linformer_ds.train import start_trainer  # noqa: E402
+from linformer_ds.trainer import Trainer  # noqa: E402
 from tests.pretrain_utils import RUN_MARK, TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
 
 BUILD_MODEL = eng.build_model
@@ -39,7 +41,7 @@ def full_parameters(trainer: Trainer) -> dict:
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=trainer.cfg.deepspeed.zero.stage == 3):
         if trainer.sp_group is not None:
-            from linformer_ds.sequence_parallel import full_state_dict
+            from linformer_ds.parallel.sharding import full_state_dict
 
             sd = full_state_dict(model, trainer.sp_group)
         else:
@@ -75,7 +77,7 @@ def main(spec_path: str) -> None:
         print(f"{RUN_MARK}{run['name']}", flush=True)  # where this run's output starts
         overrides = TEST_OVERRIDES + [f"logging.dir={run_dir}"] + run["overrides"]
         eng.build_model = perturbed_frozen if run.get("perturb_frozen") else BUILD_MODEL
-        trainer = Trainer(load_config(TINY_CONFIG, overrides))
+        trainer = start_trainer(load_config(TINY_CONFIG, overrides))
         if run.get("zero3_holdings"):
             print_zero3_holdings(trainer)
         try:

@@ -12,7 +12,7 @@ import torch
 from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.shards import DataError, ShardDataset
 from linformer_ds.data.stream import to_device
-from linformer_ds.sequence_parallel import shard_batch
+from linformer_ds.parallel.sharding import shard_batch
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):

@@ -5,7 +5,8 @@ changed config keys and report, per case, the outcome and the values read back f
 
 SPEC: ``{"base": RUN_DIR, "work": DIR, "overrides": [...], "cases": [{"name", "set": [...]}]}``.
 RUN_DIR holds a finished run (its checkpoints and config.json). Each case copies it to
-``DIR/name``, builds the real :class:`linformer_ds.train.Trainer` with ``overrides + set``
+``DIR/name``, builds the real :class:`linformer_ds.trainer.Trainer` as the command line does
+(:func:`linformer_ds.train.start_trainer`) with ``overrides + set``
 (``logging.dir`` / ``checkpoint.dir`` pointed at the copy) and records either the refusal (the
 one line ``train.main`` prints, exit 2) with a digest of every file before and after, or the
 effective values (:func:`read_back`) and the run's config.json / config_history.jsonl.
@@ -25,18 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 
 from linformer_ds.checkpoint.reshard import sequence_shards  # noqa: E402
-from linformer_ds.checkpoint.tags import CheckpointError  # noqa: E402
 from linformer_ds.config import ConfigError, load_config  # noqa: E402
-from linformer_ds.data.shards import DataError  # noqa: E402
 from linformer_ds.data.stages import resolve_stages  # noqa: E402
-from linformer_ds.dist_env import DistEnvError, free_port  # noqa: E402
+from linformer_ds.dist_env import free_port  # noqa: E402
+from linformer_ds.errors import LinformerError  # noqa: E402
 from linformer_ds.optim import lr_lambda  # noqa: E402
 from linformer_ds.resume_policy import torch_optimizer  # noqa: E402
-from linformer_ds.train import Trainer  # noqa: E402
+from linformer_ds.train import start_trainer  # noqa: E402
+from linformer_ds.trainer import Trainer  # noqa: E402
 from tests.pretrain_utils import TINY_CONFIG  # noqa: E402
 
 os.environ["MASTER_PORT"] = str(free_port())
-REFUSALS = (ConfigError, DataError, DistEnvError, CheckpointError)  # train.main: exit 2
 
 
 def digest(root: str) -> dict:
@@ -113,7 +113,7 @@ def run_case(spec: dict, case: dict) -> dict:
         with redirect_stdout(out), redirect_stderr(err):
             cfg = load_config(TINY_CONFIG, spec["overrides"] + where + case["set"])
             resolve_stages(cfg)
-            trainer = Trainer(cfg)
+            trainer = start_trainer(cfg)
             trainer.watchdog.training_started()
         result["outcome"] = "started"
         result["values"] = read_back(trainer)
@@ -123,7 +123,7 @@ def run_case(spec: dict, case: dict) -> dict:
         with open(os.path.join(run, "config_history.jsonl")) as f:
             result["history"] = [json.loads(line) for line in f]
         result["changes"] = {c.key: c.policy.kind for c in trainer.checkpoints.changes}
-    except REFUSALS as e:
+    except LinformerError as e:  # train.main: exit 2
         prefix = "config error" if isinstance(e, ConfigError) else "error"
         result["outcome"] = "refused"
         result["line"] = f"{prefix}: {e}"

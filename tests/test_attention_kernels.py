@@ -210,18 +210,19 @@ def _sp_worker(rank: int, world: int, port: int, out: str) -> None:
     from tests.test_sequence_parallel import BASE, make_batch, reference_loss, rel_err, sp_loss
 
     init_gloo_rank(rank, world, port)
-    from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
-    from linformer_ds.parallelize import apply_sequence_parallel
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import sharding
+    from linformer_ds.parallel.parallelize import apply_sequence_parallel
 
     # m = k = 8 summaries: explicit up to 12 queries (the slice), SDPA for 24 (the whole row)
     kernels.EXPLICIT_UP_TO = {("cpu", torch.float32): ((8, 12),)}
     seen = []
     pick = kernels.pick_kernel
     kernels.pick_kernel = lambda n, m, *a: seen.append((n, m, pick(n, m, *a))) or seen[-1][2]
-    groups = sp.build_groups(world)
+    groups = grp.build_groups(world)
     batch = make_batch(3)
-    local, _ = sp.shard_batch(batch, groups.sp_rank, groups.sp_size)
+    local, _ = sharding.shard_batch(batch, groups.sp_rank, groups.sp_size)
     errs = {}
     for sharing in ("headwise", "layerwise"):
         torch.manual_seed(0)

@@ -579,6 +579,7 @@ def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch,
     from linformer_ds import config as config_mod
     from linformer_ds import resolve as resolve_mod
     from linformer_ds import train
+    from linformer_ds import trainer as trainer_mod
 
     calls: collections.Counter = collections.Counter()
 
@@ -595,7 +596,7 @@ def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch,
     counted(config_mod, "validate")
     for name in ("resolve_precision", "_resolve_shard", "check_deepspeed_extra"):
         counted(resolve_mod, name)
-    counted(train, "resolve")
+    counted(trainer_mod, "resolve")
     seen = {}
 
     class Built(Exception):
@@ -605,7 +606,7 @@ def test_trainer_validates_and_resolves_once(tiny_corpus, tmp_path, monkeypatch,
         seen["cfg"] = self.cfg
         raise Built
 
-    monkeypatch.setattr(train.Trainer, "_build_engine", stop)
+    monkeypatch.setattr(trainer_mod.Trainer, "_build_engine", stop)
     argv = ["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
             f"logging.dir={tmp_path}", "train.max_steps=2"]  # fmt: skip
     with pytest.raises(Built):

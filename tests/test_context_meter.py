@@ -26,8 +26,9 @@ from linformer_ds.context_meter import (
     unigram_bias,
     with_mixture_meter,
 )
-from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
+from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.shards import ShardDataset
+from linformer_ds.loss import IGNORE_INDEX
 from tests.pretrain_utils import read_metrics, run_pretrain
 
 V, N = 50, 16

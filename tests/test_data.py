@@ -14,13 +14,14 @@ import torch
 
 import data_prep
 from data_prep import PrepConfig, prepare
-from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
+from linformer_ds.data.masking import MLMMasking
 from linformer_ds.data.shards import (
     MANIFEST_FORMAT_VERSION,
     DataError,
     ShardDataset,
     check_compatible,
 )
+from linformer_ds.loss import IGNORE_INDEX
 from linformer_ds.model import ModelConfig
 from tests.legacy_batches import ResumableDistributedSampler
 

@@ -12,7 +12,7 @@ PACKAGES = ("linformer_ds", "data_prep")
 # the model package ships inside exported model directories and imports only torch, the standard
 # library and itself (tests/test_import_graph.py): its errors cannot import linformer_ds.errors
 SELF_CONTAINED = ("linformer_ds.model", "linformer_ds.hf")
-NOT_ERRORS = {"linformer_ds.train.StopTraining"}  # the trainer's stop signal, not an error
+NOT_ERRORS = {"linformer_ds.trainer.StopTraining"}  # the trainer's stop signal, not an error
 
 
 def _walk(pkg, skipped: list):

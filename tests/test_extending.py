@@ -251,7 +251,7 @@ def test_projection_kind_forward_backward(pool_kind):
             assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
     assert flops_per_token(cfg) > 0
     # sequence parallelism: refused for a kind registered without sequence_parallel=True
-    from linformer_ds.sequence_parallel import config_errors
+    from linformer_ds.parallel.checks import config_errors
 
     errors = config_errors(2, world_size=2, seq_len=16, model=cfg)
     assert any("the pool projection does not support sequence parallelism" in e for e in errors)

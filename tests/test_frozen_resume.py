@@ -61,7 +61,7 @@ def _trainer_with_other_frozen_init(monkeypatch, tiny_corpus, tmp_path: Path, ck
     from linformer_ds import engine as eng
     from linformer_ds.config import load_config
     from linformer_ds.data.stages import resolve_stages
-    from linformer_ds.train import Trainer
+    from linformer_ds.trainer import Trainer
 
     if perturb:  # the layout worker's rule, also used by the chains below
         monkeypatch.setattr(eng, "build_model", perturbed_frozen)

@@ -1,10 +1,9 @@
 """The package's layout: no import cycles (imports inside functions included), no cycle between
-linformer_ds and data_prep, no module over its size budget (docs/module_budget.md), the model
-package torch-only (scripts/arch_report.py)."""
+linformer_ds's subpackages nor between linformer_ds and data_prep, no module over its size
+budget (docs/module_budget.md), the model package torch-only (scripts/arch_report.py)."""
 
 import ast
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -16,9 +15,7 @@ arch = importlib.util.module_from_spec(_spec)
 sys.modules["arch_report"] = arch
 _spec.loader.exec_module(arch)
 
-BUDGET_FILE = ROOT / "docs" / "module_budget.md"
-BUDGETED = ("linformer_ds", "data_prep", "launch")  # not tests/ nor bench/
-DEFAULT_LINES = 500  # a module over this needs a row in BUDGET_FILE
+BUDGET_FILE = ROOT / arch.BUDGET_FILE
 
 
 @pytest.fixture(scope="module")
@@ -38,48 +35,51 @@ def test_no_package_cycle(mods):
     assert arch.cycles(graph) == [], f"linformer_ds and data_prep import each other: {graph}"
 
 
-def _lines(path: Path) -> int:
-    text = path.read_text(encoding="utf-8")
-    return text.count("\n") + (not text.endswith("\n"))
+def test_no_cycle_between_subpackages(mods):
+    """linformer_ds read as parts (each subpackage one node, each top-level module its own),
+    from the real imports: no part imports itself back through others."""
+    found = arch.subpackage_cycles(arch.import_graph(mods))
+    assert found == [], "linformer_ds's subpackages import each other: " + "; ".join(
+        " -> ".join(c) for c in found
+    )
 
 
-def read_budget(text: str) -> dict:
-    """``{path: (budget, why)}`` from the rows ``| `path` | lines | why |`` of the budget file."""
-    rows = re.findall(r"^\| `([^`]+\.py)` \| *(\d+) *\| *(.*?) *\|$", text, re.M)
-    budget = {}
-    for path, lines, why in rows:
-        assert path not in budget, f"{BUDGET_FILE.name}: {path} has two rows"
-        assert why, f"{BUDGET_FILE.name}: {path} says not why it is over {DEFAULT_LINES} lines"
-        budget[path] = (int(lines), why)
-    return budget
-
-
-def budget_problems(root: Path, budget: dict) -> list:
-    """What breaks the budget: a module over 500 lines without a row, one over its row's budget,
-    a row for a module that is gone or back under 500 lines."""
-    sizes = {
-        p.relative_to(root).as_posix(): _lines(p)
-        for top in BUDGETED
-        for p in sorted((root / top).rglob("*.py"))
-        if "__pycache__" not in p.parts
-    }
-    problems = []
-    for path, lines in sizes.items():
-        allowed = budget[path][0] if path in budget else DEFAULT_LINES
-        if lines > allowed:
-            where = f"its budget of {allowed}" if path in budget else f"{DEFAULT_LINES} with no row"
-            problems.append(f"{path}: {lines} lines, over {where}")
-    for path in budget:
-        if path not in sizes:
-            problems.append(f"{path}: in the budget but not a module of {', '.join(BUDGETED)}")
-        elif sizes[path] <= DEFAULT_LINES:
-            problems.append(f"{path}: {sizes[path]} lines, under {DEFAULT_LINES}: remove its row")
-    return problems
+def test_the_checker_finds_a_subpackage_cycle(tmp_path):
+    """The check itself: data -> engine -> parallel -> data, each edge from another module (no
+    module cycle), is a cycle of parts; the same tree without the last edge is none."""
+    pkg = tmp_path / "linformer_ds"
+    for sub in ("data", "parallel"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "masking.py").write_text("from linformer_ds.engine import reduce\n")
+    (pkg / "engine.py").write_text("from linformer_ds.parallel.groups import build\n")
+    (pkg / "parallel" / "groups.py").write_text("build = 1\n")
+    (pkg / "parallel" / "scaling.py").write_text("from linformer_ds.data.masking import IGNORE\n")
+    (tmp_path / "data_prep").mkdir()
+    graph = arch.import_graph(arch.parse(tmp_path))
+    assert arch.cycles(graph) == []  # no module cycle
+    assert arch.subpackage_cycles(graph) == [
+        ["linformer_ds.data", "linformer_ds.engine", "linformer_ds.parallel"]
+    ]
+    (pkg / "parallel" / "scaling.py").write_text("IGNORE = -100\n")
+    assert arch.subpackage_cycles(arch.import_graph(arch.parse(tmp_path))) == []
 
 
 def test_module_sizes_within_budget():
-    problems = budget_problems(ROOT, read_budget(BUDGET_FILE.read_text(encoding="utf-8")))
+    problems = arch.budget_problems(ROOT, arch.read_budget(BUDGET_FILE.read_text(encoding="utf-8")))
     assert problems == [], f"{BUDGET_FILE.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_the_report_reads_the_budget_file():
+    """scripts/arch_report.py lists the modules over 500 lines with the budget of their row in
+    docs/module_budget.md (no list of its own)."""
+    rep = arch.report(ROOT)
+    budget = arch.read_budget(BUDGET_FILE.read_text(encoding="utf-8"))
+    assert rep["budget_problems"] == []
+    assert {p: v["budget"] for p, v in rep["over_default"].items()} == {
+        p: b for p, (b, _) in budget.items()
+    }
 
 
 def test_the_budget_check_catches_each_case(tmp_path):
@@ -94,7 +94,7 @@ def test_the_budget_check_catches_each_case(tmp_path):
         f"| `linformer_ds/{n}.py` | {b} | a reason |"
         for n, b in (("over", 600), ("within", 600), ("gone", 700), ("small", 600))
     )
-    problems = budget_problems(tmp_path, read_budget(table))
+    problems = arch.budget_problems(tmp_path, arch.read_budget(table))
     assert problems == [
         "linformer_ds/big.py: 501 lines, over 500 with no row",
         "linformer_ds/over.py: 620 lines, over its budget of 600",
@@ -102,7 +102,7 @@ def test_the_budget_check_catches_each_case(tmp_path):
         "linformer_ds/small.py: 100 lines, under 500: remove its row",
     ]
     with pytest.raises(AssertionError, match="not why"):
-        read_budget("| `linformer_ds/big.py` | 600 |  |")
+        arch.read_budget("| `linformer_ds/big.py` | 600 |  |")
 
 
 @pytest.mark.parametrize(
@@ -121,6 +121,21 @@ def test_model_files_are_torch_only(path):
         elif isinstance(node, ast.ImportFrom):
             names.add((node.module or "").split(".")[0])
     assert names - set(sys.stdlib_module_names) <= {"torch"}, names
+
+
+def test_the_trainer_module_leaves_the_process_alone(mods):
+    """linformer_ds/trainer.py touches no signal and starts no watchdog (linformer_ds/train.py,
+    the command line, does both and hands them in); it imports no test hook (they are passed in:
+    ``Trainer(hooks=...)``)."""
+    path = ROOT / "linformer_ds" / "trainer.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    imported = {t for t, _ in mods["linformer_ds.trainer"].imports}
+    bad = {t for t in imported if t == "signal" or t.startswith("linformer_ds.testing")}
+    assert bad == set(), f"trainer.py imports {bad}"
+    assert "signal" not in names, "trainer.py names the signal module"
+    assert not (names | attrs) & {"start_watchdog", "set_wakeup_fd", "SignalFlag"}
 
 
 def test_the_checker_finds_a_cycle(tmp_path):

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from linformer_ds.dist_env import free_port
 from linformer_ds.model import ModelConfig
-from linformer_ds.sequence_parallel import isolation_errors, shard_batch
+from linformer_ds.parallel.checks import isolation_errors
+from linformer_ds.parallel.sharding import shard_batch
 from tests.pretrain_utils import child_env, init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,11 +92,11 @@ def _equivalence(rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.utils.checkpoint
 
-    from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
-    from linformer_ds.parallelize import apply_sequence_parallel
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel.parallelize import apply_sequence_parallel
 
-    groups = sp.build_groups(world)
+    groups = grp.build_groups(world)
     batch = make_batch()
     count = (batch["labels"] != -100).sum().float()
     local, _ = shard_batch(batch, groups.sp_rank, groups.sp_size)
@@ -140,11 +141,12 @@ def _equivalence(rank: int, world: int) -> dict:
 
 def _zero(rank: int, world: int, deepspeed) -> dict:
     """ZeRO 0-3 with P = 2: the loss before and after one SGD step (lr 0.5), and one rank's."""
-    from linformer_ds import parallelize as par
-    from linformer_ds import sequence_parallel as sp
+    from linformer_ds.loss import LossScaling
     from linformer_ds.model import LinformerForMaskedLM
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import parallelize as par
 
-    groups = sp.build_groups(world)
+    groups = grp.build_groups(world)
     batch = make_batch(seed=1)
     count = (batch["labels"] != -100).sum().float()
     local, _ = shard_batch(batch, groups.sp_rank, groups.sp_size)
@@ -173,9 +175,9 @@ def _zero(rank: int, world: int, deepspeed) -> dict:
         par.partition_for_zero3(model, groups, ds)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds,
-            mpu=par.SequenceParallelMPU(groups),
+            mpu=grp.SequenceParallelMPU(groups),
         )  # fmt: skip
-        rule = par.LossScaling(world, sp_size=world, zero_stage=stage)
+        rule = LossScaling(world, sp_size=world, zero_stage=stage)
         first = loss_of(engine.module, local, count)
         engine.backward(first * rule.backward_scale)
         engine.step()

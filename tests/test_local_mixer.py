@@ -145,7 +145,7 @@ def test_bad_options_name_the_field(options, field):
 
 
 def test_sequence_parallel_refuses_slices_shorter_than_the_reach():
-    from linformer_ds.sequence_parallel import config_errors
+    from linformer_ds.parallel.checks import config_errors
 
     cfg = ModelConfig(max_seq_len=64, hidden_size=16, num_heads=2, num_layers=1, k=8,
                       local_mixer="layers", local_mixer_kernel=9)  # fmt: skip

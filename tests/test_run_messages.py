@@ -104,7 +104,7 @@ def test_mixture_rows_tensorboard_line_and_resume_at_or_past_max_steps(
 
 def test_one_source_train_rows_unchanged():
     """A single source's ``train_rows`` stays one number (the README demo's line)."""
-    from linformer_ds.train import Trainer
+    from linformer_ds.trainer import Trainer
 
     fake = Trainer.__new__(Trainer)
     fake.train_sets = {"train": list(range(7))}  # type: ignore[assignment]

@@ -19,15 +19,11 @@ from hypothesis import strategies as st
 
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
+from linformer_ds.loss import LossScaling
 from linformer_ds.model import ModelConfig
-from linformer_ds.parallelize import LossScaling
-from linformer_ds.sequence_parallel import (
-    SequenceParallelConfigError,
-    check_config,
-    config_errors,
-    group_layout,
-    shard_batch,
-)
+from linformer_ds.parallel.checks import SequenceParallelConfigError, check_config, config_errors
+from linformer_ds.parallel.groups import group_layout
+from linformer_ds.parallel.sharding import shard_batch
 from tests.pretrain_utils import child_env, init_gloo_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +95,7 @@ def reference_loss(model, batch: dict) -> torch.Tensor:
 
 def sp_loss(model, batch: dict, group) -> torch.Tensor:
     """P > 1: this rank's share (sum over its labelled positions / the replica's count)."""
-    from linformer_ds.sequence_parallel import global_label_count
+    from linformer_ds.parallel.collectives import global_label_count
 
     hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
     sel = batch["labels"] != -100
@@ -128,11 +124,12 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
     import torch.distributed as dist
     import torch.utils.checkpoint
 
-    from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
-    from linformer_ds.parallelize import apply_sequence_parallel
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import sharding
+    from linformer_ds.parallel.parallelize import apply_sequence_parallel
 
-    groups = sp.build_groups(world)
+    groups = grp.build_groups(world)
     results: dict = {"cases": {}, "bytes": {}}
     batch = make_batch(B)
     local, offset = shard_batch(batch, groups.sp_rank, groups.sp_size)
@@ -161,9 +158,9 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         model = copy.deepcopy(ref)
         sharded = {}
         if shard:
-            names = sp.shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
+            names = sharding.shard_sequence_parameters(model, groups.sp_rank, groups.sp_size)
             sharded = {n: p.sequence_shard[0] for n, p in model.named_parameters() if n in names}
-            full = sp.full_state_dict(model, groups.sp_group)
+            full = sharding.full_state_dict(model, groups.sp_group)
             want = ref.state_dict()
             assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
             for n in sharded:  # each rank holds 1/P of them
@@ -186,7 +183,9 @@ def _equivalence_worker(rank: int, world: int, out: Path) -> dict:
         floor = 1e-6 * max(p.grad.abs().max().item() for p in ref.parameters())
         for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
             if name in sharded:  # complete on the rank: compared without any reduction
-                want = sp.shard_tensor(p_ref.grad, sharded[name], groups.sp_rank, groups.sp_size)
+                want = sharding.shard_tensor(
+                    p_ref.grad, sharded[name], groups.sp_rank, groups.sp_size
+                )
                 errs[f"{name} (sharded)"] = rel_err(p.grad, want, floor)
                 continue
             g = p.grad.clone()
@@ -252,11 +251,12 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
     """One SGD step per case: the reduced gradients and the parameters after the step."""
     from deepspeed.utils import safe_get_full_grad
 
-    from linformer_ds import parallelize as par
-    from linformer_ds import sequence_parallel as sp
     from linformer_ds.model import LinformerForMaskedLM
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import parallelize as par
+    from linformer_ds.parallel import sharding
 
-    groups = sp.build_groups(sp_size) if sp_size > 1 else None
+    groups = grp.build_groups(sp_size) if sp_size > 1 else None
     replica = groups.dp_rank if groups else rank
     batch = make_batch(4, seed=1)  # the global batch: 2 rows per replica
     rows = {k: v[2 * replica : 2 * replica + 2] for k, v in batch.items()}
@@ -273,12 +273,12 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
         if groups is not None and shard:
             par.shard_for_deepspeed(model, groups)
             par.apply_sequence_parallel(model, groups.sp_group)
-            kwargs["mpu"] = par.ShardedSequenceParallelMPU(groups)
+            kwargs["mpu"] = grp.ShardedSequenceParallelMPU(groups)
         elif groups is not None:
             par.apply_sequence_parallel(model, groups.sp_group)
             if partition:
                 par.partition_for_zero3(model, groups, cfg)
-            kwargs["mpu"] = par.SequenceParallelMPU(groups)
+            kwargs["mpu"] = grp.SequenceParallelMPU(groups)
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, **kwargs
         )
@@ -299,8 +299,8 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
             after = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
         if groups is not None and shard:  # whole again: all-gather the shards over the group
             for k, v in engine.module.named_parameters():
-                if hasattr(v, sp.SHARD_ATTR):
-                    dim = getattr(v, sp.SHARD_ATTR)[0]
+                if hasattr(v, sharding.SHARD_ATTR):
+                    dim = getattr(v, sharding.SHARD_ATTR)[0]
                     for d in (grads, after):
                         parts = [torch.empty_like(d[k]) for _ in range(groups.sp_size)]
                         torch.distributed.all_gather(parts, d[k].contiguous(), groups.sp_group)
@@ -322,10 +322,10 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
     """SP = 2, DP = 1: a bias-free Linear(4, 1) with weight 1, each rank feeds its slice's token
     ``x_r`` and its share of the loss; one SGD step with lr 1 must leave ``1 - (x_0 + x_1)``,
     exactly (small integers are exact in bf16), whatever the precision and stage."""
-    from linformer_ds import parallelize as par
-    from linformer_ds import sequence_parallel as sp
+    from linformer_ds.parallel import groups as grp
+    from linformer_ds.parallel import parallelize as par
 
-    groups = sp.build_groups(world)
+    groups = grp.build_groups(world)
     x = torch.arange(8, dtype=torch.float32).view(2, 4)[rank : rank + 1]
     results = {}
     for (precision, fp32_accum, stage), shard in itertools.product(EXACT_CASES, (False, True)):
@@ -344,11 +344,11 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
         if shard:  # the sharded path: the replicated weight's gradient summed over SP by a hook
             par.shard_for_deepspeed(model, groups)
-            mpu, scale = par.ShardedSequenceParallelMPU(groups), 1.0
+            mpu, scale = grp.ShardedSequenceParallelMPU(groups), 1.0
         else:
             par.partition_for_zero3(model, groups, cfg)
             rule = LossScaling(world, sp_size=world, zero_stage=stage)
-            mpu, scale = par.SequenceParallelMPU(groups), rule.backward_scale
+            mpu, scale = grp.SequenceParallelMPU(groups), rule.backward_scale
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu
         )
@@ -634,7 +634,7 @@ def test_shards_of_every_rank_rebuild_the_model(sharing):
     import copy
 
     from linformer_ds.model import LinformerForMaskedLM
-    from linformer_ds.sequence_parallel import sequence_dim, shard_sequence_parameters
+    from linformer_ds.parallel.sharding import sequence_dim, shard_sequence_parameters
 
     torch.manual_seed(0)
     cfg = _cfg(**SCHEDULES["mixed"], sharing=sharing)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from linformer_ds.data.masking import IGNORE_INDEX, MLMMasking
+from linformer_ds.data.masking import MLMMasking
+from linformer_ds.loss import IGNORE_INDEX
 
 V, N, B = 50, 32, 400
 SPECIAL = [0, 1, 2, 3, 4]

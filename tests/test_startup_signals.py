@@ -7,7 +7,7 @@ metrics.jsonl as before, no lock file left). A signal before the trainer's start
 handles them from its first line, while torch is imported) ends the process the same way at once:
 it was kept for a step-1 checkpoint, and under SLURM, with another rank gone, the rank waited for
 the cluster's KillWait. The phases are held open by the test hook ``debug.pause_at=<phase>``
-(linformer_ds.dist_env.Watchdog.set_phase), so no case depends on the machine's speed; the
+(linformer_ds.watchdog.StartUpPhases.set_phase), so no case depends on the machine's speed; the
 deadlines are generous.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from linformer_ds.dirlock import LOCK_NAME
-from linformer_ds.dist_env import START_UP_PHASES
+from linformer_ds.watchdog import START_UP_PHASES
 from tests.pretrain_utils import (
     PRETRAIN,
     REPO,
@@ -158,7 +158,7 @@ def test_signal_pending_when_the_watchdog_starts_ends_at_once(tmp_path):
     with the launcher watch off (a single process)."""
     code = (
         "import signal, time\n"
-        "from linformer_ds.dist_env import start_watchdog\n"
+        "from linformer_ds.watchdog import start_watchdog\n"
         "start_watchdog(75, False, 600.0, pending=lambda: signal.SIGTERM)\n"
         "print('not stopped', flush=True)\n"
     )
@@ -178,7 +178,7 @@ def test_a_disarmed_watchdog_drops_the_orphan_countdown(tmp_path):
     off: the process lives on, and a launcher that exits later is not watched either."""
     code = (
         "import signal, subprocess, sys, time\n"
-        "from linformer_ds.dist_env import start_watchdog\n"
+        "from linformer_ds.watchdog import start_watchdog\n"
         "got = []\n"
         "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
         "launcher = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
@@ -198,3 +198,38 @@ def test_a_disarmed_watchdog_drops_the_orphan_countdown(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["sigterm", "True", "alive"], proc.stdout + proc.stderr
     assert "the launcher (pid" in proc.stderr and "did not stop" not in proc.stderr, proc.stderr
+
+
+def test_a_trainer_in_the_callers_process_leaves_its_signal_handling(tiny_corpus, tmp_path,
+                                                                      _clean_env):  # fmt: skip
+    """A Trainer built and run without the command line's process side (a notebook, a test):
+    every signal handler, the wakeup fd and the process's watchdog are as they were, during
+    the run and after (linformer_ds/trainer.py installs none; linformer_ds/train.py does)."""
+    import threading
+
+    from linformer_ds import watchdog
+    from linformer_ds.config import load_config
+    from linformer_ds.trainer import Trainer
+
+    def process_state() -> tuple:
+        handlers = {s: signal.getsignal(s) for s in signal.valid_signals()}
+        fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(fd)
+        armed = watchdog._WATCHDOG is not None and watchdog._WATCHDOG.phase is not None
+        return handlers, fd, watchdog._WATCHDOG, armed
+
+    threads = {t.ident for t in threading.enumerate()}
+    before = process_state()
+    cfg = load_config(TINY_CONFIG, [*TEST_OVERRIDES, f"data.path={tiny_corpus}",
+                                    f"logging.dir={tmp_path / 'run'}", "train.max_steps=2",
+                                    "deepspeed.precision=fp32"])  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        assert process_state() == before
+        assert type(trainer.watchdog) is watchdog.StartUpPhases  # phases named, nothing acts
+        assert trainer.train() == 0
+    finally:
+        trainer.close()
+    assert process_state() == before
+    started = [t.name for t in threading.enumerate() if t.ident not in threads]
+    assert "linformer-watchdog" not in started, started

@@ -14,7 +14,7 @@ import pytest
 
 from linformer_ds.config import load_config
 from linformer_ds.engine import build_model
-from linformer_ds.parallelize import parallelize
+from linformer_ds.parallel.parallelize import parallelize
 from tests.pretrain_utils import (
     TEST_OVERRIDES,
     TINY_CONFIG,

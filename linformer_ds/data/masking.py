@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from linformer_ds.loss import IGNORE_INDEX
 
 
 def document_positions(tokens: torch.Tensor, sep_id: int) -> torch.Tensor:

@@ -12,9 +12,11 @@
   sequence-axis parameters (E/F columns, position rows), whole state dicts again, and the
   universal-checkpoint metadata of sharded runs.
 * :mod:`~linformer_ds.parallel.parallelize`: the parallelize step that applies the layout to the
-  plain model, and ``LossScaling``, the loss/gradient scaling rule of every layout.
+  plain model (the loss/gradient scaling rule that goes with it, ``LossScaling``, is in
+  :mod:`linformer_ds.loss`).
 
-The package imports nothing itself (``linformer_ds.engine`` imports ``groups`` and
-``parallelize`` imports ``engine``). ``linformer_ds.sequence_parallel`` and
-``linformer_ds.parallelize`` re-export the names they held before the split.
+The package imports nothing itself; its modules import the config, the model and each other,
+never the engine, the data or the loss (``linformer_ds.engine`` imports ``groups``,
+``linformer_ds.loss`` imports ``parallelize``, the data pipeline imports ``checks`` and
+``sharding``: tests/test_import_graph.py keeps the subpackages free of cycles).
 """

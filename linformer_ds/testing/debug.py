@@ -2,9 +2,10 @@
 that normal runs never set, and attached only then: the sample-index log
 (``debug.sample_log=DIR``) and the NaN loss of one step (``debug.nan_at_step``, ``nan_rank``)."""
 
+import contextlib
 import json
 import os
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -12,27 +13,33 @@ from linformer_ds.config import ConfigError
 
 
 class DebugHooks:
-    """``sample_observer`` (the sample-index log of ``debug.sample_log``) and ``poison`` (a NaN
-    loss at one step); ``active``: whether the step must call ``poison`` at all."""
+    """A Trainer hook (:class:`linformer_ds.trainer.TrainerHook`): ``sample_observer`` (the
+    sample-index log of ``debug.sample_log``, opened when attached) and ``loss`` (a NaN loss at
+    one step)."""
 
     def __init__(
         self,
-        rank: int,
         sample_log: str | None = None,
         nan_at_step: int | None = None,
         nan_rank: int | None = None,
     ) -> None:
-        self.rank = rank
+        self.sample_dir = sample_log
         self.nan_step, self.nan_rank = nan_at_step, nan_rank
-        self.active = nan_at_step is not None
+        self.rank: int | None = None
         self._sample_log: TextIO | None = None
-        if sample_log:
-            path = os.path.join(sample_log, f"samples.rank{rank}.jsonl")
-            try:
-                os.makedirs(sample_log, exist_ok=True)
-                self._sample_log = open(path, "a")
-            except OSError as e:
-                raise ConfigError(f"debug.sample_log: cannot write {path}: {e}") from None
+
+    def attach(self, trainer: Any) -> None:
+        """The built Trainer's rank; its data stream logs each batch's sample indices."""
+        self.rank = trainer.rank
+        if not self.sample_dir:
+            return
+        path = os.path.join(self.sample_dir, f"samples.rank{self.rank}.jsonl")
+        try:
+            os.makedirs(self.sample_dir, exist_ok=True)
+            self._sample_log = open(path, "a")
+        except OSError as e:
+            raise ConfigError(f"debug.sample_log: cannot write {path}: {e}") from None
+        trainer.batches.on_batch = self.sample_observer(lambda: trainer.step + 1)
 
     def sample_observer(self, step_fn):
         """A ``TrainData.on_batch`` callback logging ``{step, epoch, rank, indices}``, or None.
@@ -48,7 +55,10 @@ class DebugHooks:
 
         return observe
 
-    def poison(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+    def step(self, step: int) -> contextlib.AbstractContextManager[None]:  # noqa: ARG002
+        return contextlib.nullcontext()
+
+    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """TEST HOOK: ``loss * NaN`` at the configured step (and rank)."""
         if step == self.nan_step and self.nan_rank in (None, self.rank):
             return loss * float("nan")

@@ -97,7 +97,7 @@ def sync_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
 _SEP = os.sep
 _OURS = f"{_SEP}linformer_ds{_SEP}"
 _MODEL_DIR = f"{_OURS}model{_SEP}"  # the model package
-_MODEL_FILES = tuple(  # what sequence_parallel.py held
+_MODEL_FILES = tuple(  # the model's side of sequence parallelism
     f"{_SEP}parallel{_SEP}{m}.py" for m in ("checks", "groups", "collectives", "sharding")
 )
 _DATA_DIR = f"{_OURS}data{_SEP}"  # the data pipeline: the package linformer_ds/data/
@@ -221,21 +221,31 @@ def count_cuda_syncs(device: Any) -> Iterator[dict[str, Any]]:
 
 
 class StepSyncLog:
-    """The trainer's hook (attached only with ``debug.sync_log``): the optimizer ``steps`` run
-    under :class:`SyncCounter` and :func:`count_cuda_syncs`; one JSON line per step (counts,
-    step seconds) per rank, in ``directory/syncs.rank{R}.jsonl``."""
+    """The trainer's hook (:class:`linformer_ds.trainer.TrainerHook`, passed only with
+    ``debug.sync_log``): the optimizer ``steps`` run under :class:`SyncCounter` and
+    :func:`count_cuda_syncs`; one JSON line per step (counts, step seconds) per rank, in
+    ``directory/syncs.rank{R}.jsonl``."""
 
-    def __init__(
-        self, rank: int, device: Any, directory: str, steps: list[int], run: str = ""
-    ) -> None:
-        self.rank, self.device, self.run = rank, device, run
+    def __init__(self, directory: str, steps: list[int]) -> None:
         self.dir, self.steps = directory, list(steps)
-        self.path = os.path.join(directory, f"syncs.rank{rank}.jsonl")
+        self.rank, self.device, self.run, self.path = 0, "cpu", "", ""
+
+    def attach(self, trainer: Any) -> None:
+        """The built Trainer's rank, device and run directory; the file is created here."""
+        self.rank, self.device = trainer.rank, trainer.device
+        self.run = trainer.cfg.logging.dir
+        self.path = os.path.join(self.dir, f"syncs.rank{self.rank}.jsonl")
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(self.dir, exist_ok=True)
             open(self.path, "a").close()
         except OSError as e:
             raise ConfigError(f"debug.sync_log: cannot write {self.path}: {e}") from None
+
+    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:  # noqa: ARG002
+        return loss
+
+    def close(self) -> None:
+        pass
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

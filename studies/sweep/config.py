@@ -14,7 +14,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "launch" / "pretrain.py"
 SWEEP_CLI = REPO / "studies" / "run_sweep.py"
-EXIT_NONFINITE = 3  # linformer_ds.train.EXIT_NONFINITE (not imported: it pulls in deepspeed)
+EXIT_NONFINITE = 3  # linformer_ds.trainer.EXIT_NONFINITE (not imported: it pulls in deepspeed)
 FINISHED = ("ok", "diverged")  # statuses that a rerun skips
 # Keys that the runner sets per point; a sweep file must not set them in base/variant overrides.
 RESERVED = (
