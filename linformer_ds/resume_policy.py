@@ -89,6 +89,7 @@ POLICY: dict[str, Policy] = {
             "local_mixer",
             "local_mixer_kernel",
             "local_window",
+            "routed_blocks",
             "positions",
             "rope_base",
             "initializer_range",

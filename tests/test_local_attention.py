@@ -219,8 +219,14 @@ def test_flops_count_the_window_and_parameters_the_kind():
     [
         (dict(projection="linear", local_window=7), "model.local_window: must be even"),
         (dict(projection="linear", local_window=66), "model.local_window: 66 is wider"),
-        (dict(projection="dense", local_window=8), "model.local_window: applies to the layers of windowed kinds"),
-        (dict(projection="local"), "model.projection: the 'local' kind attends through the sliding window"),
+        (
+            dict(projection="dense", local_window=8),
+            "model.local_window: applies to the layers of windowed kinds",
+        ),
+        (
+            dict(projection="local"),
+            "model.projection: the 'local' kind attends through the sliding window",
+        ),
         (
             dict(projection="dynamic", freeze_projection=True),
             "model.freeze_projection: the 'dynamic'",

@@ -70,6 +70,7 @@ VALUES = {
     "model.local_mixer": ["model.local_mixer=layers"],
     "model.local_mixer_kernel": ["model.local_mixer_kernel=5"],
     "model.local_window": ["model.local_window=16"],
+    "model.routed_blocks": ["model.routed_blocks=2"],
     "model.positions": ["model.positions=rope"],
     "model.rope_base": ["model.rope_base=500.0"],
     "model.initializer_range": ["model.initializer_range=0.03"],
@@ -487,6 +488,7 @@ def test_a_checkpoint_older_than_a_model_option_resumes_with_its_default():
     del old["position_init"], old["output_bias_init"]
     del old["local_mixer"], old["local_mixer_kernel"]
     del old["local_window"], old["positions"], old["rope_base"]  # before local + global
+    del old["routed_blocks"]  # before the routed kind
     check_model_config({"model": old}, cfg, "step_00000002")  # no error
     new = load_config(TINY_CONFIG, TEST_OVERRIDES + ["model.position_init=sinusoidal"])
     with pytest.raises(CheckpointError, match=r"model.position_init: checkpoint 'normal' vs "

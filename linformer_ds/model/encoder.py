@@ -71,7 +71,7 @@ class LinformerEncoder(nn.Module):
         # document isolation: one product and attention per span (True), batched over chunks
         # (False), or None: per span on the CPU (measured faster there), chunks on accelerators
         self.document_per_span: bool | None = None
-        # linformer_ds.parallelize.apply_sequence_parallel
+        # linformer_ds.parallel.parallelize.apply_sequence_parallel
         self.sequence_parallel: Any | None = None
         self.token_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings: nn.Embedding | None = None

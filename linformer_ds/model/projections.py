@@ -34,7 +34,7 @@ class Projection(nn.Module):
     derive from it gets these defaults: summaries ``[B, m, h, d]`` (isolated: ``[S, m, h, d]``,
     one set per span) that padding never reaches.
 
-    Layout, set from outside: ``sequence_parallel`` (linformer_ds.parallelize).
+    Layout, set from outside: ``sequence_parallel`` (linformer_ds.parallel.parallelize).
     """
 
     sequence_dim: int | None = None  # weight's dim indexed by sequence position, if any
