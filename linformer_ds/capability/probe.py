@@ -19,7 +19,7 @@ only (the value read as YAML: ``k=8``, ``local_window=128``, ``layer_projections
 linear]``). ``--model OPTION=VALUE`` (repeatable) changes the base of every kind. E.g.::
 
     --kinds "dense,linear,window:projection=linear:local_window=128,
-             modernbert:layer_projections=[local,local,dense]:local_window=128"
+             modernbert:layer_projections=[local,dense]:local_window=128"
 """
 
 import argparse
