@@ -52,6 +52,8 @@ MODULE_COMMANDS = {
     "linformer_ds.context_curve": "context_curve",
     "linformer_ds.onnx_export": "onnx_export",
     "data_prep": "data_prep",
+    "linformer_ds.capability": "capability",
+    "linformer_ds.plan": "plan",
 }
 
 

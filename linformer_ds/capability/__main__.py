@@ -1,7 +1,6 @@
 """``python -m linformer_ds.capability {copy,probe} ...``: see docs/capability.md."""
 
 import argparse
-import sys
 
 import torch
 
@@ -56,4 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from linformer_ds import entry
+
+    entry.run(main)

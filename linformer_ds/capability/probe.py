@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import yaml
 
+from linformer_ds.errors import LinformerError
+
 from .tasks import TASKS, TaskSpec, Vocab, make_rows
 
 JSON_FILE, PNG_FILE = "probe.json", "probe.png"
@@ -45,7 +47,7 @@ BASE_MODEL = {  # the probe model every kind starts from (--model changes it)
 }  # fmt: skip
 
 
-class ProbeError(ValueError):
+class ProbeError(LinformerError, ValueError):
     """Bad probe options: one line naming them."""
 
 

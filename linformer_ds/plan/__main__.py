@@ -109,4 +109,6 @@ def main(argv: list | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from linformer_ds import entry
+
+    entry.run(main)
