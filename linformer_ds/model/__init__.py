@@ -10,7 +10,8 @@ Files (flat: the export ships them as they are):
 * ``kinds``: the built-in kinds, one registration each.
 * ``projections``: the summary modules (linear E/F, conv, local, dynamic).
 * ``dense``: dense attention; ``routed``: routed block attention; ``window``: the exact
-  sliding window (local + global); ``rotary``: rotary positions; ``kernels``: the short-attention kernel rule.
+  sliding window (local + global); ``rotary``: rotary positions; ``kernels``: the
+  short-attention kernel rule.
 * ``attention``: one layer's attention, dispatched by its kind; ``layers``: FFN, local mixer,
   encoder layer; ``documents``: document isolation in packed rows; ``encoder``.
 * ``config``: options and validation; ``heads``: task models; ``losses``, ``init`` (weight
