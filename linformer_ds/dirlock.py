@@ -143,11 +143,29 @@ class DirLock:
                     continue
                 self.created.append(d)
             return self._lock(mode)
-        except BaseException:  # Ctrl-C while the record is written included: no lock file left
+        except BaseException as e:  # Ctrl-C while the record is written included: no lock file left
             if self.fd is not None:
                 self.release()
+            elif isinstance(e, KeyboardInterrupt):
+                self._remove_unheld_empty()
             self._remove_created()
             raise
+
+    def _remove_unheld_empty(self) -> None:
+        """After a Ctrl-C between the lock file's creation and its lock: the file, if nobody
+        holds it and it holds no record (ours was not written yet; a dead holder's stays)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_size == 0 and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                os.remove(self.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _remove_created(self) -> None:
         for d in reversed(self.created):
@@ -159,27 +177,37 @@ class DirLock:
         for _ in range(100):  # the file may be removed by its last holder between open and lock
             fd = self._open()
             try:
-                fcntl.flock(fd, mode)
-            except BlockingIOError:
-                os.close(fd)
-                raise LockError(
-                    f"{self.what} is in use by {_describe(_await_holder(self.path))}: one owner per "
-                    f"directory; wait for it to end or choose another directory (lock file "
-                    f"{self.path})"
-                ) from None
-            except OSError:
-                os.close(fd)
+                try:
+                    fcntl.flock(fd, mode)
+                except BlockingIOError:
+                    os.close(fd)
+                    raise LockError(
+                        f"{self.what} is in use by {_describe(_await_holder(self.path))}: one "
+                        f"owner per directory; wait for it to end or choose another directory "
+                        f"(lock file {self.path})"
+                    ) from None
+                except OSError:
+                    os.close(fd)
+                    raise
+                self.fd = fd  # held: a Ctrl-C from here on releases it (acquire, __del__)
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                self.fd = None
+                os.close(fd)  # locked a file its last holder had just removed: take the new one
+            except KeyboardInterrupt:  # between open and lock: the file is ours if nobody holds it
+                if self.fd is None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        self.fd = fd  # acquire's handler removes it
+                    except OSError:
+                        os.close(fd)
                 raise
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # locked a file its last holder had just removed: take the new one
         else:
             raise LockError(f"{self.what}: cannot take the lock file {self.path}")
-        self.fd = fd
         if not self.shared:  # a record left behind: its process died holding the lock
             self.stale = read_holder(self.path)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
