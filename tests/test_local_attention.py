@@ -14,7 +14,7 @@ from linformer_ds.model import (
     ModelConfigError,
     flops_per_token,
 )
-from linformer_ds.model.attention import rotary_tables, rotate
+from linformer_ds.model.rotary import rotary_tables, rotate
 from linformer_ds.parallel.checks import config_errors
 
 BASE = dict(
@@ -99,7 +99,7 @@ def test_window_plus_summaries_against_a_naive_loop(positions):
     mask[1, 17:] = 0
     rotary = rotary_tables(torch.arange(n), attn.head_dim, 10000.0) if positions == "rope" else None
     window = model.encoder._window(2, n, 0, mask, None, x.device)
-    from linformer_ds.model.attention import LocalContext
+    from linformer_ds.model.window import LocalContext
 
     with torch.no_grad():
         got = attn(x, mask, None, None, LocalContext(window, rotary))

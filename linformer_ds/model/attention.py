@@ -25,8 +25,7 @@ from .projections import (
     span_summary_mask,
     summary_mask,
 )
-from .rotary import rotary_tables, rotate  # noqa: F401  (re-exported: older imports)
-from .window import LocalContext, Window, local_global, make_window  # noqa: F401  (re-exported)
+from .window import LocalContext, local_global
 
 
 class LinformerSelfAttention(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from .config import ModelConfig
 from .encoder import LinformerEncoder
 from .flops import flops_per_token
-from .init import init_weights, sinusoidal_positions  # noqa: F401  (re-exported)
+from .init import init_weights
 from .losses import labelled_positions, mlm_loss, sequence_classification_loss
 from .registry import tracing
 

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LinformerSelfAttention, LocalContext
+from .attention import LinformerSelfAttention
 from .config import ModelConfig
 from .documents import Documents, document_starts
+from .window import LocalContext
 
 
 class FeedForward(nn.Module):

@@ -206,11 +206,11 @@ def _routed_traced(
     # a comparison, not a scatter: the graph's one ScatterElements stays the row order's
     picked = (sel[..., None] == torch.arange(nb, device=dev)).any(-2)  # [G, nb, nb]
     picked_q = picked.index_select(1, blk)  # [G, n, nb]: the query's blocks
-    exact = picked_q.index_select(2, blk) & real_g[:, None, :]  # [G, n, n]
-    ok = exact
+    read = picked_q.index_select(2, blk)  # [G, n, n]: keys in the query's read blocks
+    ok = read & real_g[:, None, :]
     if r:
         near = (pos[:, None] - pos[None, :]).abs() <= r
-        ok = ok | (near[None] & real_g[:, None, :] & ~picked_q.index_select(2, blk))
+        ok = ok | (near[None] & real_g[:, None, :] & ~read)
     qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
     s_tok = torch.bmm(heads(qr) * scale, heads(kr).transpose(1, 2)).to(acc)
     scores = torch.cat([s_tok.masked_fill(~ok, neg), s_sum.masked_fill(picked_q, neg)], dim=-1)
