@@ -538,14 +538,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    args.batch_tokens, args.mlm_probability, log)  # fmt: skip
     result.update({"model": args.model, "data": args.data, "split": args.split,
                    "isolation_why": why, "unigram_from": meter.source})  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     title = f"{os.path.basename(os.path.normpath(args.model))} on {args.split} of " \
             f"{os.path.basename(os.path.normpath(args.data))}"  # fmt: skip
-    why_not = plot(result, os.path.join(args.out, PNG_FILE), title)
-    result["plot"] = PNG_FILE if why_not is None else None
+    return write_result(result, args.out, JSON_FILE, PNG_FILE, lambda p: plot(result, p, title))
+
+
+def write_result(
+    result: dict[str, Any], out: str, json_file: str, png_file: str,
+    draw: Callable[[str], str | None],
+) -> dict[str, Any]:  # fmt: skip
+    """``out/png_file`` drawn by ``draw(path)`` (None when written, else why not: noted in the
+    result) and the result as ``out/json_file``; the command line's outputs of every tool here."""
+    os.makedirs(out, exist_ok=True)
+    why_not = draw(os.path.join(out, png_file))
+    result["plot"] = png_file if why_not is None else None
     if why_not:
         result["plot_note"] = why_not
-    with open(os.path.join(args.out, JSON_FILE), "w") as f:
+    with open(os.path.join(out, json_file), "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
     return result

@@ -28,7 +28,6 @@ Distances longer than the view allows (d > L - P - TAIL) are skipped and said wh
 """
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ from linformer_ds.context_curve import (
     load_model,
     open_data,
     window_stats,
+    write_result,
 )
 
 DEFAULT_DISTANCES = "64,256,1024,2048,3072"
@@ -251,17 +251,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
                         args.seed, isolation, device, args.batch_tokens, log)  # fmt: skip
     result.update({"model": args.model, "data": args.data, "split": args.split,
                    "isolation_why": why})  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     title = f"copy at distance: {os.path.basename(os.path.normpath(args.model))} on " \
             f"{args.split} of {os.path.basename(os.path.normpath(args.data))}"  # fmt: skip
-    why_not = plot(result, os.path.join(args.out, PNG_FILE), title)
-    result["plot"] = PNG_FILE if why_not is None else None
-    if why_not:
-        result["plot_note"] = why_not
-    with open(os.path.join(args.out, JSON_FILE), "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    return result
+    return write_result(result, args.out, JSON_FILE, PNG_FILE, lambda p: plot(result, p, title))
 
 
 def report(result: dict[str, Any], out: str) -> None:

@@ -23,7 +23,6 @@ linear]``). ``--model OPTION=VALUE`` (repeatable) changes the base of every kind
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 import yaml
 
+from linformer_ds.context_curve import write_result
 from linformer_ds.errors import LinformerError
 
 from .tasks import TASKS, TaskSpec, Vocab, make_rows
@@ -304,15 +304,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         raise ProbeError(f"--out {args.out}: exists and is not a directory")
     result = run_probe(kinds, tasks, lens, args.steps, args.batch, args.lr, args.seed,
                        args.eval_rows, base, None, args.items, args.min_distance, log)  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    why_not = plot(result, os.path.join(args.out, PNG_FILE))
-    result["plot"] = PNG_FILE if why_not is None else None
-    if why_not:
-        result["plot_note"] = why_not
-    with open(os.path.join(args.out, JSON_FILE), "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    return result
+    return write_result(result, args.out, JSON_FILE, PNG_FILE, lambda p: plot(result, p))
 
 
 def report(result: dict[str, Any], out: str) -> None:
