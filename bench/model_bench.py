@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,18 @@ VARIANTS = (
     "local",
     "local_linear",
     "routed",
+    "routed_b4",
+    "routed_b8",
     "modern",
     "dense",
 )  # every --variants
+# routed with its own routed blocks (model.routed_block) inside the k summary blocks: blocks of 4
+# tokens reading 8 (the configuration that retrieves in docs/capability.md's induction probe) and
+# blocks of 8 reading 4 (the same 32 exact keys)
+ROUTED = {
+    "routed_b4": {"routed_block": 4, "routed_blocks": 8},
+    "routed_b8": {"routed_block": 8, "routed_blocks": 4},
+}
 DEFAULT_VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
 DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -102,7 +111,7 @@ class BenchConfig(ModelSizes):
             if (
                 n < 1
                 or n % self.k
-                and any(v in ("conv", "hybrid", "routed") for v in self.variants)
+                and any(v in ("conv", "hybrid", "routed", *ROUTED) for v in self.variants)
             ):
                 raise BenchError(
                     f"--seq-lens: N={n} must be >= 1 and a multiple of k={self.k} "
@@ -129,6 +138,13 @@ class BenchConfig(ModelSizes):
             raise BenchError(f"--device: must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise BenchError("--device cuda: torch.cuda.is_available() is False")
+
+
+def bench_model_config(bc: BenchConfig, variant: str, n: int) -> Any:
+    """:func:`bench.common.model_config`, with the routed variants of :data:`ROUTED`."""
+    if variant in ROUTED:
+        return replace(model_config(bc, "routed", n), **ROUTED[variant])
+    return model_config(bc, variant, n)
 
 
 # ==================================================================================== measuring
@@ -226,7 +242,7 @@ class Trainee:
 
     def __init__(self, bc: BenchConfig, variant: str, n: int, device: torch.device):
         self.variant, self.n, self.device = variant, n, device
-        self.config = model_config(bc, variant, n)
+        self.config = bench_model_config(bc, variant, n)
         torch.manual_seed(bc.seed)
         model = LinformerForMaskedLMPretraining(self.config).to(device).train()
         self.model = model

@@ -90,6 +90,7 @@ POLICY: dict[str, Policy] = {
             "local_mixer_kernel",
             "local_window",
             "routed_blocks",
+            "routed_block",
             "positions",
             "rope_base",
             "initializer_range",

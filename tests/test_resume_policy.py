@@ -71,6 +71,7 @@ VALUES = {
     "model.local_mixer_kernel": ["model.local_mixer_kernel=5"],
     "model.local_window": ["model.local_window=16"],
     "model.routed_blocks": ["model.routed_blocks=2"],
+    "model.routed_block": ["model.routed_block=4"],
     "model.positions": ["model.positions=rope"],
     "model.rope_base": ["model.rope_base=500.0"],
     "model.initializer_range": ["model.initializer_range=0.03"],
@@ -489,6 +490,7 @@ def test_a_checkpoint_older_than_a_model_option_resumes_with_its_default():
     del old["local_mixer"], old["local_mixer_kernel"]
     del old["local_window"], old["positions"], old["rope_base"]  # before local + global
     del old["routed_blocks"]  # before the routed kind
+    del old["routed_block"]  # before the routed kind's own block size
     check_model_config({"model": old}, cfg, "step_00000002")  # no error
     new = load_config(TINY_CONFIG, TEST_OVERRIDES + ["model.position_init=sinusoidal"])
     with pytest.raises(CheckpointError, match=r"model.position_init: checkpoint 'normal' vs "

@@ -39,6 +39,7 @@ _INT_RANGES = {
     "local_mixer_kernel": (1, 2**10 + 1),
     "local_window": (0, _MAX_SIZE),
     "routed_blocks": (1, _MAX_SIZE),
+    "routed_block": (1, _MAX_SIZE),
 }
 # Floats: (test, the range as the message states it); nan fails every test.
 _FLOAT_RANGES = {
@@ -120,8 +121,11 @@ class ModelConfig:
     # projection kind "local" is the window alone (no summaries).
     local_window: int = 0
     # The routed kind (content-routed block attention, routed.py): how many blocks of
-    # max_seq_len / k tokens each block of queries reads exactly (beside the summaries)
+    # `routed_block` tokens each block of queries reads exactly (beside the k summaries, means of
+    # max_seq_len / k tokens), and the tokens per routed block (None: max_seq_len / k, the
+    # summaries' blocks; else it divides max_seq_len / k)
     routed_blocks: int = 8
+    routed_block: int | None = None
     # "learned": a position table added to the embeddings (BERT); "rope": no table, queries and
     # keys of exact attention (windows, dense layers) rotated by their position (RoFormer);
     # projected summaries see unrotated keys (E/F columns are positional already)

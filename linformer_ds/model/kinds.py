@@ -6,7 +6,8 @@
 * ``dynamic``: Transformer-LS's input-dependent projection.
 * ``dense``: full softmax attention (``dense.py``), the baseline.
 * ``routed``: content-routed block attention (``routed.py``): block summaries plus an exact
-  read of the ``routed_blocks`` blocks each query block's scores pick; it retrieves.
+  read of the ``routed_blocks`` blocks (of ``routed_block`` tokens) each query block's scores
+  pick; it retrieves.
 
 A new kind is one file (its module or attention function) and one call here (or in a plugin
 module: :func:`register_projection`, docs/extending.md).

@@ -1,25 +1,28 @@
 """The ``routed`` kind: content-routed block attention, a kind that can look things up.
 
 A fixed projection (linear E/F, conv) mixes positions into ``k`` summaries that do not depend on
-the input, so no single distant token can be singled out. A routed layer keeps the summaries
-and adds a content-addressed exact read:
+the input, so no single distant token can be singled out. A routed layer keeps summaries and
+adds a content-addressed exact read:
 
-* the row is cut into ``c = ceil(n / b)`` blocks of ``b = max_seq_len / k`` tokens; each block's
-  summary is the mean of its keys and of its values (padding left out): ``k`` summaries at
-  ``N_max``, as Conv-Linformer's pooling init;
-* each block of ``b`` queries scores the ``c`` summaries (``q . mean(K_j) / sqrt(d)``; a block
-  takes each summary's best score over its queries) and attends **exactly** to every token of its
+* the row is cut into summary blocks of ``C = max_seq_len / k`` tokens (``k`` at ``N_max``, as
+  Conv-Linformer's pooling init) and into routed blocks of ``b = model.routed_block`` tokens
+  (default ``C``; ``b`` divides ``C``); a block's key (value) is the mean of its keys (values),
+  padding left out;
+* each routed block of ``b`` queries scores the routed blocks (``q . mean(K_j) / sqrt(d)``; a
+  block takes each score's best over its queries) and attends **exactly** to every token of its
   ``m = model.routed_blocks`` best blocks;
-* in the same softmax: the summaries of the blocks it did not pick, and (``model.local_window``,
-  at most ``2 b``) the exact window of ``W / 2`` tokens each side, less the tokens already read
-  exactly.
+* in the same softmax: each summary block's mean over its tokens that were not read exactly (a
+  summary block read whole is left out), and (``model.local_window``, at most ``2 b``) the exact
+  window of ``W / 2`` tokens each side, less the tokens already read exactly.
 
-Each key is counted once, so with ``m >= c`` (``m b >= n``) the layer is dense attention with the
-same weights. Cost per query: ``c + m b (+ 3 b)`` keys instead of ``n``: O(n (k + m b + W)).
-The summary scores are the routing scores, so the routing is trained through the summaries'
-softmax. Rotary positions turn the exact keys (picked and window); the summaries and the routing
-see unrotated keys. Document isolation: each document alone (its own blocks). Sequence
-parallelism: not supported (a block's choice reads every rank's summaries and tokens).
+Each key is counted once by the read and the summaries, so with ``m b >= n`` the layer is dense
+attention with the same weights. Cost per query: ``n / C`` summaries and ``m b (+ 3 b)`` exact
+keys, plus the routing, ``n / b`` scores without a gradient when ``b < C`` (when ``b = C`` the
+summary scores are the routing scores, and the routing is trained through the summaries'
+softmax): O(n (k + m b + W)) with ``b = C``, O(n (k + n / b + m b + W)) otherwise. Rotary
+positions turn the exact keys (picked and window); the summaries and the routing see unrotated
+keys. Document isolation: each document alone (its own blocks). Sequence parallelism: not
+supported (a block's choice reads every rank's summaries and tokens).
 """
 
 import math
@@ -32,6 +35,9 @@ from .documents import Documents
 from .registry import tracing
 from .rotary import rotate
 from .window import LocalContext
+
+# the routing scores of one chunk of query blocks at most (elements; without a gradient)
+_ROUTE_CHUNK = 2**24
 
 
 def routed_attention(
@@ -47,11 +53,11 @@ def routed_attention(
     b, n, _ = qkv.shape
     h, d = layer.num_heads, layer.head_dim
     cfg, i = layer.config, layer.layer_idx
-    block = routed_block(cfg, i)
+    bs, cs = routed_sizes(cfg, i)
     top, radius = int(cfg.routed_blocks), cfg.local_window // 2
     q, k, v = qkv.view(b, n, 3, h, d).unbind(2)  # [B, n, h, d]
     if documents is None:
-        y = _routed(q, k, v, mask, local.rotary, block, top, radius, dropout_p)
+        y = _routed(q, k, v, mask, local.rotary, bs, cs, top, radius, dropout_p)
         return y.reshape(b, n, h * d)
     ys = []
     for s, qi, ki, vi in zip(documents.spans, *(documents.split(t) for t in (q, k, v))):
@@ -60,13 +66,17 @@ def routed_attention(
         if local.rotary is not None:
             row = s.row if local.rotary[0].shape[0] > 1 else 0
             rot = tuple(t[row, s.start : s.end][None] for t in local.rotary)
-        ys.append(_routed(qi[None], ki[None], vi[None], mi, rot, block, top, radius, dropout_p)[0])
+        y = _routed(qi[None], ki[None], vi[None], mi, rot, bs, cs, top, radius, dropout_p)
+        ys.append(y[0])
     return torch.cat(ys).view(b, n, h * d)
 
 
-def routed_block(config: object, layer_idx: int) -> int:
-    """Tokens per block at layer ``layer_idx``: ``max_seq_len / k``."""
-    return config.max_seq_len // config.k_for_layer(layer_idx)
+def routed_sizes(config: object, layer_idx: int) -> tuple[int, int]:
+    """Tokens per routed block and per summary block at layer ``layer_idx``:
+    ``(model.routed_block or C, C = max_seq_len / k)``."""
+    cs = config.max_seq_len // config.k_for_layer(layer_idx)
+    block = getattr(config, "routed_block", None)
+    return (int(block) if block is not None else cs), cs
 
 
 def _routed(
@@ -76,18 +86,23 @@ def _routed(
     mask: torch.Tensor | None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     bs: int,
+    cs: int,
     top: int,
     r: int,
     dropout_p: float,
 ) -> torch.Tensor:
     """One row set ``q, k, v [B, n, h, d]`` (``mask [B, n]`` bool, None: no padding) ->
-    ``[B, n, h, d]``. Heads and rows are one batch dimension (``G = B h``) and every product
-    one batched GEMM: the summary scores of all queries ``[G, n, c]``, the exact read of each
-    query block ``[G c, b, m b]``."""
+    ``[B, n, h, d]``; routed blocks of ``bs`` tokens, summary blocks of ``cs`` (a multiple of
+    ``bs``). Heads and rows are one batch dimension (``G = B h``) and every product one batched
+    GEMM: the summary scores of all queries ``[G, n, c]``, the routing scores (``bs < cs``:
+    ``[G, n, nb]`` in chunks, no gradient), the exact read of each query block
+    ``[G nb, bs, m bs]``."""
     if tracing():
-        return _routed_traced(q, k, v, mask, rotary, bs, top, r)
+        return _routed_traced(q, k, v, mask, rotary, bs, cs, top, r)
     B, n, h, d = q.shape
-    nb = -(-n // bs)
+    rr = cs // bs  # routed blocks per summary block
+    nc = -(-n // cs)  # summary blocks
+    nb = nc * rr  # routed blocks (the tail's empty ones included)
     tail = nb * bs - n
     m = min(top, nb)
     G, dev = B * h, q.device
@@ -104,32 +119,35 @@ def _routed(
     real_b = F.pad(real, (0, tail)).view(B, nb, bs)  # padding and the tail: False
     real_g = real_b.repeat_interleave(h, dim=0)  # [G, nb, bs]
     kh, vh = heads(k), heads(v)
+    count = real_g.sum(-1)  # [G, nb]: real tokens per routed block
     if padded:
-        count = real_g.sum(-1, keepdim=True)  # [G, nb, 1]
         w = real_g.to(k.dtype)[..., None]
-        denom = count.clamp(min=1).to(k.dtype)
-        k_sum = (kh.view(G, nb, bs, d) * w).sum(2) / denom  # [G, nb, d]: unrotated key means
-        v_sum = (vh.view(G, nb, bs, d) * w).sum(2) / denom
+        k_blk, v_blk = (kh.view(G, nb, bs, d) * w).sum(2), (vh.view(G, nb, bs, d) * w).sum(2)
     else:
-        k_sum, v_sum = kh.view(G, nb, bs, d).mean(2), vh.view(G, nb, bs, d).mean(2)
-
-    # summary scores of every query = the routing scores; a query block takes the best of its
-    # queries for each summary and reads its m best blocks exactly
+        k_blk, v_blk = kh.view(G, nb, bs, d).sum(2), vh.view(G, nb, bs, d).sum(2)
+    k_mean = k_blk / count.clamp(min=1)[..., None].to(k.dtype)  # unrotated key means
     qh = heads(q) * scale
-    s_sum = torch.bmm(qh, k_sum.transpose(1, 2)).to(acc).view(G, nb, bs, nb)
+    if rr == 1:  # the summaries are the routed blocks: their scores are the routing scores
+        v_sum = v_blk / count.clamp(min=1)[..., None].to(v.dtype)
+        s_sum = torch.bmm(qh, k_mean.transpose(1, 2)).to(acc).view(G, nb, bs, nb)
+        if padded:
+            s_sum = s_sum.masked_fill(~(count > 0).view(G, 1, 1, nb), neg)
+            route = s_sum.masked_fill(~real_g[..., None], neg).amax(2)  # [G, nb, nb]
+        else:
+            route = s_sum.amax(2)
+    else:  # routed blocks inside the summary blocks: their own scores, without a gradient
+        route = _route(qh, k_mean, count > 0, real_g if padded else None).to(acc)
     if padded:
-        s_sum = s_sum.masked_fill(~(count > 0).view(G, 1, 1, nb), neg)
-        route = s_sum.masked_fill(~real_g[..., None], neg).amax(2)  # [G, nb, nb]
         route = _no_query_order(route, real_g.any(-1))
-    else:
-        route = s_sum.amax(2)
     sel = route.topk(m, dim=-1).indices  # [G, nb, m]
     picked = torch.zeros(G, nb, nb, dtype=torch.bool, device=dev).scatter(-1, sel, True)
-    s_sum = s_sum.masked_fill(picked[:, :, None, :], neg)  # read exactly: no summary
-
+    flat = (sel + torch.arange(G, device=dev).view(G, 1, 1) * nb).reshape(-1)
+    if rr == 1:
+        s_sum = s_sum.masked_fill(picked[:, :, None, :], neg).view(G * nb, bs, nb)
+    else:  # each summary block's mean over the tokens the query block does not read exactly
+        s_sum, fix = _unread_summaries(qh, k_blk, v_blk, count, sel, flat, rr, padded, neg, acc)
     if rotary is not None:
         qh, kh = heads(rotate(q, rotary)) * scale, heads(rotate(k, rotary))
-    flat = (sel + torch.arange(G, device=dev).view(G, 1, 1) * nb).reshape(-1)
     # the blocks as rows of an embedding table: its backward (a sorted accumulation) is several
     # times faster on the CPU than index_select's scatter-add
     kg = F.embedding(flat, kh.view(G * nb, bs * d)).view(G * nb, m * bs, d)
@@ -145,7 +163,7 @@ def _routed(
         s_win = torch.bmm(qb, kw.view(G * nb, 3 * bs, d).transpose(1, 2)).to(acc)
         parts.insert(0, s_win.masked_fill(~win_ok.view(G * nb, bs, 3 * bs), neg))
         values.insert(0, vw.view(G * nb, 3 * bs, d))
-    parts.append(s_sum.view(G * nb, bs, nb))
+    parts.append(s_sum)
     scores = torch.cat(parts, dim=-1)
     p = scores.softmax(dim=-1)
     if padded:  # padding among padding: no output
@@ -155,12 +173,93 @@ def _routed(
         p = F.dropout(p, dropout_p)
     # contiguous parts: a strided slice of p (and its transpose, backward) sends bmm to a slow
     # path on the CPU
-    p_parts = [t.contiguous() for t in p.split([t.shape[1] for t in values] + [nb], dim=-1)]
+    p_parts = [t.contiguous() for t in p.split([t.shape[1] for t in values] + [nc], dim=-1)]
     y = torch.bmm(p_parts[0], values[0])
     for pi, vi in zip(p_parts[1:-1], values[1:]):
         y = y + torch.bmm(pi, vi)
-    y = y.view(G, nb * bs, d) + torch.bmm(p_parts[-1].reshape(G, nb * bs, nb), v_sum)
+    p_sum = p_parts[-1]
+    if rr > 1:  # the picks' summary blocks: their unread means in place of their whole means
+        into_q, dup, v_diff, v_sum = fix
+        y = y + torch.bmm(p_sum.gather(-1, into_q) / dup, v_diff)
+    y = y.view(G, nb * bs, d) + torch.bmm(p_sum.reshape(G, nb * bs, nc), v_sum)
     return y[:, :n].view(B, h, n, d).transpose(1, 2)
+
+
+def _unread_summaries(
+    qh: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    count: torch.Tensor,
+    sel: torch.Tensor,
+    flat: torch.Tensor,
+    rr: int,
+    padded: bool,
+    neg: float,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, tuple]:
+    """The summary scores ``[G nb, bs, nc]`` when routed blocks (``rr`` to a summary block) are
+    read exactly: every query scores the summary blocks' means (one GEMM), then the at most
+    ``m`` columns of the blocks its query block picked (``sel [G, nb, m]``) are replaced by the
+    score of the mean over their unread tokens (the lowest score when none is left). Returns
+    those scores and what the weighted sum needs: the columns ``[G nb, bs, m]``, how many picks
+    share each column, and per pick the unread mean's value less the whole mean's, ``[G nb, m,
+    d]``, and the whole means ``[G, nc, d]``."""
+    G, nb, d = k_blk.shape
+    nc, m, bs = nb // rr, sel.shape[-1], qh.shape[1] // nb
+    c_sum = count.view(G, nc, rr).sum(-1)  # [G, nc]: real tokens per summary block
+    denom = c_sum.clamp(min=1)[..., None]
+    k_cs, v_cs = k_blk.view(G, nc, rr, d).sum(2), v_blk.view(G, nc, rr, d).sum(2)
+    k_sum, v_sum = k_cs / denom.to(k_blk.dtype), v_cs / denom.to(v_blk.dtype)
+    s_sum = torch.bmm(qh, k_sum.transpose(1, 2)).to(acc)
+    if padded:  # summary blocks of padding alone: none
+        s_sum = s_sum.masked_fill(~(c_sum > 0)[:, None, :], neg)
+    s_sum = s_sum.view(G * nb, bs, nc)
+    into = torch.div(sel, rr, rounding_mode="floor")  # [G, nb, m]: the picks' summary blocks
+    into_q = into.view(G * nb, 1, m).expand(G * nb, bs, m)
+    flat_c = (into + torch.arange(G, device=sel.device).view(G, 1, 1) * nc).reshape(-1)
+    same = (into[..., :, None] == into[..., None, :]).view(G * nb, m, m)  # picks of one column
+    same_a = same.to(acc)
+    c_pick = count.gather(-1, sel.view(G, nb * m)).view(G * nb, m, 1).to(acc)
+    c_col = c_sum.gather(-1, into.view(G, nb * m)).view(G * nb, m, 1).to(acc)
+    left = c_col - torch.bmm(same_a, c_pick)  # [G nb, m, 1]: unread tokens of each pick's column
+    k_pick = F.embedding(flat, k_blk.view(G * nb, d)).view(G * nb, m, d)  # the picks' key sums
+    s_pick = torch.bmm(qh.view(G * nb, bs, d), k_pick.transpose(1, 2)).to(acc)  # [G nb, bs, m]
+    s_col = s_sum.gather(-1, into_q) * c_col.transpose(1, 2)  # q . the columns' key sums
+    s_rest = (s_col - torch.bmm(s_pick, same_a)) / left.clamp(min=1).transpose(1, 2)
+    s_rest = s_rest.masked_fill((left < 0.5).transpose(1, 2), neg)
+    # picks that share a column write the same score; the gradient goes through the first one
+    first = ~(same & torch.ones(m, m, dtype=torch.bool, device=sel.device).tril(-1)).any(-1)
+    s_rest = torch.where(first[:, None, :], s_rest, s_rest.detach())
+    s_sum = s_sum.scatter(-1, into_q, s_rest)
+    v_pick = F.embedding(flat, v_blk.view(G * nb, d)).view(G * nb, m, d)
+    v_col = F.embedding(flat_c, v_cs.view(G * nc, d)).view(G * nb, m, d)
+    v_rest = (v_col - torch.bmm(same.to(v_blk.dtype), v_pick)) / left.clamp(min=1).to(v_blk.dtype)
+    v_diff = v_rest - F.embedding(flat_c, v_sum.view(G * nc, d)).view(G * nb, m, d)
+    dup = same.sum(-1).view(G * nb, 1, m).to(qh.dtype)  # a column is fixed once, not per pick
+    return s_sum, (into_q, dup, v_diff, v_sum)
+
+
+def _route(
+    qh: torch.Tensor, k_mean: torch.Tensor, key_ok: torch.Tensor, real: torch.Tensor | None
+) -> torch.Tensor:
+    """Routing scores ``[G, nb, nb]`` of every query block (``qh [G, nb bs, d]``, scaled) for
+    every routed block (``k_mean [G, nb, d]``): the best over the block's real queries (``real
+    [G, nb, bs]``, None: all) of ``q . mean(K_j)``; blocks without a real key (``key_ok``
+    False): the lowest score. In chunks of query blocks, without a gradient."""
+    G, nb, _ = k_mean.shape
+    bs = qh.shape[1] // nb
+    low = torch.finfo(qh.dtype).min
+    step = max(1, _ROUTE_CHUNK // max(1, G * bs * nb))
+    out = []
+    with torch.no_grad():
+        kt = k_mean.transpose(1, 2)
+        for i in range(0, nb, step):
+            s = torch.bmm(qh[:, i * bs : (i + step) * bs], kt).view(G, -1, bs, nb)
+            if real is not None:
+                s = s.masked_fill(~real[:, i : i + step, :, None], low)
+            out.append(s.amax(2))
+        route = torch.cat(out, dim=1) if len(out) > 1 else out[0]
+        return route.masked_fill(~key_ok[:, None, :], low)
 
 
 def _routed_traced(
@@ -170,12 +269,15 @@ def _routed_traced(
     mask: torch.Tensor | None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     bs: int,
+    cs: int,
     top: int,
     r: int,
 ) -> torch.Tensor:
     """:func:`_routed` for ``torch.export`` (one row = one document): the same function with
     no branch or view on the length, as ``[n, n]`` masks (a block is a one-hot column of each
-    token; the routing table gets ``top`` empty blocks, so ``top`` can always be picked)."""
+    token; the routing table gets ``top`` empty blocks, so ``top`` can always be picked; a
+    routed block's summary block is a one-hot ``[nb, nc]`` matrix, and what a query block reads
+    exactly comes off the summaries by products with it, not a scatter)."""
     B, n, h, d = q.shape
     G, dev = B * h, q.device
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -184,6 +286,7 @@ def _routed_traced(
     pos = torch.arange(n, device=dev)
     blk = torch.div(pos, bs, rounding_mode="floor")  # [n]
     nb = (n + bs - 1) // bs
+    nc = (n + cs - 1) // cs
     real = torch.ones(B, n, dtype=torch.bool, device=dev) if mask is None else mask.bool()
     real_g = real.repeat_interleave(h, dim=0)  # [G, n]
     member = (blk[:, None] == torch.arange(nb, device=dev)[None, :])[None] & real_g[..., None]
@@ -193,12 +296,16 @@ def _routed_traced(
 
     kh, vh = heads(k), heads(v)
     w = member.to(k.dtype)  # [G, n, nb]
-    count = w.sum(1)  # [G, nb]
-    k_sum = torch.bmm(w.transpose(1, 2), kh) / count.clamp(min=1)[..., None]
-    v_sum = torch.bmm(w.transpose(1, 2), vh) / count.clamp(min=1)[..., None]
-    s_sum = torch.bmm(heads(q) * scale, k_sum.transpose(1, 2)).to(acc)  # [G, n, nb]
-    s_sum = s_sum.masked_fill(~(count > 0)[:, None, :], neg)
-    routing = s_sum.masked_fill(~real_g[..., None], neg)
+    count = member.to(acc).sum(1)  # [G, nb]
+    k_blk = torch.bmm(w.transpose(1, 2), kh)  # [G, nb, d]: key and value sums
+    v_blk = torch.bmm(w.transpose(1, 2), vh)
+    rr = cs // bs
+    into = torch.div(torch.arange(nb, device=dev), rr, rounding_mode="floor")
+    one = (into[:, None] == torch.arange(nc, device=dev)[None, :]).to(acc)  # [nb, nc]
+    qs = heads(q) * scale
+    s_blk = torch.bmm(qs, k_blk.transpose(1, 2)).to(acc)  # [G, n, nb]: q . key sums
+    routing = (s_blk / count.clamp(min=1)[:, None, :]).masked_fill(~(count > 0)[:, None, :], neg)
+    routing = routing.masked_fill(~real_g[..., None], neg)
     in_block = (blk[None, :] == torch.arange(nb, device=dev)[:, None])[None, :, :, None]
     route = routing[:, None].masked_fill(~in_block, neg).amax(2)  # [G, nb, nb]
     route = _no_query_order(route, route.amax(-1) > neg)
@@ -211,13 +318,23 @@ def _routed_traced(
     if r:
         near = (pos[:, None] - pos[None, :]).abs() <= r
         ok = ok | (near[None] & real_g[:, None, :] & ~read)
+    # each summary block less what the query reads exactly: sums, counts and scores
+    pq = picked_q.to(acc)
+    left = torch.matmul(count, one)[:, None, :] - torch.matmul(pq * count[:, None, :], one)
+    k_sum = torch.matmul(one.t().to(k.dtype), k_blk)  # [G, nc, d]
+    v_sum = torch.matmul(one.t().to(v.dtype), v_blk)
+    s_sum = torch.bmm(qs, k_sum.transpose(1, 2)).to(acc) - torch.matmul(s_blk * pq, one)
+    s_sum = (s_sum / left.clamp(min=1)).masked_fill(left < 0.5, neg)  # [G, n, nc]
     qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
     s_tok = torch.bmm(heads(qr) * scale, heads(kr).transpose(1, 2)).to(acc)
-    scores = torch.cat([s_tok.masked_fill(~ok, neg), s_sum.masked_fill(picked_q, neg)], dim=-1)
+    scores = torch.cat([s_tok.masked_fill(~ok, neg), s_sum], dim=-1)
     p = scores.softmax(dim=-1)
-    p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0).to(q.dtype)
-    p_tok, p_sum = p.split([n, nb], dim=-1)
-    y = torch.bmm(p_tok, vh) + torch.bmm(p_sum, v_sum)
+    p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0)
+    p_tok, p_sum = p.split([n, nc], dim=-1)
+    p_sum = p_sum / left.clamp(min=1)
+    p_blk = torch.matmul(p_sum, one.t()) * pq  # [G, n, nb]: the picked blocks' sums, taken off
+    y = torch.bmm(p_tok.to(q.dtype), vh) + torch.bmm(p_sum.to(q.dtype), v_sum)
+    y = y - torch.bmm(p_blk.to(q.dtype), v_blk)
     return y.view(B, h, n, d).transpose(1, 2)
 
 
@@ -253,26 +370,36 @@ def _window(
 
 
 def routed_check(config: object, layer_idx: int) -> str | None:
-    """k divides max_seq_len (the block size); the window within one block each side."""
+    """k divides max_seq_len (the summary block); model.routed_block divides the summary
+    block; the window within one routed block each side."""
     k = config.k_for_layer(layer_idx)
     if config.max_seq_len % k:
         return (
             f"routed layer {layer_idx}: k={k} does not divide max_seq_len={config.max_seq_len} "
-            "(block size = max_seq_len / k)"
+            "(summary block = max_seq_len / k)"
         )
-    bs = config.max_seq_len // k
+    bs, cs = routed_sizes(config, layer_idx)
+    if cs % bs:
+        return (
+            f"routed layer {layer_idx}: model.routed_block={bs} does not divide the summary "
+            f"block of {cs} tokens (max_seq_len / k)"
+        )
     if config.local_window // 2 > bs:
         return (
             f"routed layer {layer_idx}: model.local_window={config.local_window} reaches past "
-            f"one block of {bs} tokens each side; use local_window <= {2 * bs} or a smaller k"
+            f"one block of {bs} tokens each side; use local_window <= {2 * bs}, a larger "
+            "model.routed_block or a smaller k"
         )
     return None
 
 
 def routed_flops(config: object, layer_idx: int, n: int) -> float:
-    """Forward FLOPs per token: routing/summary scores and their weighted sum over ``c`` blocks,
-    and the exact read of ``m b`` tokens (the window: the generic count)."""
-    dm, bs = config.hidden_size, routed_block(config, layer_idx)
-    c = math.ceil(n / bs)
-    exact = min(int(config.routed_blocks), c) * bs
-    return 2 * 2 * c * dm + 2 * 2 * exact * dm
+    """Forward FLOPs per token: the summary scores and their weighted sum over ``c`` summary
+    blocks, the routing scores over the ``n / b`` routed blocks when they are not the summaries
+    (a forward only), the exact read of ``m b`` tokens (the window: the generic count)."""
+    dm = config.hidden_size
+    bs, cs = routed_sizes(config, layer_idx)
+    c, nb = math.ceil(n / cs), math.ceil(n / bs)
+    exact = min(int(config.routed_blocks), nb) * bs
+    route = 2 * nb * dm if bs < cs else 0
+    return 2 * 2 * c * dm + route + 2 * 2 * exact * dm
