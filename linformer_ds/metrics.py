@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from linformer_ds.config import ConfigError, JobConfig
+from linformer_ds.errors import LinformerError
 from linformer_ds.log import get_logger
 from linformer_ds.perf import MemoryProbe, measure_matmul_peak_tflops
 from linformer_ds.prometheus import PrometheusSink
@@ -140,7 +141,8 @@ def registered_sinks() -> list[str]:
 
 def check_sinks(cfg: JobConfig) -> None:
     """Every name of ``logging.sinks`` is a registered sink (a config error naming it) whose
-    factory's ``check(cfg)``, if it has one, passes (e.g. a tracker's library installed)."""
+    factory's ``check(cfg)``, if it has one, passes (e.g. a tracker's library installed); a
+    check that raises anything else is the same one-line config error, naming the sink."""
     for name in cfg.logging.sinks:
         if name not in _SINK_KINDS:
             known = ", ".join(registered_sinks()) or "none"
@@ -150,8 +152,31 @@ def check_sinks(cfg: JobConfig) -> None:
                 "launch/pretrain.py --plugin MODULE"
             )
         check = getattr(_SINK_KINDS[name], "check", None)
-        if check is not None:
+        if check is None:
+            continue
+        try:
             check(cfg)
+        except LinformerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a plugin's check: one line naming the sink
+            raise ConfigError(f"logging.sinks: sink {name!r} failed its check(cfg) "
+                              f"({_one_line(e)})") from None  # fmt: skip
+
+
+def _one_line(e: BaseException) -> str:
+    """``TypeName: message`` of an exception, its message on one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# The names of the built-in sinks in the one-line message of a sink that failed.
+_BUILTIN_NAMES = {
+    "ConsoleSink": "console",
+    "JsonlSink": "metrics.jsonl",
+    "TensorBoardSink": "tensorboard",
+    "PrometheusSink": "prometheus",
+    "StageMeter": "stage meter",
+}
 
 
 class ConsoleSink(Sink):
@@ -290,6 +315,13 @@ class Metrics:
     :meth:`checkpoint_done` and :meth:`on_resume`; each event goes to every sink (rank 0:
     console, metrics.jsonl, TensorBoard; every rank: Prometheus when configured, then the
     registered sinks ``logging.sinks`` names, in its order).
+
+    A sink that raises (in its factory, any event, ``state_dict``, ``load_state_dict`` or
+    ``close``) is reported in one warning line naming the sink and the event and dropped: it
+    gets nothing more (not even ``close``), the run and every other sink go on
+    (:meth:`_drop`). A factory that raises a :class:`~linformer_ds.errors.LinformerError`
+    (a ``ConfigError``: it refuses the config) stops the run instead, in one line, before any
+    step.
     """
 
     def __init__(
@@ -332,10 +364,18 @@ class Metrics:
             )
         check_sinks(cfg)
         self.stateful_sinks: dict[str, Sink] = {}  # logging.sinks' whose state is checkpointed
+        self.names: dict[int, str] = {}  # id(sink) -> its logging.sinks name (messages)
         for name in cfg.logging.sinks:  # built here, so they see every event, resumes included
-            sink = _SINK_KINDS[name](cfg, rank, world_size)
+            try:
+                sink = _SINK_KINDS[name](cfg, rank, world_size)
+            except LinformerError:  # the factory refuses the config: the run stops, one line
+                raise
+            except Exception as e:  # noqa: BLE001 - a sink never stops training
+                self._warn(name, "its factory", e)
+                continue
             if sink is not None:
                 self.sinks.append(sink)
+                self.names[id(sink)] = name
                 if hasattr(sink, "state_dict"):  # a sink of Sink's or of its own events
                     self.stateful_sinks[name] = sink
 
@@ -362,9 +402,29 @@ class Metrics:
         """Training wall seconds: the resumed checkpoint's figure plus this process's time."""
         return self._elapsed_base + time.perf_counter() - self._t0
 
+    def sink_name(self, sink: Sink) -> str:
+        """``sink``'s name in messages: its ``logging.sinks`` name, a built-in's name, or its
+        class name (a sink appended to :attr:`sinks` by the caller)."""
+        name = type(sink).__name__
+        return self.names.get(id(sink)) or _BUILTIN_NAMES.get(name, name)
+
+    def _warn(self, name: str, event: str, e: BaseException) -> None:
+        where = f" on rank {self.rank}" if self.world > 1 else ""
+        log.warning(f"[warn] metrics sink {name!r} failed in {event}{where} ({_one_line(e)}); "
+                    "it is dropped (no further events go to it); training goes on")  # fmt: skip
+
+    def _drop(self, sink: Sink, event: str, e: BaseException) -> None:
+        """The one line of a sink that raised in ``event``; it gets nothing more."""
+        self._warn(self.sink_name(sink), event, e)
+        self.sinks[:] = [s for s in self.sinks if s is not sink]  # in place: callers hold it
+        self.stateful_sinks = {n: s for n, s in self.stateful_sinks.items() if s is not sink}
+
     def _emit(self, event: str, *args: Any) -> None:
-        for sink in self.sinks:
-            getattr(sink, event)(*args)
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, event)(*args)
+            except Exception as e:  # noqa: BLE001 - a sink never stops training
+                self._drop(sink, event, e)
 
     # ------------------------------------------------------------------------------ events
     def timed_batch(self, next_batch: Callable[[], T]) -> T:
@@ -456,7 +516,12 @@ class Metrics:
             "elapsed": self.elapsed(),
             "resumes": self.resumes,
         }
-        sinks = {name: s.state_dict() for name, s in self.stateful_sinks.items()}
+        sinks = {}
+        for name, sink in list(self.stateful_sinks.items()):
+            try:
+                sinks[name] = sink.state_dict()
+            except Exception as e:  # noqa: BLE001 - the checkpoint is saved without it
+                self._drop(sink, "state_dict", e)
         if any(sinks.values()):
             state["sinks"] = {name: s for name, s in sinks.items() if s}
         return state
@@ -469,11 +534,20 @@ class Metrics:
         self._elapsed_base = float(state.get("elapsed", 0.0))
         self.resumes = int(state.get("resumes", 0))
         for name, sink_state in state.get("sinks", {}).items():
-            if name in self.stateful_sinks:  # a sink the run no longer names: its state dropped
-                self.stateful_sinks[name].load_state_dict(sink_state)
+            sink = self.stateful_sinks.get(name)
+            if sink is None:  # a sink the run no longer names: its state dropped
+                continue
+            try:
+                sink.load_state_dict(sink_state)
+            except Exception as e:  # noqa: BLE001 - a sink never stops training
+                self._drop(sink, "load_state_dict", e)
 
     def close(self) -> None:
-        """Flush and close the sinks; a ``/metrics`` endpoint stops serving."""
+        """Flush and close the sinks; a ``/metrics`` endpoint stops serving. A sink that raises
+        is reported in one line; the others are closed all the same."""
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001 - the run's result stands
+                self._warn(self.sink_name(sink), "close", e)

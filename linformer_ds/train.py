@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return p.parse_args(argv)
+    # intermixed: overrides before, between and after the options (``--plugin M a=1 b=2``)
+    return p.parse_intermixed_args(argv)
 
 
 log = get_logger(__name__)

@@ -14,11 +14,15 @@ the data, ``launch/pretrain.py --plugin ...`` trains a ``[linear, pool]`` model 
 ``logging.sinks: [collect]`` for 4 steps, then resumes it to 6 (the sink sees the resume).
 """
 
+import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +30,8 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from data_prep import DataPrepError, PrepConfig, prepare
@@ -526,3 +532,288 @@ def test_a_tracker_not_installed_is_one_config_error(monkeypatch):
         "logging.sinks: wandb needs the wandb package, which is not installed; install it with: "
         "pip install linformer_ds[wandb]"
     )
+
+
+# ================================================================= extensions that fail cleanly
+# docs/extending.md: a sink that raises is one warning line naming it and the event, and is
+# dropped (nothing more goes to it); the run and every other sink go on.
+EVENTS = ("resumed", "data_wait", "step_done", "record", "checkpoint_done")
+POINTS = ("factory", "load_state_dict", *EVENTS, "state_dict", "close")
+ERRORS = (RuntimeError, ValueError, OSError, KeyError, ZeroDivisionError, AttributeError)
+
+
+class _Recorder(Sink):
+    """Every call it gets, in order; ``fail``: the call that raises ``error``."""
+
+    def __init__(self, fail: str | None = None, error: Exception | None = None) -> None:
+        self.calls: list[str] = []
+        self.fail, self.error = fail, error
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            raise self.error
+
+    def record(self, step, split, values, console):
+        self._call("record")
+
+    def data_wait(self, seconds):
+        self._call("data_wait")
+
+    def step_done(self, step, seconds, tokens, skipped, eta):
+        self._call("step_done")
+
+    def checkpoint_done(self, op, seconds):
+        self._call("checkpoint_done")
+
+    def resumed(self, step, resumes):
+        self._call("resumed")
+
+    def state_dict(self):
+        self._call("state_dict")
+        return {"calls": len(self.calls)}
+
+    def load_state_dict(self, state):
+        self._call("load_state_dict")
+
+    def close(self):
+        self._call("close")
+
+
+def _drive(metrics) -> dict:
+    """Every event of a resumed run, in the trainer's order; returns the checkpoint state."""
+    metrics.load_state_dict({"window": [0.0] * 4, "elapsed": 1.0, "resumes": 0,
+                             "sinks": {"boom": {"calls": 0}, "rec": {"calls": 0}}})  # fmt: skip
+    metrics.on_resume(3, 0.25)  # checkpoint_done (load), resumed
+    metrics.timed_batch(lambda: None)  # data_wait
+    metrics.step_done(4, [2.0, 1.0, 4.0, 0.0], 0.5)  # step_done
+    metrics.log_eval(4, {"loss": 0.5})  # record
+    metrics.checkpoint_done("save", 0.25)
+    state = metrics.state_dict()
+    metrics.close()
+    return state
+
+
+_CONFIGS: dict[str, Any] = {}
+# what a sink that never fails receives from _drive, in order
+ALL_CALLS = ["load_state_dict", "checkpoint_done", "resumed", "data_wait", "step_done",
+             "record", "checkpoint_done", "state_dict", "close"]  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(point=st.sampled_from(POINTS), error=st.sampled_from(ERRORS),
+       text=st.text(alphabet="ab \n:'é", max_size=12), first=st.booleans())  # fmt: skip
+def test_a_failing_sink_is_one_line_and_dropped(tmp_path, capsys, point, error, text, first):
+    """A registered sink raising at a drawn point (its factory, any event, its state, close),
+    listed before or after a sink that never fails: one stderr line naming the sink and the
+    event, the failing sink gets nothing after it, the other sink and the run see everything."""
+    from linformer_ds.config import load_config
+    from linformer_ds.metrics import Metrics, register_sink, unregister_sink
+
+    boom = _Recorder(point, error(text))
+    rec = _Recorder()
+
+    def boom_factory(cfg, rank, world):
+        if point == "factory":
+            raise error(text)
+        return boom
+
+    register_sink("boom", boom_factory, replace=True)
+    register_sink("rec", lambda cfg, rank, world: rec, replace=True)
+    names = "[boom, rec]" if first else "[rec, boom]"
+    if names not in _CONFIGS:  # (loaded once: 0.1 s each)
+        _CONFIGS[names] = load_config(TINY_CONFIG, [f"logging.sinks={names}",
+                                                    "train.peak_tflops=1.0"])  # fmt: skip
+    run = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example
+    cfg = _CONFIGS[names]
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=str(run)))
+    capsys.readouterr()
+    try:
+        metrics = Metrics(cfg, 0, 1, torch.device("cpu"), flops_per_token=1e6,
+                          tokens_per_step=64)  # fmt: skip
+        state = _drive(metrics)
+    finally:
+        unregister_sink("boom")
+        unregister_sink("rec")
+    err = capsys.readouterr().err.strip().splitlines()
+    event = "its factory" if point == "factory" else point
+    assert len(err) == 1 and err[0].startswith(f"[warn] metrics sink 'boom' failed in {event} ("), (
+        err
+    )
+    assert err[0].endswith("it is dropped (no further events go to it); training goes on")
+    assert type(error(text)).__name__ in err[0]
+    assert rec.calls == ALL_CALLS  # the other sink saw every event
+    want = [] if point == "factory" else ALL_CALLS[: ALL_CALLS.index(point) + 1]
+    assert boom.calls == want  # nothing after the failure, close included
+    assert ("boom" in state["sinks"]) == (point == "close")  # dropped before the save: no state
+    assert state["sinks"]["rec"] == {"calls": ALL_CALLS.index("state_dict") + 1}
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["split"] for line in lines] == ["eval"]  # the built-in sink too
+
+
+def test_a_sink_refusing_the_config_stops_the_run_in_one_line():
+    """The deliberate stop: a factory's ConfigError, or anything its check(cfg) raises, is one
+    config error naming the sink, before any step."""
+    from linformer_ds.config import ConfigError, load_config
+    from linformer_ds.metrics import Metrics, check_sinks, register_sink, unregister_sink
+
+    def factory(cfg, rank, world):
+        raise ConfigError("logging.sinks: refuse needs refuse.url")
+
+    def check(cfg):
+        raise KeyError("url")
+
+    factory.check = None
+    register_sink("refuse", factory, replace=True)
+    try:
+        cfg = load_config(TINY_CONFIG, ["logging.sinks=[refuse]", "train.peak_tflops=1.0"])
+        with pytest.raises(ConfigError, match="refuse needs refuse.url"):
+            Metrics(cfg, 1, 2, torch.device("cpu"), flops_per_token=1e6, tokens_per_step=64)
+        factory.check = check
+        with pytest.raises(ConfigError) as e:
+            check_sinks(cfg)
+        assert (
+            str(e.value) == "logging.sinks: sink 'refuse' failed its check(cfg) (KeyError: 'url')"
+        )
+    finally:
+        unregister_sink("refuse")
+
+
+# ------------------------------------------------------------------------- plugin module names
+def _importable(name: str) -> bool:
+    """The reference: ``name`` is a module this process imports without any plugin (the
+    standard library, an installed module, one already imported)."""
+    if name in sys.stdlib_module_names or name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return True
+
+
+def _installed_names() -> list[str]:
+    return sorted(n for n in importlib.metadata.packages_distributions()
+                  if n.isidentifier() and _importable(n))  # fmt: skip
+
+
+FRESH = st.from_regex(r"[a-z][a-z0-9_]{3,10}", fullmatch=True).filter(lambda n: not _importable(n))
+PLUGIN_NAMES = st.one_of(
+    st.sampled_from(sorted(n for n in sys.stdlib_module_names if n.isidentifier())),
+    st.sampled_from(_installed_names()),
+    st.sampled_from(["linformer_ds", "data_prep", "tests", "hypothesis"]),  # already imported
+    FRESH,
+    FRESH,
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(name=PLUGIN_NAMES, form=st.sampled_from(["file", "package", "dotted"]))
+def test_a_plugin_named_like_an_importable_module_is_refused(tmp_path_factory, monkeypatch,
+                                                             name, form):  # fmt: skip
+    """A plugin drawn from the standard library's names, the installed packages', modules
+    already imported and fresh names, as a .py file, a package directory or a dotted name
+    with its file in the working directory: refused in one line naming it exactly when the
+    name is importable otherwise (a dotted name: when it is a standard-library or installed
+    one), its code never run and sys.modules unchanged; a fresh name is imported."""
+    from linformer_ds.plugins import PluginError, import_plugin
+
+    root = tmp_path_factory.mktemp("plugin")
+    marker = root / "ran"
+    code = f"open({str(marker)!r}, 'w').close()\n"
+    if form == "file":
+        (root / f"{name}.py").write_text(code)
+        arg = str(root / f"{name}.py")
+    else:
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(code)
+        arg = str(root / name) if form == "package" else name
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = sys.modules.get(name)
+    refused = _importable(name)
+    try:
+        import_plugin(arg)
+    except PluginError as e:
+        message = str(e)
+        assert refused, message
+        assert "\n" not in message and message.startswith(f"--plugin {arg}")
+        assert repr(name) in message
+        assert message.endswith(("rename it", "give your plugin module another name"))
+        assert not marker.exists() and sys.modules.get(name) is before
+    else:
+        try:
+            assert not refused and marker.exists()
+            where = root / (f"{name}.py" if form == "file" else f"{name}/__init__.py")
+            assert os.path.realpath(sys.modules[name].__file__) == os.path.realpath(where)
+        finally:
+            sys.modules.pop(name, None)
+
+
+def test_plugin_paths_and_the_command_line(tmp_path, capsys):
+    """A directory without __init__.py and a missing path are one line saying what --plugin
+    takes; a stdlib-named file is refused by the real commands (pretrain, data_prep)
+    before it runs; an override after --plugin is read."""
+    from data_prep.__main__ import main as data_prep_main
+    from linformer_ds import train
+
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "json.py").write_text("raise SystemExit('ran')\n")
+    (tmp_path / "fresh_plugin_h3.py").write_text("X = 1\n")
+    for arg, want in ((tmp_path / "loose", "a directory without __init__.py; pass a package "
+                       "directory (one holding __init__.py), a .py file or a dotted module name"),
+                      (tmp_path / "nope.py", "no such file or directory; pass a .py file, a "
+                       "package directory or a dotted module name"),
+                      (tmp_path / "json.py", "its module name 'json' is also the "
+                       "standard-library module json; a plugin may not replace a module the "
+                       "process imports: rename it")):  # fmt: skip
+        capsys.readouterr()
+        assert train.main(["--plugin", str(arg), "--config", TINY_CONFIG]) == 2
+        assert capsys.readouterr().err.strip() == f"error: --plugin {arg}: {want}"
+        rc = data_prep_main(
+            [
+                "--plugin",
+                str(arg),
+                "--source",
+                "stdlib",
+                "--out",
+                str(tmp_path / "out"),
+                "--seq-len",
+                "16",
+                "--vocab-size",
+                "100",
+            ]
+        )
+        assert (
+            rc == 2
+            and capsys.readouterr().err.strip() == f"data_prep: error: --plugin {arg}: {want}"
+        )
+    try:  # an override after --plugin is read (its value checked), not "unrecognized"
+        capsys.readouterr()
+        rc = train.main(["--plugin", str(tmp_path / "fresh_plugin_h3.py"), "--config",
+                         TINY_CONFIG, "train.max_steps=-5"])  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err == "config error: train.max_steps: must be >= 1, got -5"
+        assert "fresh_plugin_h3" in sys.modules  # imported first
+    finally:
+        sys.modules.pop("fresh_plugin_h3", None)
+    assert not (tmp_path / "out").exists()
+
+
+OPTIONS = [["--plugin", "a_plugin"], ["--plugin", "b_plugin"], ["--config", "c.yaml"],
+           ["--print-config"]]  # fmt: skip
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(order=st.permutations(OPTIONS + [["x.y=1"], ["z=[a, b]"], ["w.v=-3"]]))
+def test_overrides_anywhere_on_the_command_line(order):
+    """Any order of options and overrides gives the same arguments (plugins and overrides in
+    their relative order)."""
+    from linformer_ds.train import parse_args
+
+    args = parse_args([tok for part in order for tok in part])
+    plugins = [p[1] for p in order if p[0] == "--plugin"]
+    overrides = [p[0] for p in order if "=" in p[0]]
+    assert args.plugin == plugins and args.overrides == overrides
+    assert args.config == "c.yaml" and args.print_config
