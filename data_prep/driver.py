@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from data_prep import packing as pk
+from data_prep import unk_rate
 from data_prep.doc_stats import summary_line
 from data_prep.errors import DataPrepError, EmptySplitError
 from data_prep.shards import fsync_dir
@@ -262,6 +263,11 @@ def report(run: Run) -> None:
     )
     for s in pk.SPLITS:
         _log(cfg, summary_line(s, m["splits"][s]["documents_in_rows"]))
+    if "unk" in m:  # (a finished run kept by an older data_prep has no record)
+        _log(cfg, unk_rate.summary(m["unk"]))
+        unk_warning = unk_rate.warning(m["unk"], cfg.tokenizer)
+        if unk_warning:  # always shown: the tokenizer does not fit the text
+            print(unk_warning, file=sys.stderr, flush=True)
     if st.binary_files:  # always shown: input was left out
         print(
             f"data_prep: warning: skipped {st.binary_files} input file(s) that are not text "

@@ -35,6 +35,7 @@ from data_prep.tokenizer import (
     tokenizer_info,
     train_tokenizer,
 )
+from data_prep.unk_rate import unk_record
 from linformer_ds import outdir
 from linformer_ds.context_meter import counts_record
 from linformer_ds.fsio import atomic_write_json
@@ -574,4 +575,6 @@ def _manifest(
         "shard_rows": shard_rows,
         "splits": splits,
         "unigram": unigram,
+        # the unknown token's share of the content tokens, any tokenizer kind (data_prep.unk_rate)
+        "unk": unk_record(cfg.out, splits, special_ids["unk"], special_pieces["unk"]),
     }

@@ -362,7 +362,7 @@ def load_model(path: str, tag: str | None = None) -> tuple[Any, dict[str, Any]]:
                     training = json.load(f).get("training_config")
             except (OSError, ValueError, AttributeError):
                 training = None
-        return model.eval(), {"kind": "export", "training_config": training}
+        return model.eval(), {"kind": "export", "training_config": training, "dir": path}
     from linformer_ds.export import (
         ExportError,
         check_state_dict,
@@ -386,7 +386,25 @@ def load_model(path: str, tag: str | None = None) -> tuple[Any, dict[str, Any]]:
         raise ContextCurveError(f"MODEL {tag_dir}: {e}") from None
     model = LinformerForMaskedLM(mc)
     model.load_state_dict(state, strict=False)  # (check_state_dict: only the tied weight left out)
-    return model.eval(), {"kind": f"checkpoint {name}", "training_config": meta.get("config")}
+    return model.eval(), {"kind": f"checkpoint {name}", "training_config": meta.get("config"),
+                          "dir": tag_dir}  # fmt: skip
+
+
+def check_data_of_model(data: str, dataset: Any, model: Any, info: dict[str, Any],
+                        error: type[ContextCurveError] = ContextCurveError) -> str:  # fmt: skip
+    """The data is the model's: its manifest's tokenizer is the export's or checkpoint's
+    (:func:`linformer_ds.tokenizer_identity.check_tokenizers`) and its vocabulary fits."""
+    from linformer_ds import tokenizer_identity as ti
+
+    try:
+        note = ti.check_tokenizers(ti.of_data(str(dataset.path), dataset.manifest),
+                                   ti.of_model(info["dir"]))  # fmt: skip
+    except ti.TokenizerMismatch as e:
+        raise error(f"DATA {data}: not the data of this model: {e}") from None
+    if dataset.vocab_size > model.config.vocab_size:
+        raise error(f"DATA {data}: vocabulary {dataset.vocab_size} > the model's "
+                    f"{model.config.vocab_size}: not the data of this model")  # fmt: skip
+    return note
 
 
 def decide_isolation(setting: str, dataset: Any, training_config: Any) -> tuple[bool, str]:
@@ -526,14 +544,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ContextCurveError(f"DATA {args.data}: rows of {dataset.seq_len} tokens are shorter "
                                 f"than the smallest window {windows[0]}")  # fmt: skip
     model, info = load_model(args.model, args.tag)
-    if dataset.vocab_size > model.config.vocab_size:
-        raise ContextCurveError(f"DATA {args.data}: vocabulary {dataset.vocab_size} > the model's "
-                                f"{model.config.vocab_size}: not the data of this model")  # fmt: skip
+    note = check_data_of_model(args.data, dataset, model, info)
     isolation, why = decide_isolation(args.isolation, dataset, info["training_config"])
     model.to(device)
     log = logger.info  # progress: stderr (main); stdout holds the result
     log(f"[context] model {args.model} ({info['kind']}), data {args.data} ({args.split}, "
-        f"N = {dataset.seq_len}), document isolation {why}, windows {windows}")  # fmt: skip
+        f"N = {dataset.seq_len}), document isolation {why}, windows {windows}; {note}")  # fmt: skip
     result = curve(model, dataset, windows, args.rows, args.seed, isolation, meter, device,
                    args.batch_tokens, args.mlm_probability, log)  # fmt: skip
     result.update({"model": args.model, "data": args.data, "split": args.split,

@@ -230,39 +230,43 @@ def _short(items: list[str], n: int = 6) -> str:
 
 
 # ===================================================================================== writing
-def check_same_vocabulary(sp_model_path: str, tag_dir: str, meta: dict[str, Any]) -> None:
-    """``--tokenizer`` must hold the vocabulary the checkpoint was trained with (the tag's own
-    tokenizer.model, else the vocabulary size its metadata records): another one would map the
-    model's ids to other tokens."""
+def check_checkpoint_tokenizer(
+    sp_model_path: str | None, tag_dir: str, meta: dict[str, Any]
+) -> None:
+    """The tokenizer written with the export is the one the checkpoint was trained with: the
+    tag's own copy must still be the data's (the sha256 its metadata records), and
+    ``--tokenizer`` (``sp_model_path``; None: the tag's own is written) must be that tokenizer
+    by the one identity check (:func:`~linformer_ds.tokenizer_identity.check_tokenizers`:
+    the same file, or the same pieces, normalizer, pre-tokenizer, ...); without a copy in the
+    tag, its vocabulary size must be the one the checkpoint's data had."""
+    from linformer_ds.tokenizer_identity import (
+        TokenizerMismatch,
+        check_tokenizers,
+        of_file,
+        of_model,
+    )
 
-    def pieces(path: str) -> list[str]:
-        if is_hf_tokenizer(path):  # a Hugging Face tokenizer directory: its id -> token table
-            vocab = load_hf_tokenizer(path).get_vocab()
-            table = [""] * (max(vocab.values()) + 1)
-            for token, i in vocab.items():
-                table[i] = token
-            return table
-        sp = spm.SentencePieceProcessor(model_file=path)
-        return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-
-    given = pieces(sp_model_path)
-    own = os.path.join(tag_dir, str(meta.get("tokenizer", "tokenizer.model")))
+    own = of_model(tag_dir, "the checkpoint's")
+    given = of_file(sp_model_path, "--tokenizer") if sp_model_path else None
     hint = "; omit --tokenizer to export the checkpoint's own"
-    if os.path.exists(own):
-        want = pieces(own)
-        if given != want:
-            first = next((i for i, (a, b) in enumerate(zip(given, want)) if a != b), None)
-            where = f"id {first}: {given[first]!r} vs {want[first]!r}" if first is not None else ""
-            raise ExportError(
-                f"--tokenizer {sp_model_path}: another vocabulary than the checkpoint was trained "
-                f"with ({len(given)} pieces vs {len(want)}{'; ' + where if where else ''}){hint}"
-            )
+    try:
+        check_tokenizers(given, own)
+    except TokenizerMismatch as e:
+        if given is None:
+            raise ExportError(f"{e}: the checkpoint {tag_dir} was changed after training") from None
+        raise ExportError(f"--tokenizer {sp_model_path}: another tokenizer than the checkpoint was "
+                          f"trained with ({e}){hint}") from None  # fmt: skip
+    if given is None or (own is not None and os.path.exists(own.path)):
         return
+    if is_hf_tokenizer(sp_model_path):
+        size = max(load_hf_tokenizer(sp_model_path).get_vocab().values()) + 1
+    else:
+        size = spm.SentencePieceProcessor(model_file=sp_model_path).get_piece_size()
     sizes = {d.get("vocab_size") for d in meta.get("data") or [] if isinstance(d, dict)}
     sizes.discard(None)
-    if sizes and len(given) not in sizes:
+    if sizes and size not in sizes:
         raise ExportError(
-            f"--tokenizer {sp_model_path}: {len(given)} pieces, the checkpoint was trained on "
+            f"--tokenizer {sp_model_path}: {size} pieces, the checkpoint was trained on "
             f"data with a vocabulary of {sorted(sizes)[0]}{hint}"
         )
 
@@ -364,10 +368,9 @@ def _export(
             f"tokenizer {sp_path} not found: the checkpoint has no tokenizer; pass --tokenizer "
             "PATH/tokenizer.model (or a Hugging Face tokenizer directory)"
         )
+    check_checkpoint_tokenizer(tokenizer, tag_dir, meta)
     check_tokenizer(sp_path, model_config)
     check_special_ids(sp_path, meta, tag_dir)
-    if tokenizer:
-        check_same_vocabulary(sp_path, tag_dir, meta)
     out = os.path.abspath(out)
     if os.path.exists(os.path.dirname(out)) and not os.path.isdir(os.path.dirname(out)):
         raise ExportError(f"--out {out}: {os.path.dirname(out)} is not a directory")

@@ -283,7 +283,30 @@ def check_export(model_dir: str, trust_remote_code: bool = False) -> dict[str, A
             f"--model {model_dir}: refusing to run its code: {why}; export it again, or pass "
             "--trust-remote-code if you trust the code in it"
         )
+    check_export_tokenizer(model_dir)
     return config
+
+
+def check_export_tokenizer(model_dir: str) -> str:
+    """The export's tokenizer (the one the texts are encoded with) is the one the model was
+    trained with: the file the export recorded (``linformer_export.json``: its sha256), by the
+    one identity check (:func:`~linformer_ds.tokenizer_identity.check_tokenizers`); an export
+    that records none (written before the record) is not compared. Returns the note."""
+    from linformer_ds.tokenizer_identity import (
+        HF_FILE,
+        SP_FILE,
+        TokenizerMismatch,
+        check_tokenizers,
+        of_model,
+    )
+
+    # both files: the texts are encoded with tokenizer.json, tokenizer.model is written along
+    refs = [of_model(model_dir, "the export's", name) for name in (SP_FILE, HF_FILE)]
+    try:
+        return "; ".join(check_tokenizers(r, None) for r in refs if r is not None)
+    except TokenizerMismatch as e:
+        raise FinetuneError(f"--model {model_dir}: {e}; export it again from the checkpoint, "
+                            "or restore the tokenizer the model was trained with") from None  # fmt: skip
 
 
 def check_loaded(model_dir: str, info: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from linformer_ds.special_tokens import (
     copy_tokenizer_files,
     hf_special_tokens,
 )
+from linformer_ds.tokenizer_identity import record as tokenizer_record
 
 EXPORT_FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -389,11 +390,12 @@ def write_model_dir(
     setattr(hf_config, CODE_SHA_KEY, write_remote_code(out))  # checked before the code runs
     hf_config.save_pretrained(out)
     write_tokenizer(out, sp_model_path, model_config.max_seq_len)
-    if provenance is not None:
+    if provenance is not None:  # with the tokenizer files' sha256 (tokenizer_identity)
         _write_json(
             os.path.join(out, "linformer_export.json"),
-            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance},
-        )
+            {"export_format_version": EXPORT_FORMAT_VERSION, **provenance,
+             "tokenizer": tokenizer_record(out)},
+        )  # fmt: skip
     apply_umask(out)
 
 

@@ -211,92 +211,32 @@ def source_tokenizer_ids(path: str) -> dict[str, int]:
 
 
 # ==================================================================== tokenizer identity
-# the tokenizer files a save_pretrained directory may hold, in the order they are read
-SOURCE_VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
+def check_data_tokenizer(where: str, data: str, manifest: dict[str, Any] | None) -> str:
+    """The data's tokenizer is the source's (the one check, :func:`~linformer_ds.
+    tokenizer_identity.check_tokenizers`: the same file, or the same pieces id for id and, for
+    a tokenizer.json beside the source, the same model, normalizer, pre-tokenizer and special
+    tokens); WarmStartError naming both files and what differs. Returns the ``[init]`` line's
+    note on the comparison."""
+    from linformer_ds.tokenizer_identity import (
+        SOURCE_FILES,
+        TokenizerMismatch,
+        check_tokenizers,
+        of_data,
+        of_source,
+    )
 
-
-def source_pieces(path: str) -> tuple[str, list[str | None]] | None:
-    """``(file, piece of every id)`` of the tokenizer saved beside the source (tokenizer.json,
-    else BERT's vocab.txt, else RoBERTa's vocab.json); None when it has none."""
-    for name in SOURCE_VOCAB_FILES:
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            continue
-        try:
-            if name == "tokenizer.json":
-                from tokenizers import Tokenizer
-
-                vocab = Tokenizer.from_file(full).get_vocab(with_added_tokens=True)
-            elif name == "vocab.txt":
-                with open(full, encoding="utf-8") as f:
-                    vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
-            else:
-                with open(full, encoding="utf-8") as f:
-                    vocab = json.load(f)
-            return name, _by_id(vocab)
-        except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
-            raise WarmStartError(f"{full}: the source's tokenizer cannot be read "
-                                 f"({error_line(e)})") from None  # fmt: skip
-    return None
-
-
-def _by_id(vocab: dict[str, int]) -> list[str | None]:
-    """``{piece: id}`` -> the piece of every id (None where no piece has the id)."""
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-        raise ValueError("not a {piece: id} vocabulary")
-    out: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
-    for piece, i in vocab.items():
-        if i < 0:
-            raise ValueError(f"negative id {i}")
-        out[i] = piece
-    return out
-
-
-def data_pieces(data: str, manifest: dict[str, Any]) -> tuple[str, list[str | None]] | None:
-    """``(file, piece of every id)`` of a data_prep output's tokenizer (SentencePiece
-    tokenizer.model or a Hugging Face tokenizer.json); None when the manifest records none."""
-    tok = manifest.get("tokenizer") if isinstance(manifest, dict) else None
-    if not isinstance(tok, dict):
-        return None
-    full = os.path.join(data, str(tok.get("file", "tokenizer.model")))
-    try:
-        if tok.get("kind") == "huggingface":
-            from tokenizers import Tokenizer
-
-            return full, _by_id(Tokenizer.from_file(full).get_vocab(with_added_tokens=True))
-        import sentencepiece as spm
-
-        sp = spm.SentencePieceProcessor(model_file=full)
-        return full, [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    except Exception as e:  # noqa: BLE001
-        raise WarmStartError(f"{full}: the data's tokenizer cannot be read ({error_line(e)})"
-                             ) from None  # fmt: skip
-
-
-def check_pieces(where: str, data: str, manifest: dict[str, Any] | None) -> str:
-    """The data's tokenizer has the pieces of the source's, id for id (WarmStartError naming
-    how many differ and the first); returns the ``[init]`` line's note on the comparison."""
     path = source_path(where)
-    src = source_pieces(path)
+    src = of_source(path)
     if src is None:
-        return ("tokenizer: not compared (no " + ", ".join(SOURCE_VOCAB_FILES)
-                + " beside the source)")  # fmt: skip
-    got = data_pieces(data, manifest or {}) if manifest else None
+        return f"tokenizer: not compared (no {', '.join(SOURCE_FILES)} beside the source)"
+    got = of_data(data, manifest) if manifest else None
     if got is None:
         return f"tokenizer: not compared (no data tokenizer recorded for {data or 'the run'})"
-    (sname, theirs), (dname, ours) = src, got
-    n = max(len(theirs), len(ours))
-    theirs, ours = theirs + [None] * (n - len(theirs)), ours + [None] * (n - len(ours))
-    differ = [i for i in range(n) if theirs[i] != ours[i]]
-    if differ:
-        i = differ[0]
-        raise WarmStartError(
-            f"{where}: the data's tokenizer ({dname}) is not the source's ({sname}): "
-            f"{len(differ)} of {n} ids are other pieces (id {i}: {ours[i]!r} in the data, "
-            f"{theirs[i]!r} in the source): the data must be tokenized with the source's "
-            f"tokenizer (data_prep --tokenizer {path})"
-        )
-    return f"tokenizer: {n} pieces equal to the source's {sname}"
+    try:
+        return check_tokenizers(got, src)
+    except TokenizerMismatch as e:
+        raise WarmStartError(f"{where}: {e}: the data must be tokenized with the source's "
+                             f"tokenizer (data_prep --tokenizer {path})") from None  # fmt: skip
 
 
 # ====================================================================================== weights
@@ -547,7 +487,7 @@ class WarmStart:
         if spec is not None:
             try:
                 hf = check_source(spec, model, data_vocab, data, data_ids)
-                self.note = check_pieces(spec, data, manifest)
+                self.note = check_data_tokenizer(spec, data, manifest)
                 self.weights = read_source_weights(source_path(spec))
                 check_weights(hf, self.weights, spec)
             except WarmStartError as e:  # name the key
@@ -659,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WarmStartError(f"{manifest}: unreadable ({e})") from None
             check_vocabulary(hf, vocab, spec, args.data, ids)
-            note = check_pieces(spec, args.data, m)
+            note = check_data_tokenizer(spec, args.data, m)
         else:
             note = "tokenizer: not compared (no --data)"
         check_weights(hf, read_source_weights(source_path(spec)), spec)

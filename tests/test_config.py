@@ -535,8 +535,8 @@ def test_export_refuses_a_tokenizer_of_another_vocabulary(
     rc = export_mod.main([*argv, "--tokenizer", str(other_tokenizer)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    want = f"--tokenizer {other_tokenizer}: another vocabulary than the checkpoint was trained "
-    assert want + "with (500 pieces vs 2000" in err, err
+    want = f"--tokenizer {other_tokenizer}: another tokenizer than the checkpoint was trained "
+    assert want + "with (tokenizers differ: " in err and "500 ids vs 2000" in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -8,6 +8,7 @@ fine-tunes; a source of another vocabulary or other special ids is refused in on
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -426,3 +427,102 @@ def test_warm_start_trains_exports_with_the_tokenizer_and_finetunes(env, tmp_pat
     assert "custom code" not in "".join(capfd.readouterr())  # no remote-code prompt
     again = transformers.AutoTokenizer.from_pretrained(str(ft), trust_remote_code=True)
     assert again(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def _lowercase_off(tok_dir: Path) -> None:
+    """Turn lowercasing off in the tokenizer saved in ``tok_dir``, every piece left at its id
+    (tokenizer.json's normalizer and tokenizer_config.json's do_lower_case, as a user editing a
+    copy of BERT's would)."""
+    spec = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["normalizer"]["lowercase"] = False
+    (tok_dir / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    cfg["do_lower_case"] = False
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+
+
+def test_warm_start_refuses_the_sources_tokenizer_with_lowercasing_off(env, tmp_path, capsys):
+    """The tokenizer saved beside the source is the data's (accepted, by content); the same with
+    lowercasing turned off (every piece at its id, so a check of the pieces passed it) is
+    refused by the trainer's check and by launch/convert.py --data in one line naming both
+    files and the normalizer's difference."""
+    from linformer_ds.warm_start import WarmStart, WarmStartError
+    from linformer_ds.warm_start import main as convert_main
+
+    tok, data = env["toks"]["wordpiece"], env["outs"]["wordpiece"]
+    ds = ShardDataset(data, "train")
+    src = tmp_path / "bert"
+    save_bert(src, len(tok), tok)
+    cfg = type("Cfg", (), {})()
+    cfg.checkpoint = type("C", (), {})()
+    cfg.model, cfg.checkpoint.init_from = model_cfg(src), f"hf:{src}"
+    note = WarmStart.for_run(cfg, None, ds).note
+    assert note.startswith("tokenizer: ") and "the source's tokenizer.json" in note, note
+    # what an export writes (save_pretrained with N_max, the mask stripping left spaces) is
+    # the data's tokenizer by content, and the export records its sha256
+    from linformer_ds.model_dir import write_tokenizer
+    from linformer_ds.tokenizer_identity import check_tokenizers, of_data, of_file, record
+
+    exp = tmp_path / "export"
+    exp.mkdir()
+    write_tokenizer(str(exp), str(data / "tokenizer"), SEQ)
+    assert "normalizer and pre-tokenizer equal" in check_tokenizers(
+        of_data(str(data)), of_file(str(exp / "tokenizer.json"), sha256=record(str(exp))["files"]
+                                    ["tokenizer.json"]))  # fmt: skip
+    _lowercase_off(src)
+    with pytest.raises(WarmStartError) as e:
+        WarmStart.for_run(cfg, None, ds)
+    msg = str(e.value)
+    assert "\n" not in msg and "normalizer differs (lowercase: true vs false)" in msg, msg
+    assert str(data / "tokenizer" / "tokenizer.json") in msg and str(src / "tokenizer.json") in msg
+    capsys.readouterr()
+    argv = ["--from", f"hf:{src}", "--data", str(data), f"model.max_seq_len={SEQ}", "model.k=16"]
+    assert convert_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "normalizer differs (lowercase: true vs false)" in err
+
+
+def test_unk_rate_is_the_tokenizers_own_count_and_warns_above_the_threshold(env, tmp_path, capfd):
+    """The manifest's ``unk``: the unknown token's count among the content tokens, equal to the
+    tokenizer's own encoding of the documents (counted here); the summary says it. The same
+    WordPiece with lowercasing turned off, on the corpus with each line capitalised: above 1 %,
+    one warning line with the rate and the threshold; the unchanged tokenizer: none."""
+    from data_prep.unk_rate import WARN_RATE
+
+    def unk_of(tok, docs):
+        ids = [own_encode(tok, d) for d in docs]
+        return sum(x.count(tok.unk_token_id) for x in ids), sum(map(len, ids))
+
+    m = json.loads((env["outs"]["wordpiece"] / "manifest.json").read_text())
+    unk, content = unk_of(env["toks"]["wordpiece"], env["docs"])
+    assert (m["unk"]["tokens"], m["unk"]["content"]) == (unk, content)
+    assert m["unk"]["warn_above"] == WARN_RATE == 0.01
+
+    corpus = tmp_path / "capitalised"
+    corpus.mkdir()
+    docs = ["\n".join(ln[:1].upper() + ln[1:] for ln in d.split("\n")) for d in env["docs"]]
+    for i, d in enumerate(docs):
+        (corpus / f"doc{i:03d}.txt").write_text(d, encoding="utf-8")
+    cased = tmp_path / "cased_copy"
+    shutil.copytree(env["dirs"]["wordpiece"], cased)
+    _lowercase_off(cased)
+    for name, tok_dir in (("uncased", env["dirs"]["wordpiece"]), ("cased", cased)):
+        out = tmp_path / name
+        capfd.readouterr()
+        argv = ["--source", str(corpus), "--out", str(out), "--tokenizer", str(tok_dir),
+                "--seq-len", str(SEQ), "--valid-fraction", str(VALID), "--workers", "0"]  # fmt: skip
+        assert data_prep_main(argv) == 0
+        err = capfd.readouterr().err
+        rec = json.loads((out / "manifest.json").read_text())["unk"]
+        tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+        read = list(Source([str(corpus)], "text", DEFAULT_MAX_DOC_BYTES, "utf-8"))
+        assert (rec["tokens"], rec["content"]) == unk_of(tok, read)
+        assert f"unknown token '[UNK]': {rec['rate']:.4%} of the content tokens" in err
+        warned = [ln for ln in err.splitlines() if "warning" in ln and "unknown token" in ln]
+        if name == "uncased":
+            assert rec["rate"] <= WARN_RATE and not warned, err
+        else:
+            assert rec["rate"] > WARN_RATE and len(warned) == 1, err
+            assert (
+                f"{rec['rate']:.2%} of the content tokens" in warned[0] and "above 1%" in warned[0]
+            )

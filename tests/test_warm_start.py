@@ -225,7 +225,7 @@ def test_trainer_refuses_another_vocabulary_in_one_line(tmp_path, tiny_corpus):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from linformer_ds.warm_start import WarmStart, check_pieces, main  # noqa: E402
+from linformer_ds.warm_start import WarmStart, check_data_tokenizer, main  # noqa: E402
 
 FAST = settings(max_examples=12, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
@@ -371,7 +371,7 @@ def test_the_data_tokenizer_must_have_the_sources_pieces(source, tiny_corpus, tm
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     src = _copy(source, tmp_path_factory.mktemp("tok"))
     (src / "vocab.txt").write_bytes(_vocab_txt(pieces))
-    note = check_pieces(f"hf:{src}", str(ds.path), ds.manifest)
+    note = check_data_tokenizer(f"hf:{src}", str(ds.path), ds.manifest)
     assert note == "tokenizer: 2000 pieces equal to the source's vocab.txt"
     ids = data.draw(st.lists(st.integers(5, 1999), min_size=2, max_size=40, unique=True))
     ids = ids[: len(ids) // 2 * 2]
@@ -380,7 +380,7 @@ def test_the_data_tokenizer_must_have_the_sources_pieces(source, tiny_corpus, tm
         swapped[a], swapped[b] = swapped[b], swapped[a]
     (src / "vocab.txt").write_bytes(_vocab_txt(swapped))
     with pytest.raises(WarmStartError) as e:
-        check_pieces(f"hf:{src}", str(ds.path), ds.manifest)
+        check_data_tokenizer(f"hf:{src}", str(ds.path), ds.manifest)
     msg = str(e.value)
     assert "\n" not in msg and f": {len(ids)} of 2000 ids are other pieces (id {min(ids)}:" in msg
 

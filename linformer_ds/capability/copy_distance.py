@@ -39,6 +39,7 @@ import torch
 from linformer_ds.context_curve import (
     ContextCurveError,
     Row,
+    check_data_of_model,
     decide_isolation,
     document_segments,
     load_model,
@@ -239,14 +240,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     distances = parse_distances(args.distances)
     dataset, _ = open_data(args.data, args.split)
     model, info = load_model(args.model, args.tag)
-    if dataset.vocab_size > model.config.vocab_size:
-        raise CopyError(f"DATA {args.data}: vocabulary {dataset.vocab_size} > the model's "
-                        f"{model.config.vocab_size}: not the data of this model")  # fmt: skip
+    note = check_data_of_model(args.data, dataset, model, info, CopyError)
     isolation, why = decide_isolation(args.isolation, dataset, info["training_config"])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     log(f"[copy] model {args.model} ({info['kind']}), data {args.data} ({args.split}, "
-        f"N = {dataset.seq_len}), document isolation {why}, distances {distances}")  # fmt: skip
+        f"N = {dataset.seq_len}), document isolation {why}, distances {distances}; {note}")  # fmt: skip
     result = copy_curve(model, dataset, distances, args.rows, args.passage, args.mask_fraction,
                         args.seed, isolation, device, args.batch_tokens, log)  # fmt: skip
     result.update({"model": args.model, "data": args.data, "split": args.split,

@@ -16,6 +16,12 @@ import torch
 from linformer_ds.data.splits import empty_split_fix
 from linformer_ds.errors import LinformerError
 from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
+from linformer_ds.tokenizer_identity import (
+    TokenizerMismatch,
+    check_tokenizers,
+    of_data,
+    read_checked,
+)
 
 MANIFEST_FORMAT_VERSION = 1  # = data_prep.FORMAT_VERSION (tests check they agree)
 DTYPES = ("uint16", "uint32")
@@ -239,14 +245,23 @@ class ShardDataset(torch.utils.data.Dataset):
         return torch.from_numpy(row)
 
 
-def check_compatible(dataset: ShardDataset, model_config: Any) -> None:
-    """Raise :class:`DataError` unless the dataset fits the model (vocab, length, pad id)."""
+def check_compatible(dataset: ShardDataset, model_config: Any, init_from: str | None = None
+                     ) -> None:  # fmt: skip
+    """Raise :class:`DataError` unless the dataset fits the model (vocab, length, pad id).
+    ``init_from``: the run's ``checkpoint.init_from`` (``hf:PATH``), whose weights fix
+    ``model.vocab_size``: a larger data vocabulary is then told to re-tokenize the data."""
     vocab = int(model_config.vocab_size)
     max_len = int(model_config.max_seq_len)
     if dataset.vocab_size > vocab:
+        fix = f"set model.vocab_size >= {dataset.vocab_size}"
+        if isinstance(init_from, str) and init_from.startswith("hf:"):
+            from linformer_ds.warm_start import retokenize_advice  # (torch, omegaconf: loaded)
+
+            fix = (f"checkpoint.init_from {init_from} fixes model.vocab_size; "
+                   f"{retokenize_advice(init_from[3:], str(dataset.path))}")  # fmt: skip
         raise DataError(
             f"{dataset.path}: dataset vocab_size {dataset.vocab_size} > model vocab_size {vocab}; "
-            f"set model.vocab_size >= {dataset.vocab_size}"
+            f"{fix}"
         )
     if dataset.seq_len > max_len:
         raise DataError(
@@ -287,12 +302,10 @@ def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
     if size is not None and path.stat().st_size != int(size):
         raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest records {size}: not "
                         f"the tokenizer this data was made with ({redo})")  # fmt: skip
-    want = tok.get("sha256")
-    data = path.read_bytes()
-    got = hashlib.sha256(data).hexdigest()
-    if want and got != want:
-        raise DataError(f"{path}: not the tokenizer this data was made with (sha256 {got[:16]} "
-                        f"vs the manifest's {str(want)[:16]}); {redo}")  # fmt: skip
+    try:  # the file has the sha256 the manifest records (the one identity check's reader)
+        data = read_checked(of_data(str(dataset.path), dataset.manifest))[0] or b""
+    except TokenizerMismatch as e:
+        raise DataError(f"{e}; {redo}") from None
     pieces = tok.get("vocab_size")
     if pieces is not None and int(pieces) > model_vocab:
         raise DataError(f"{path}: {pieces} pieces, more than model vocab_size {model_vocab}; set "
@@ -362,11 +375,6 @@ def tokenizer_name(manifest: dict[str, Any]) -> str:
 
 
 # ================================================================================ opening data
-def tokenizer_sha256(dataset: ShardDataset) -> str | None:
-    tok = dataset.manifest.get("tokenizer")
-    return tok.get("sha256") if isinstance(tok, dict) else None
-
-
 def check_same_tokenizer(
     names: Sequence[str], datasets: Sequence[ShardDataset], same_seq_len: bool = True
 ) -> None:
@@ -374,14 +382,22 @@ def check_same_tokenizer(
     special ids) and, with ``same_seq_len``, N."""
     ref_name, ref = names[0], datasets[0]
     for name, d in zip(names[1:], datasets[1:]):
-        a, b = tokenizer_sha256(ref), tokenizer_sha256(d)
-        if a != b or d.vocab_size != ref.vocab_size or d.special_ids != ref.special_ids:
+        a = of_data(str(ref.path), ref.manifest, f"source {ref_name!r}")
+        b = of_data(str(d.path), d.manifest, f"source {name!r}")
+        why = None
+        if (a is None) != (b is None):
+            why = f"only {(a or b).role} records one"
+        elif a is not None and b is not None:
+            try:  # the one identity check (same file, or the same pieces, normalizer, ...)
+                check_tokenizers(a, b)
+            except TokenizerMismatch as e:
+                why = str(e)
+        if why or d.vocab_size != ref.vocab_size or d.special_ids != ref.special_ids:
             raise DataError(
                 f"sources {ref_name!r} ({ref.path}) and {name!r} ({d.path}) have different "
-                f"tokenizers (sha256 {str(a)[:12]} vs {str(b)[:12]}, vocab {ref.vocab_size} vs "
-                f"{d.vocab_size}); prepare every source with the same tokenizer "
-                "(data_prep --tokenizer FIRST/tokenizer.model, or FIRST/tokenizer for a Hugging "
-                "Face tokenizer)"
+                f"tokenizers ({why or f'vocab {ref.vocab_size} vs {d.vocab_size}'}); prepare "
+                "every source with the same tokenizer (data_prep --tokenizer "
+                "FIRST/tokenizer.model, or FIRST/tokenizer for a Hugging Face tokenizer)"
             )
         if same_seq_len and d.seq_len != ref.seq_len:
             raise DataError(
@@ -398,15 +414,17 @@ def open_sources(
     model_config: Any = None,
     verify_checksums: bool = False,
     same_seq_len: bool = True,
+    init_from: str | None = None,
 ) -> list[ShardDataset]:
-    """Open one split of every source, checked against the model and against each other
-    (same tokenizer; same N with ``same_seq_len``); :class:`DataError` names the source."""
+    """Open one split of every source, checked against the model (and ``init_from``, see
+    :func:`check_compatible`) and against each other (same tokenizer; same N with
+    ``same_seq_len``); :class:`DataError` names the source."""
     datasets = []
     for name, path in zip(names, paths):
         try:
             d = ShardDataset(path, split, verify_checksums)
             if model_config is not None:
-                check_compatible(d, model_config)
+                check_compatible(d, model_config, init_from)
         except DataError as e:
             raise DataError(f"source {name!r}: {e}") from None
         datasets.append(d)
