@@ -3,16 +3,16 @@ Hugging Face): how many of the content tokens are the tokenizer's unknown token,
 the shards written (so the figure is the data's, whatever encoded it). The manifest records it
 (``unk``) and the summary says it; above :data:`WARN_RATE` data_prep warns in one line.
 
-Why 1 %: a tokenizer that fits its text leaves almost nothing unknown: data_prep's own
-SentencePiece tokenizers have byte fallback (no ``<unk>`` at all) from a vocabulary of 1,024,
-and below that keep all but the rarest 0.05 % of characters (``character_coverage`` 0.9995 for
-large alphabets); a BERT-style WordPiece on the text it was built for has a few unknown words
-per 10,000 tokens. A tokenizer that does not fit (an uncased vocabulary whose lowercasing was
-turned off, a tokenizer of another language or script) makes whole classes of words unknown:
-every capitalised word, 10.3 % of the tokens, in the case that prompted this check. 1 % is far
-above the first and far below the second. docs/data_prep.md states the figures measured here.
+Why 1 %: a tokenizer that fits its text leaves (almost) nothing unknown: data_prep's own
+SentencePiece tokenizers have byte fallback from a vocabulary of 1,024 pieces
+(``data_prep.tokenizer.BYTE_FALLBACK_MIN_VOCAB``). A tokenizer that does not fit (an uncased
+vocabulary whose lowercasing was turned off, a tokenizer of other text) makes whole classes of
+words unknown: every capitalised word, 10.3 % of the tokens, in the case that prompted this
+check. 1 % lies between the two with room on both sides; docs/data_prep.md gives the rates
+measured on both kinds.
 """
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,8 +37,6 @@ def unk_record(out: str, splits: dict[str, Any], unk_id: int, piece: str) -> dic
     """The manifest's ``unk`` record: the unknown token (``id``, ``piece``), per split and in
     all its count among the content tokens (``tokens``, ``content``, ``rate``), and the rate
     above which data_prep warns (``warn_above``)."""
-    import os
-
     per = {}
     for name, split in splits.items():
         n = count_id([os.path.join(out, s["file"]) for s in split["shards"]], unk_id)
