@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 from typing import Any
 
 import torch
@@ -161,22 +162,66 @@ def check_vocabulary(hf: dict[str, Any], data_vocab: int | None, where: str, dat
     """The data's tokenizer must be the source's: refuse another vocabulary size, or special ids
     (the data manifest's ``special_ids``) that differ from the source config's token ids or from
     the special tokens of the tokenizer saved beside the source (if any)."""
+    src = source_path(where) if where.startswith(HF_PREFIX) else ""
     if data_vocab is not None and int(data_vocab) != int(hf["vocab_size"]):
         raise WarmStartError(
             f"{where}: the source's vocabulary has {hf['vocab_size']} ids, the data's tokenizer "
-            f"({data}) {data_vocab}: the data must be tokenized with the source's tokenizer"
+            f"({data}) {data_vocab}: {retokenize_advice(src, data) if src else RETOKENIZE}"
         )
     if not data_ids:
         return
     source = {key: hf.get(f"{name}_token_id") for name, key in CONFIG_IDS}
-    source.update(source_tokenizer_ids(source_path(where) if where.startswith(HF_PREFIX) else ""))
+    source.update(source_tokenizer_ids(src))
     wrong = [f"{k} {v} (data: {data_ids.get(k)})" for k, v in source.items()
              if v is not None and k in data_ids and int(v) != int(data_ids[k])]  # fmt: skip
     if wrong:
         raise WarmStartError(
             f"{where}: the source's special ids differ from the data's tokenizer ({data}): "
-            f"{', '.join(wrong)}: the data must be tokenized with the source's tokenizer"
+            f"{', '.join(wrong)}: {retokenize_advice(src, data) if src else RETOKENIZE}"
         )
+
+
+RETOKENIZE = "the data must be tokenized with the source's tokenizer"
+
+
+def retokenize_advice(source: str, data: str) -> str:
+    """What to do when the data's vocabulary is not the source's (``source``: the source's
+    directory, ``data``: a data_prep output): ``model.vocab_size`` is the source's (the weights
+    fix it), so the data must be tokenized again with the source's tokenizer. The data_prep
+    command that does it, with the options the data's manifest records (sources, N, packing,
+    split); a source without a tokenizer.json (what ``--tokenizer DIR`` reads) is told to save
+    one first."""
+    try:
+        with open(os.path.join(data, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    src = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    split = manifest.get("split") if isinstance(manifest.get("split"), dict) else {}
+    specs = [str(x) for x in src.get("specs") or ["SOURCE"]]
+    # a path that starts with "-" would read as a flag: the same path from "./"
+    specs = [os.path.join(".", x) if x.startswith("-") else x for x in specs]
+    cmd = ["python", "-m", "data_prep", "--tokenizer", source, "--source", *specs]
+    options = (("--text-column", src.get("text_column"), "text"),
+               ("--encoding", src.get("encoding"), "utf-8"),
+               ("--max-docs", src.get("max_docs"), None),
+               ("--max-bytes", src.get("max_bytes"), None),
+               ("--seq-len", manifest.get("seq_len", "N"), ""),
+               ("--packing", manifest.get("packing"), "full"),
+               ("--valid-fraction", split.get("valid_fraction"), 0.01),
+               ("--seed", split.get("seed"), 0))  # fmt: skip
+    for flag, value, default in options:
+        if value is not None and value != default:
+            cmd += [flag, str(value)]
+    name = os.path.basename(os.path.normpath(source)) or "source"
+    cmd += ["--out", f"{os.path.normpath(data)}_{name}"]
+    line = shlex.join(cmd)
+    if not os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return (f"{RETOKENIZE} (model.vocab_size is the source's): save it beside the source "
+                f"first (AutoTokenizer.from_pretrained(...).save_pretrained({source!r}) writes "
+                f"tokenizer.json), then {line}")  # fmt: skip
+    return f"{RETOKENIZE} (model.vocab_size is the source's): {line}"
 
 
 # config.json token ids -> the data manifest's special_ids keys

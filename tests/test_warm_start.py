@@ -423,3 +423,126 @@ def test_a_size_of_another_type_is_named_as_such(source, tmp_path, value, said):
     src = _copy(source, tmp_path / "src", **{"config.json": json.dumps(cfg).encode()})
     with pytest.raises(WarmStartError, match=re.escape(said)):
         read_source_config(str(src))
+
+
+# ================================= what to do when the vocabulary is not the source's
+# Never a model.vocab_size the source forbids (its weights fix it): the data_prep command that
+# tokenizes the data's own sources with the source's tokenizer and the data's options (a command
+# data_prep's own parser accepts), from pretrain's data check (a larger data vocabulary, e.g.
+# added tokens) and from convert's (any other size). Generated manifests and sources.
+import shlex  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from data_prep.__main__ import build_parser  # noqa: E402
+from linformer_ds.config import load_config  # noqa: E402
+from linformer_ds.data.shards import DataError, ShardDataset, check_compatible  # noqa: E402
+from linformer_ds.data.stages import open_stages  # noqa: E402
+from linformer_ds.warm_start import model_options  # noqa: E402
+from tests.pretrain_utils import TEST_OVERRIDES, TINY_CONFIG  # noqa: E402
+
+SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+SOURCE_VOCAB = 97  # the fixture's BERT
+COMMAND = re.compile(r"(python -m data_prep .*)$")
+
+
+def write_data(root, vocab, seq_len, specs, packing, fraction, column):
+    """A data_prep-like output of ``vocab`` ids recording its sources and options."""
+    (root / "train").mkdir(parents=True)
+    rows = np.full((2, seq_len), 7, dtype=np.uint16)
+    rows[:, 0] = SPECIAL["cls"]
+    np.save(root / "train" / "shard_00000.npy", rows)
+    split = {"shards": [{"file": "train/shard_00000.npy", "rows": 2}], "rows": 2}
+    manifest = {"format_version": 1, "seq_len": seq_len, "vocab_size": vocab, "dtype": "uint16",
+                "special_ids": SPECIAL, "packing": packing, "splits": {"train": split},
+                "split": {"by": "document", "valid_fraction": fraction, "seed": 0},
+                "source": {"specs": specs, "text_column": column}}  # fmt: skip
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def advised(line, src, data, seq_len, specs, packing, fraction, column, tokenizer_json):
+    """The command at the end of ``line``, parsed by data_prep's own parser and checked to
+    tokenize the data's sources with the source's tokenizer and the data's options."""
+    assert "\n" not in line and "set model.vocab_size" not in line, line
+    found = COMMAND.search(line)
+    assert found, line
+    args = build_parser().parse_args(shlex.split(found.group(1))[3:])
+    assert args.tokenizer == str(src) and args.seq_len == seq_len
+    assert [os.path.normpath(x) for x in args.source] == [os.path.normpath(x) for x in specs]
+    assert (args.packing, args.valid_fraction, args.text_column) == (packing, fraction, column)
+    assert args.out not in (str(data), str(src)) and not args.out.startswith(f"{data}/")
+    # data_prep --tokenizer DIR reads DIR/tokenizer.json: without one, saving it comes first
+    assert ("save_pretrained" in line) == (not tokenizer_json), line
+
+
+spec = st.text("abc/._-", min_size=1, max_size=8) | st.sampled_from(["stdlib", "my docs/a b.txt"])
+options = dict(
+    seq_len=st.sampled_from([8, 16, 128]), specs=st.lists(spec, min_size=1, max_size=3),
+    packing=st.sampled_from(["full", "pad"]), fraction=st.sampled_from([0.0, 0.01, 0.05, 0.2]),
+    column=st.sampled_from(["text", "body"]), tokenizer_json=st.booleans(),
+)  # fmt: skip
+
+
+@FAST
+@given(extra=st.integers(1, 3000), **options)
+def test_a_larger_data_vocabulary_is_told_to_retokenize(source, tmp_path_factory, capsys, extra,
+                                                        seq_len, specs, packing, fraction,
+                                                        column, tokenizer_json):  # fmt: skip
+    root = tmp_path_factory.mktemp("w")
+    src = _copy(source, root / "src", **({"tokenizer.json": b"{}"} if tokenizer_json else {}))
+    data = write_data(root / "data", SOURCE_VOCAB + extra, seq_len, specs, packing, fraction,
+                      column)  # fmt: skip
+    facts = (src, data, seq_len, specs, packing, fraction, column, tokenizer_json)
+    hf = read_source_config(str(src))
+    model = ModelConfig(**model_options(hf), max_seq_len=128, k=8)
+    dataset = ShardDataset(data, "train")
+    try:  # pretrain's data check, with the run's checkpoint.init_from
+        check_compatible(dataset, model, f"hf:{src}")
+        raise AssertionError("a larger data vocabulary passed")
+    except DataError as e:
+        assert f"checkpoint.init_from hf:{src} fixes model.vocab_size" in str(e)
+        advised(str(e), *facts)
+    try:  # without a warm start the model's vocabulary is the run's to set
+        check_compatible(dataset, model)
+        raise AssertionError("a larger data vocabulary passed")
+    except DataError as e:
+        assert str(e).endswith(f"set model.vocab_size >= {SOURCE_VOCAB + extra}")
+    # convert --data: the same advice, one line, exit 2
+    assert main(["--from", f"hf:{src}", "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the source's vocabulary has {SOURCE_VOCAB} ids" in err
+    advised(err, *facts)
+
+
+@FAST
+@given(vocab=st.integers(6, SOURCE_VOCAB - 1), **options)
+def test_a_smaller_data_vocabulary_gets_the_same_advice_from_convert(
+    source, tmp_path_factory, capsys, vocab, seq_len, specs, packing, fraction, column,
+    tokenizer_json
+):  # fmt: skip
+    root = tmp_path_factory.mktemp("w")
+    src = _copy(source, root / "src", **({"tokenizer.json": b"{}"} if tokenizer_json else {}))
+    data = write_data(root / "data", vocab, seq_len, specs, packing, fraction, column)
+    assert main(["--from", f"hf:{src}", "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    advised(err, src, data, seq_len, specs, packing, fraction, column, tokenizer_json)
+
+
+def test_pretrain_opens_its_data_with_the_warm_starts_advice(source, tiny_corpus, tmp_path):
+    """The trainer's data check (open_stages, before any collective) is given the run's
+    checkpoint.init_from: the tiny corpus's 2000 ids against the source's 97."""
+    src = _copy(source, tmp_path / "src")
+    cfg = load_config(TINY_CONFIG, TEST_OVERRIDES + [
+        f"data.path={tiny_corpus}", f"checkpoint.init_from=hf:{src}",
+        f"model.vocab_size={SOURCE_VOCAB}"])  # fmt: skip
+    try:
+        open_stages(cfg, 1, False)
+        raise AssertionError("the data's 2000 ids passed a model of 97")
+    except DataError as e:
+        line = str(e)
+    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    assert "fixes model.vocab_size" in line and "set model.vocab_size" not in line, line
+    args = build_parser().parse_args(shlex.split(COMMAND.search(line).group(1))[3:])
+    assert args.tokenizer == str(src) and args.source == manifest["source"]["specs"]
+    assert args.seq_len == manifest["seq_len"] and args.max_docs == manifest["source"]["max_docs"]

@@ -234,9 +234,9 @@ def open_stages(
     stages = list(stages) or resolve_stages(cfg)
     names = list(dict.fromkeys(n for s in stages for n in s.names))
     paths = {n: p for s in stages for n, p in zip(s.names, s.paths)}
-    d = cfg.data
+    d, init_from = cfg.data, cfg.checkpoint.init_from
     opened = open_sources(names, [paths[n] for n in names], d.train_split, cfg.model,
-                          d.verify_checksums, same_seq_len=False)  # fmt: skip
+                          d.verify_checksums, same_seq_len=False, init_from=init_from)  # fmt: skip
     train = dict(zip(names, opened))
     for s in stages:
         check_same_tokenizer(s.names, [train[n] for n in s.names])
@@ -244,6 +244,7 @@ def open_stages(
     valid: dict[str, ShardDataset] = {}
     if with_valid:
         opened = open_sources(names, [paths[n] for n in names], d.valid_split, cfg.model,
-                              d.verify_checksums, same_seq_len=False)  # fmt: skip
+                              d.verify_checksums, same_seq_len=False,
+                              init_from=init_from)  # fmt: skip
         valid = dict(zip(names, opened))
     return stages, train, valid
