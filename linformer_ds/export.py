@@ -368,9 +368,9 @@ def _export(
             f"tokenizer {sp_path} not found: the checkpoint has no tokenizer; pass --tokenizer "
             "PATH/tokenizer.model (or a Hugging Face tokenizer directory)"
         )
-    check_checkpoint_tokenizer(tokenizer, tag_dir, meta)
     check_tokenizer(sp_path, model_config)
     check_special_ids(sp_path, meta, tag_dir)
+    check_checkpoint_tokenizer(tokenizer, tag_dir, meta)
     out = os.path.abspath(out)
     if os.path.exists(os.path.dirname(out)) and not os.path.isdir(os.path.dirname(out)):
         raise ExportError(f"--out {out}: {os.path.dirname(out)} is not a directory")
