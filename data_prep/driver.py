@@ -14,6 +14,7 @@ interrupted run leaves ``--out`` as it was and its work there, which ``--resume`
 """
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -154,6 +155,8 @@ def open_output(run: Run) -> None:
                 f"--out {cfg.out}: cannot write there: {e.strerror or e}"
                 f"{' (' + e.filename + ')' if e.filename else ''}; choose a writable --out"
             ) from None
+        if state is not None and state.get("finished"):  # a finished run whose rename failed
+            return _publish_kept(run, work)
         if state is not None and "tokenizer" in state and state.get("mode") != ctx.mode:
             raise DataPrepError(ctx.wrong_mode(cfg.out))
         if state is None or "tokenizer" not in state:
@@ -164,6 +167,39 @@ def open_output(run: Run) -> None:
     head = ctx.bcast(head, "output directory")
     run.head, run.state = head, head["state"]
     run.cfg = dataclasses.replace(cfg, out=head["work"])
+
+
+class PublishError(DataPrepError):
+    """The finished output could not be renamed to ``--out``; it is kept whole in the partial
+    directory, marked finished, for ``--resume`` (:func:`_publish_kept`)."""
+
+
+def _keep_finished(run: Run, e: BaseException) -> PublishError:
+    """Rank 0, the rename of the finished ``run.cfg.out`` to ``--out`` failed: mark it finished
+    (``progress.json``: the options' fingerprint, ``finished``) so that ``--resume`` publishes it
+    without redoing any work; the one line says so."""
+    work = run.cfg.out
+    atomic_write_json(os.path.join(work, PROGRESS),
+                      {"fingerprint": run.cfg.fingerprint(), "finished": True})  # fmt: skip
+    reason = str(e) if isinstance(e, DataPrepError) else outdir.write_error(e, f"--out {run.out}")
+    return PublishError(f"{reason}; the finished output is kept whole in {work}: fix --out and "
+                        "rerun the same command with --resume to publish it")  # fmt: skip
+
+
+def _publish_kept(run: Run, work: str) -> None:
+    """Rank 0, ``--resume`` found a finished run that was not renamed to ``--out``: rename it
+    now (nothing is redone) and tell every rank that the run is done."""
+    with open(os.path.join(work, MANIFEST)) as f:
+        m = json.load(f)
+    try:
+        publish(work, run.out)
+    except (OSError, DataPrepError, outdir.OutDirError) as e:
+        run.cfg = dataclasses.replace(run.cfg, out=work)
+        raise _keep_finished(run, e) from None
+    os.remove(os.path.join(run.out, PROGRESS))  # after the rename: no window without a marker
+    _log(run.cfg, f"published the finished run kept in {work} to {run.out} (nothing redone)")
+    run.result = PrepResult(m, time.time() - run.t_start, 0.0, 0.0)
+    run.head = run.ctx.bcast({"state": None, "work": work, "finished": True}, "output directory")
 
 
 def tokenizer(run: Run) -> None:
@@ -242,7 +278,10 @@ def manifest(run: Run) -> None:
     os.remove(os.path.join(cfg.out, PROGRESS))
     ctx.finish(run)
     fsync_dir(cfg.out)
-    publish(cfg.out, run.out)
+    try:
+        publish(cfg.out, run.out)
+    except (OSError, DataPrepError, outdir.OutDirError) as e:  # done: kept for --resume
+        raise _keep_finished(run, e) from None
     elapsed = time.time() - run.t_start
     run.result = PrepResult(m, elapsed, run.encode_s, run.tokens / max(run.encode_s, 1e-9))
 
@@ -292,17 +331,23 @@ def drive(run: Run) -> PrepResult | None:
     """Run :data:`STEPS`; rank 0 returns the result, the other ranks None."""
     for step in STEPS:
         step(run)
+        if run.head.get("finished"):  # --resume published a finished run: nothing to redo
+            break
     return run.result
 
 
 def publish(work: str, out: str) -> None:
     """Rename the finished ``work`` to ``out`` (a previous data_prep output there, checked
     before the run, is replaced whole: :func:`linformer_ds.outdir.swap_in`)."""
+    if os.path.islink(os.path.abspath(out)):  # appeared during the run (refused before it)
+        target = os.readlink(os.path.abspath(out))
+        raise DataPrepError(f"--out {out} became a symbolic link (to {target}) during the run; "
+                            "nothing was renamed onto it")  # fmt: skip
     if os.path.lexists(out):
         found = outdir.identify(out) if os.path.isdir(out) else ("not a directory", None)
         if not os.path.isdir(out) or os.listdir(out) and (found is None or found[1] != "data_prep"):
             raise DataPrepError(  # something else appeared at --out during the run: keep both
-                f"--out {out} changed during the run and is not a data_prep output; the "
-                f"finished output stays in {work}"
+                f"--out {out} changed during the run and is not a data_prep output; nothing "
+                "was renamed onto it"
             )
     outdir.swap_in(work, out)

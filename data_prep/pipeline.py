@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from data_prep import packing as pk
 from data_prep.distributed import detect_world
-from data_prep.driver import Context, Run, drive
+from data_prep.driver import Context, PublishError, Run, drive
 from data_prep.errors import DataPrepError, EmptySplitError
 from data_prep.parallel import prepare_distributed
 from data_prep.shards import ShardWriter
@@ -88,6 +88,8 @@ def prepare(cfg: PrepConfig) -> PrepResult:
                 )
             ) from None
     except DataPrepError as e:
+        if isinstance(e, PublishError):  # finished but not renamed to --out: kept for --resume
+            raise
         made = run.cfg.out != cfg.out  # the partial directory is this run's
         if made and (isinstance(e, EmptySplitError) or _documents_done(work) == 0):
             shutil.rmtree(work, ignore_errors=True)  # nothing of value (or usable) was written

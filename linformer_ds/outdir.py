@@ -12,6 +12,14 @@ work. ``--out`` is refused (:class:`OutDirError`, one line) when it
   output of the command holds it): ``--overwrite`` replaces only a directory that carries the
   same command's record, and never one that contains any of the above.
 
+- is itself a symbolic link (to anything: an empty or a non-empty directory, another link, or
+  nothing): a command publishes its output by renaming a finished directory onto ``--out``,
+  which would replace the link, not fill its target, so the link is refused before any work
+  and the message names its target (:func:`link_rule`); links in the parents of ``--out`` are
+  followed (the output goes where they lead). A link that appears at ``--out`` while the
+  command works is refused at the rename (:func:`swap_in`), and data_prep keeps its finished
+  work for ``--resume``.
+
 These rules and those of a command that writes one file (:mod:`linformer_ds.outpath`) are one
 contract: :func:`check_path` holds what they share (an empty path or a NUL byte; the wrong kind
 of thing already there; an input, a path inside one or a directory holding one, compared after
@@ -111,7 +119,8 @@ def check_path(
     if "\0" in out:
         raise error(f"{flag} {out!r}: a path cannot hold a NUL byte")
     if directory:
-        if os.path.lexists(out) and not os.path.isdir(out):
+        is_link = os.path.islink(os.path.abspath(out))  # link_rule's, once inputs are checked
+        if os.path.lexists(out) and not os.path.isdir(out) and not is_link:
             raise error(f"{flag} {out} exists and is not a directory; choose a new directory")
     else:
         if out.endswith(os.sep) or os.path.basename(out) in (".", ".."):
@@ -133,6 +142,8 @@ def check_path(
             continue
         raise error(f"{flag} {out} {relation} the input {label} {path}: write the output "
                     "outside the inputs")  # fmt: skip
+    if directory:
+        link_rule(out, flag, error)
     parent = os.path.dirname(real)
     while True:
         found = identify(parent)
@@ -156,6 +167,38 @@ def check_path(
         reason = "Read-only file system" if read_only else "Permission denied"
         raise error(f"{flag} {out}: cannot write there: {reason} ({near}); choose a writable "
                     f"{flag}")  # fmt: skip
+
+
+def _what_is(path: str) -> str:
+    """What ``path`` (links followed) is, for a message."""
+    if not os.path.lexists(path) or not os.path.exists(path):
+        return "which does not exist"
+    if os.path.isdir(path):
+        return "a non-empty directory" if _names(path) else "an empty directory"
+    return "a file" if os.path.isfile(path) else "not a regular file or directory"
+
+
+def link_rule(out: str, flag: str = "--out", error: type = OutDirError) -> None:
+    """An output directory is never a symbolic link, nor a path that resolves elsewhere than
+    its name says (a link followed by ``..``); links above it are followed. Raises ``error``
+    (one line: what the link leads to and what to pass instead)."""
+    path = os.path.abspath(out)
+    real = os.path.realpath(out)
+    if os.path.islink(path):
+        target = os.readlink(path)
+        nxt = os.path.join(os.path.dirname(path), target)
+        chain = f" (a link too, leading on to {real})" if os.path.islink(nxt) else ""
+        raise error(
+            f"{flag} {out} is a symbolic link to {target}{chain}, {_what_is(real)}; an output "
+            f"is renamed into place, never written through a link: pass {flag} {real} itself "
+            "or a new path"
+        )
+    named = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    if os.path.basename(path) and named != real:
+        raise error(
+            f"{flag} {out} resolves through a symbolic link to {real}, not to {named} as "
+            f"written; pass {flag} {real} itself or a path without '..' after a link"
+        )
 
 
 def check_out(
@@ -218,6 +261,11 @@ def swap_in(tmp: str, out: str) -> None:
     """Make the finished ``tmp`` the directory ``out``; a previous ``out`` (checked by
     :func:`check_out`) is moved aside first and deleted only after the rename succeeded."""
     out = os.path.abspath(out)
+    if os.path.islink(out):  # appeared since check_out: renaming onto it would drop the link
+        raise OutDirError(
+            f"--out {out} became a symbolic link (to {os.readlink(out)}) while the command "
+            "worked; nothing was renamed onto it"
+        )
     old = None
     if os.path.isdir(out) and _names(out):
         old = f"{tmp}.old"

@@ -23,13 +23,16 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data_prep import DataPrepError, PrepConfig, prepare
 from data_prep.__main__ import main as data_prep_main
+from data_prep.sources import SourceKind, register_source_kind, unregister_source_kind
 from linformer_ds import onnx_export, warm_start
 from linformer_ds.export import main as export_main
 from linformer_ds.finetune import main as finetune_main
@@ -512,3 +515,201 @@ def test_sigint_during_data_prep_exits_130_leaves_out_as_it_was_and_resumes(tmp_
     assert _files(out) == _files(tmp_path / "ref")
     assert not work.exists() and not (tmp_path / ".out.lock").exists()
     assert sorted(os.listdir(tmp_path)) == sorted(["corpus", "tok", "ref", "out"])
+
+
+# ==================================================== what --out resolves to (docs/reliability.md)
+# The rule for a directory output (data_prep, export, finetune): --out itself is never a
+# symbolic link, whatever it leads to, nor a path that resolves elsewhere than its name says;
+# links in its parents are followed. A refused output changes nothing.
+LAYOUTS = {  # name -> (what to make in D, the --out path in D, refused for every command)
+    "a new name": ({}, "n", False),
+    "an empty directory": ({"e/": None}, "e", False),
+    "a user's directory": ({"f/notes.txt": "mine"}, "f", True),
+    "an earlier output of the command": ({"own/": "own"}, "own", None),  # --overwrite decides
+    "a link to an empty directory": ({"e/": None, "l": "e"}, "l", True),
+    "a link to a user's directory": ({"f/notes.txt": "mine", "l": "f"}, "l", True),
+    "a link to an earlier output": ({"own/": "own", "l": "own"}, "l", True),
+    "a dangling link": ({"l": "nowhere"}, "l", True),
+    "a link to a link to an empty directory": ({"e/": None, "l1": "e", "l": "l1"}, "l", True),
+    "a trailing slash on a link": ({"e/": None, "l": "e"}, "l/", True),
+    "a link then ..": ({"a/b/": None, "l": "a/b"}, "l/../x", True),
+    "a new name under a linked parent": ({"real/": None, "p": "real"}, "p/n", False),
+    "an empty directory under a linked parent": ({"real/e/": None, "p": "real"}, "p/e", False),
+}
+DIR_COMMANDS = ("data_prep", "export", "finetune")
+
+
+def _make_layout(d, items, command, tiny_export):
+    for rel, what in items.items():
+        path = d / rel.rstrip("/")
+        if rel.endswith("/"):
+            if what == "own":  # the command's own earlier output
+                if command == "export":
+                    shutil.copytree(tiny_export, path)
+                else:
+                    path.mkdir(parents=True)
+                    for name in {"data_prep": ("manifest.json", "tokenizer.model"),
+                                 "finetune": ("finetune_results.json",)}[command]:  # fmt: skip
+                        (path / name).write_text("{}")
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+        elif rel in ("l", "l1", "p"):
+            os.symlink(what, path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(what)
+
+
+@settings(max_examples=45, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(layout=st.sampled_from(sorted(LAYOUTS)), command=st.sampled_from(DIR_COMMANDS),
+       overwrite=st.booleans())  # fmt: skip
+def test_what_a_directory_output_resolves_to(tree, tiny_export, tmp_path_factory, capsys,
+                                             layout, command, overwrite):  # fmt: skip
+    """A drawn OUT layout for a drawn directory command: every link at OUT (to an empty or a
+    user's directory, to an earlier output, to nothing, to a link; with a trailing slash; a
+    link followed by ..) is refused by the real command in one line naming --out and the link,
+    with every pre-existing file, link and directory as it was and nothing added (no lock
+    file, no staging directory); the check accepts what the rule accepts (a new name, an empty
+    directory, either under a linked parent, an earlier output with --overwrite), and a real
+    export writes there, into the linked parent's target."""
+    from linformer_ds import outdir
+
+    d = Path(os.path.realpath(tmp_path_factory.mktemp("layout")))
+    items, rel, refused = LAYOUTS[layout]
+    _make_layout(d, items, command, tiny_export)
+    out = str(d / rel) + ("/" if rel.endswith("/") else "")
+    if refused is None:  # an earlier output: replaced only with --overwrite
+        refused = False
+    before, before_tree = snapshot(d), snapshot(tree)
+    if refused:
+        rc, stdout, err = run_command(command, tree, out, overwrite, capsys)
+        where = (layout, command, overwrite, err)
+        assert rc == 2 and stdout == "" and len(err.strip().splitlines()) == 1, where
+        assert out.rstrip("/") in err and "Traceback" not in err, where  # the output named
+        if "link" in layout and ".." not in rel:
+            assert "is a symbolic link to" in err and "pass --out" in err, where
+        assert snapshot(d) == before and snapshot(tree) == before_tree, where
+        return
+    state = outdir.check_out(out, command, overwrite=overwrite)
+    want = {"a new name": "new", "a new name under a linked parent": "new",
+            "an empty directory": "empty", "an empty directory under a linked parent": "empty",
+            "an earlier output of the command": "replace" if overwrite else "exists"}[layout]  # fmt: skip
+    assert state == want, (layout, command, overwrite)
+    if command != "export":
+        return
+    capsys.readouterr()
+    rc = export_main(["--checkpoint", str(tiny_export.parent / "ckpt"), "--out", out]
+                     + (["--overwrite"] if overwrite else []))  # fmt: skip
+    err = capsys.readouterr().err
+    if want == "exists":
+        assert rc == 2 and "holds an earlier export; pass --overwrite" in err
+        assert snapshot(d) == before
+        return
+    assert rc == 0, err
+    real = os.path.realpath(out)
+    assert (os.path.dirname(real) == str(d / "real")) == ("linked parent" in layout)
+    assert sorted(os.listdir(real)) == sorted(os.listdir(tiny_export))
+    after = snapshot(d)
+    for path, what in before.items():  # everything that was there, outside --out, unchanged
+        if not path.startswith(real + os.sep) and path != real:
+            assert after[path] == what, path
+    added = {p for p in after if p not in before and not p.startswith(real + os.sep)}
+    assert added == ({real} if want == "new" else set()), added  # no lock, no staging left
+
+
+class _AppearingKind(SourceKind):
+    """``appear:DIR``: the text files of DIR, one document each; once read, ``make()`` puts
+    something at --out (another process's doing while data_prep works)."""
+
+    name = "appear"
+
+    def __init__(self) -> None:
+        self.make = None
+
+    def matches(self, spec):
+        return spec.startswith("appear:")
+
+    def resolve(self, spec, source):
+        return sorted(os.listdir(spec[7:]))
+
+    def read(self, spec, source, part):
+        for name in source.state(spec):
+            with open(os.path.join(spec[7:], name)) as f:
+                yield f.read()
+        if self.make is not None:
+            self.make()
+            self.make = None
+
+    def roots(self, spec):
+        return [spec[7:]]
+
+
+@pytest.fixture(scope="module")
+def appear_kind():
+    kind = register_source_kind(_AppearingKind())
+    yield kind
+    unregister_source_kind(kind.name)
+
+
+APPEARS = {  # what appears at --out during the run, and how a user clears it
+    "a link to an empty directory": lambda out, d: (d / "t").mkdir() or os.symlink(d / "t", out),
+    "a dangling link": lambda out, d: os.symlink(d / "nowhere", out),
+    "a user's directory": lambda out, d: out.mkdir() or (out / "notes.txt").write_text("mine"),
+    "a file": lambda out, d: out.write_text("mine"),
+}
+
+
+@pytest.mark.parametrize("appears", sorted(APPEARS))
+def test_a_failed_publish_keeps_the_work_for_resume(appear_kind, tiny_export, tmp_path,
+                                                    appears):  # fmt: skip
+    """data_prep whose --out is taken while it works (a link, a user's directory, a file):
+    one line saying the finished output is kept, --out as the other party left it, the
+    partial directory whole; --resume with other options is refused, and once --out is
+    cleared --resume publishes it without reading the sources, byte for byte an undisturbed
+    run's output, leaving no partial directory."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"d{i:02d}.txt").write_text(" ".join(words[(i + k) % 12] for k in range(9 + i % 7)))
+    tok = tiny_export.parent / "ckpt" / "step_00000002" / "tokenizer.model"
+
+    def prep(out, **kw):
+        kw = {"seq_len": 16, "tokenizer": str(tok), "workers": 0, "progress": False,
+              "valid_fraction": 0.2, "shard_rows": 5, **kw}  # fmt: skip
+        return prepare(PrepConfig(sources=[f"appear:{docs}"], out=str(out), **kw))
+
+    prep(tmp_path / "ref")
+    out, work = tmp_path / "out", tmp_path / ".out.data_prep-partial"
+    appear_kind.make = lambda: APPEARS[appears](out, tmp_path)
+    with pytest.raises(DataPrepError) as e:
+        prep(out)
+    message = str(e.value)
+    assert "\n" not in message and f"--out {out}" in message, message
+    assert message.endswith(f"the finished output is kept whole in {work}: fix --out and rerun "
+                            "the same command with --resume to publish it"), message  # fmt: skip
+    left = snapshot(tmp_path)
+    assert os.path.lexists(out) and json.loads((work / "progress.json").read_text())["finished"]
+    assert set(os.listdir(work)) == set(os.listdir(tmp_path / "ref")) | {"progress.json"}
+    with pytest.raises(DataPrepError):  # --out still taken: refused up front, nothing changed
+        prep(out, resume=True)
+    assert snapshot(tmp_path) == left
+    if os.path.isdir(out) and not os.path.islink(out):
+        shutil.rmtree(out)
+    else:
+        os.remove(out)
+    left = snapshot(tmp_path)
+    with pytest.raises(DataPrepError, match="used different options"):
+        prep(out, resume=True, shard_rows=6)
+    assert snapshot(tmp_path) == left
+
+    def read_again():
+        raise AssertionError("a publish-only resume read the sources again")
+
+    appear_kind.make = read_again
+    result = prep(out, resume=True)
+    appear_kind.make = None
+    assert result.manifest == json.loads((tmp_path / "ref" / "manifest.json").read_text())
+    assert _files(out) == _files(tmp_path / "ref")
+    assert not work.exists()
