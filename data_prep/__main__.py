@@ -8,13 +8,16 @@ if __name__ == "__main__":  # the command: Ctrl-C while numpy imports is one lin
     entry.arm("data_prep")
 
 import argparse
+import logging
 
+from data_prep import console
 from data_prep.distributed import detect_world
 from data_prep.errors import DataPrepError
 from data_prep.pipeline import PrepConfig, prepare
 from data_prep.sources import DEFAULT_MAX_DOC_BYTES
 from data_prep.steps import source_roots
 from linformer_ds import dirlock, outdir, plugins
+from linformer_ds.log import LogLevelError, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,14 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m data_prep`` and the ``linformer-data-prep`` script."""
     args = build_parser().parse_args(argv)
+    try:  # LINFORMER_DS_LOG_LEVEL, as every command reads it (data_prep.console)
+        setup_logging()
+    except LogLevelError as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 2
     try:
         plugins.import_plugins(args.plugin)  # before the sources are read
     except plugins.PluginError as e:
-        print(f"data_prep: error: {e}", file=sys.stderr)
+        console.error(str(e))
         return 2
     outdir.ignore_file_size_signal()  # a write past `ulimit -f` is an error line, not SIGXFSZ
     if args.overwrite and args.resume:
-        print("error: --overwrite and --resume exclude each other", file=sys.stderr)
+        console.error("--overwrite and --resume exclude each other")
         return 2
     kwargs = dict(
         sources=args.source,
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         max_doc_bytes=args.max_doc_bytes,
         overwrite=args.overwrite,
         resume=args.resume,
-        progress=not args.quiet,
+        progress=not args.quiet and console.shown(logging.INFO),
         unit_bytes=args.unit_bytes,
         rank_timeout=args.rank_timeout,
     )
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         outdir.check_out(args.out, "data_prep", inputs + [("--tokenizer", args.tokenizer)],
                          args.overwrite, args.resume)  # fmt: skip
     except (outdir.OutDirError, DataPrepError) as e:
-        print(f"data_prep: error: {e}", file=sys.stderr)
+        console.error(str(e))
         return 2
     world = detect_world()
     lock = dirlock.output_lock(args.out, "data_prep")  # one data_prep per --out (rank 0 holds it)
@@ -174,19 +182,19 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 lock.acquire()
                 if lock.stale_note():
-                    print(lock.stale_note(), file=sys.stderr)
+                    console.say(logging.WARNING, lock.stale_note())
             except OSError:  # no lock file can be made there: data_prep's --out checks say why
                 pass
         prepare(PrepConfig(**kwargs))
     except dirlock.LockError as e:
-        print(f"data_prep: error: {e}", file=sys.stderr)
+        console.error(str(e))
         return 2
     except DataPrepError as e:  # bad input, options or output directory: one line, exit 2
         if not getattr(e, "quiet", False):  # (another rank of an mpirun/srun run prints it)
-            print(f"data_prep: error: {e}", file=sys.stderr)
+            console.error(str(e))
         return 2
     except KeyboardInterrupt:
-        print("data_prep: interrupted; rerun with --resume to continue", file=sys.stderr)
+        console.say(logging.ERROR, "data_prep: interrupted; rerun with --resume to continue")
         return 130
     finally:
         lock.release()

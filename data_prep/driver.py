@@ -15,16 +15,16 @@ interrupted run leaves ``--out`` as it was and its work there, which ``--resume`
 
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from data_prep import console, unk_rate
 from data_prep import packing as pk
-from data_prep import unk_rate
 from data_prep.doc_stats import summary_line
 from data_prep.errors import DataPrepError, EmptySplitError
 from data_prep.shards import fsync_dir
@@ -305,22 +305,18 @@ def report(run: Run) -> None:
     if "unk" in m:  # (a finished run kept by an older data_prep has no record)
         _log(cfg, unk_rate.summary(m["unk"]))
         unk_warning = unk_rate.warning(m["unk"], cfg.tokenizer)
-        if unk_warning:  # always shown: the tokenizer does not fit the text
-            print(unk_warning, file=sys.stderr, flush=True)
-    if st.binary_files:  # always shown: input was left out
-        print(
-            f"data_prep: warning: skipped {st.binary_files} input file(s) that are not text "
-            f"(NUL or control bytes), e.g. {', '.join(st.binary_examples)}",
-            file=sys.stderr,
-            flush=True,
+        if unk_warning:  # shown with --quiet too (WARNING): the tokenizer does not fit the text
+            console.say(logging.WARNING, unk_warning)
+    if st.binary_files:  # shown with --quiet too (WARNING): input was left out
+        console.warning(
+            f"skipped {st.binary_files} input file(s) that are not text (NUL or control bytes), "
+            f"e.g. {', '.join(st.binary_examples)}"
         )
     if counters["undecodable_bytes"]:
-        print(
-            f"data_prep: warning: replaced {counters['undecodable_bytes']} bytes that are not "
-            f"{cfg.encoding} with U+FFFD (e.g. in {', '.join(st.undecodable_files) or 'records'}); "
-            "if the input uses another encoding, pass --encoding (e.g. latin-1, cp1252)",
-            file=sys.stderr,
-            flush=True,
+        console.warning(
+            f"replaced {counters['undecodable_bytes']} bytes that are not {cfg.encoding} with "
+            f"U+FFFD (e.g. in {', '.join(st.undecodable_files) or 'records'}); if the input uses "
+            "another encoding, pass --encoding (e.g. latin-1, cp1252)"
         )
 
 

@@ -8,7 +8,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep import console
 from data_prep import hf_tokenizer as hft
 from data_prep import packing as pk
 from data_prep.doc_stats import split_documents
@@ -183,8 +183,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 def _log(cfg: PrepConfig, msg: str) -> None:
+    """A progress or summary line (INFO: data_prep.console), unless ``--quiet``."""
     if cfg.progress:
-        print(f"data_prep: {msg}", file=sys.stderr, flush=True)
+        console.info(msg)
 
 
 # ----------------------------------------------------------------------------- output dir

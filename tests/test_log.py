@@ -5,12 +5,15 @@ WARNING and up: stderr, ``LINFORMER_DS_LOG_LEVEL``); a real one-rank run's lines
 
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from linformer_ds import log as lg
 from tests.pretrain_utils import REPO, TEST_OVERRIDES, TINY_CONFIG
@@ -135,6 +138,63 @@ def test_a_bad_level_stops_the_trainer_in_one_line(package_logger, capsys, monke
     err = capsys.readouterr().err
     assert err.startswith("error: LINFORMER_DS_LOG_LEVEL='verbose' is not a log level"), err
     assert len(err.splitlines()) == 1
+
+
+# ==================================================================== data_prep obeys the level
+LEVEL_NAMES = ("debug", "info", "warning", "error", "critical", "15", "25", "35", "45")
+
+
+def _data_prep_lines(tmp_path, monkeypatch, capsys, level, binary, bad):
+    """``python -m data_prep``'s main in this process on three small text files (and a file that
+    is not text: a warning; or a --vocab-size too small: an error) at ``level``."""
+    from data_prep.__main__ import main
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 7))) for _ in range(200)]
+    for i in range(3):
+        (src / f"d{i}.txt").write_text(
+            "\n".join(" ".join(rng.choices(words, k=12)) for _ in range(30))
+        )
+    (src / "b.bin").unlink(missing_ok=True)
+    if binary:
+        (src / "b.bin").write_bytes(b"\x00\x01\x02 not text")
+    monkeypatch.setenv(lg.LEVEL_ENV, level)
+    out = tmp_path / f"out_{len(list(tmp_path.iterdir()))}"
+    rc = main(["--source", str(src), "--out", str(out), "--seq-len", "16", "--vocab-size",
+               "5" if bad else "40", "--workers", "0", "--valid-fraction", "0"])  # fmt: skip
+    got = capsys.readouterr()
+    return rc, got.out, [ln for ln in got.err.splitlines() if ln.strip()]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(level=st.sampled_from(LEVEL_NAMES), binary=st.booleans(), bad=st.booleans())
+def test_data_prep_obeys_the_log_level(package_logger, tmp_path, monkeypatch, capsys, level,
+                                       binary, bad):  # fmt: skip
+    """Progress and summary lines are INFO, ``data_prep: warning:`` WARNING and ``data_prep:
+    error:`` ERROR, as every command's lines through the package logger: each shown exactly when
+    LINFORMER_DS_LOG_LEVEL lets its level through; the exit code does not depend on it."""
+    want = lg.env_level(env={lg.LEVEL_ENV: level})
+    try:
+        rc, out, err = _data_prep_lines(tmp_path, monkeypatch, capsys, level, binary, bad)
+    finally:
+        package_logger.setLevel(logging.INFO)
+    assert rc == (2 if bad else 0) and out == ""
+    errors = [ln for ln in err if ln.startswith("data_prep: error:")]
+    warnings = [ln for ln in err if ln.startswith("data_prep: warning:")]
+    progress = [ln for ln in err if ln not in errors and ln not in warnings]
+    assert len(errors) == (1 if bad and want <= logging.ERROR else 0), err
+    assert len(warnings) == (1 if binary and not bad and want <= logging.WARNING else 0), err
+    assert bool(progress) == (not bad and want <= logging.INFO), err
+
+
+def test_data_prep_refuses_a_bad_level_in_one_line(package_logger, tmp_path, monkeypatch, capsys):
+    rc, out, err = _data_prep_lines(tmp_path, monkeypatch, capsys, "verbose", True, False)
+    assert rc == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith("data_prep: error: LINFORMER_DS_LOG_LEVEL='verbose' is not a log")
+    assert not (tmp_path / "out_1").exists()
 
 
 # =================================================================== a real one-rank run's lines
