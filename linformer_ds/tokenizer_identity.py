@@ -15,10 +15,11 @@ turns every capitalised word into ``[UNK]``. So two tokenizers are the same when
 
 A source with only a ``vocab.txt`` / ``vocab.json`` is compared by its pieces, and the note says
 so. :func:`check_tokenizers` is the check; every command that pairs a model with data calls it
-(launch/pretrain.py for a warm start, a resume and a mixture's sources, launch/convert.py,
-context_curve, the capability suite's ``copy``, launch/export.py, launch/finetune.py). A
-mismatch is one line naming both files and what differs. Standard library only at import
-(sentencepiece and tokenizers are imported when a file of theirs is read).
+(launch/pretrain.py for a warm start and a mixture's sources, launch/convert.py, context_curve,
+the capability suite's ``copy``, launch/export.py, launch/finetune.py; :func:`read_checked`, the
+file against its owner's record, also at every start of a run). A mismatch is one line naming
+both files and what differs. Standard library only at import: a tokenizer.json is read as JSON,
+sentencepiece's protobuf module is imported when a SentencePiece model is read.
 """
 
 import hashlib
@@ -36,9 +37,6 @@ HF_FILE = "tokenizer.json"
 SP_FILE = "tokenizer.model"
 # the tokenizer files a save_pretrained directory may hold, in the order they are read
 SOURCE_FILES = (HF_FILE, "vocab.txt", "vocab.json")
-# an added token's flags that only say how it matches in text (data_prep encodes special-token
-# text as text) or whether it is special; the export sets the mask token's lstrip
-_ADDED_FLAGS = ("single_word", "lstrip", "rstrip", "normalized")
 
 
 class TokenizerMismatch(LinformerError, ValueError):
@@ -187,8 +185,9 @@ def parts(ref: TokenizerRef, data: bytes) -> dict[str, Any]:
         vocab = {p: i for i, (p, _) in enumerate(vocab)}
     added = sorted((t for t in spec.get("added_tokens") or [] if isinstance(t, dict)),
                    key=lambda t: t.get("id", -1))  # fmt: skip
-    for t in added:
-        vocab = {**vocab, str(t.get("content")): int(t.get("id", -1))}
+    vocab = dict(vocab) if isinstance(vocab, dict) else vocab
+    for t in added if isinstance(vocab, dict) else ():
+        vocab[str(t.get("content"))] = int(t.get("id", -1))
     return {
         "kind": HF_KIND,
         "model type": model.pop("type", None),
