@@ -39,7 +39,7 @@ from torch import nn
 from linformer_ds.errors import LinformerError
 from linformer_ds.log import LogLevelError, get_logger, setup_logging
 from linformer_ds.model import ModelConfig, onnx_problem
-from linformer_ds.outdir import write_error
+from linformer_ds.outdir import error_line, write_error
 from linformer_ds.outpath import OutPathError, check_out_file, interrupted, staged
 
 log = get_logger(__name__)
@@ -124,12 +124,16 @@ def load(model_dir: str, architecture: str | None = None) -> tuple[nn.Module, li
     problem = check_remote_code(model_dir)
     if problem is not None:
         raise OnnxExportError(f"{model_dir}: its code will not be run: {problem}")
+    check_weights_file(model_dir)
     auto, fields = TASKS[arch]
-    model = (
-        getattr(transformers, auto)
-        .from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32)
-        .eval()
-    )
+    try:
+        model = (
+            getattr(transformers, auto)
+            .from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32)
+            .eval()
+        )
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # (any library's)
+        raise OnnxExportError(f"{model_dir}: the model does not load ({error_line(e)})") from None
     code = sys.modules[type(model.encoder).__module__]
     if not hasattr(code, "tracing"):
         raise OnnxExportError(
@@ -137,6 +141,27 @@ def load(model_dir: str, architecture: str | None = None) -> tuple[nn.Module, li
             "tracing()); export the checkpoint again with this version"
         )
     return _Outputs(model, fields), list(fields) + ["last_hidden_state"]
+
+
+WEIGHTS_FILE = "model.safetensors"  # what launch/export.py and finetune write
+
+
+def check_weights_file(model_dir: str) -> None:
+    """``model_dir``'s ``model.safetensors`` opens as safetensors (its header parses, its tensors'
+    offsets are consistent and fill the file exactly): a truncated, padded or overwritten file is
+    :class:`OnnxExportError` naming it, not a library's traceback from inside ``from_pretrained``.
+    Reads the header only. (No file: ``from_pretrained`` says what it looked for.)"""
+    path = os.path.join(model_dir, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except Exception as e:  # noqa: BLE001  (SafetensorError, OSError, ...: the file is the problem)
+        raise OnnxExportError(f"{path}: not a readable safetensors file ({error_line(e)}); "
+                              "export the model again (launch/export.py)") from None  # fmt: skip
 
 
 def _inputs(batch: int, n: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

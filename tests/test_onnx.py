@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -138,3 +140,56 @@ def test_a_kind_that_cannot_export_is_refused_before_any_work(tmp_path, options,
         export_onnx(str(tmp_path / "export"), str(tmp_path / "m.onnx"), lengths=LENGTHS)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    """A tiny MLM export (one linear layer): its files by name."""
+    from linformer_ds.export import TIED_KEY, write_model_dir
+    from linformer_ds.model import LinformerForMaskedLM, ModelConfig
+
+    root = tmp_path_factory.mktemp("small")
+    mc = ModelConfig(vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=16, num_layers=1, num_heads=2,
+                     intermediate_size=32, k=8)  # fmt: skip
+    state = {k: v for k, v in LinformerForMaskedLM(mc).state_dict().items() if k != TIED_KEY}
+    write_model_dir(str(root / "export"), mc, state, str(train_tokenizer(root / "sp.model", VOCAB)))
+    return {p.name: p.read_bytes() for p in (root / "export").iterdir() if p.is_file()}
+
+
+corruptions = st.one_of(
+    st.tuples(st.just("truncated"), st.floats(0.0, 0.999)),  # cut at that share of the file
+    st.tuples(st.just("appended"), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("header length"), st.integers(0, 2**64 - 1)),  # the first 8 bytes
+    st.tuples(st.just("replaced"), st.binary(max_size=256)),  # not safetensors at all
+)
+
+
+@settings(max_examples=16, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(corruption=corruptions)
+def test_a_corrupt_weights_file_is_one_line_naming_it(small_export, tmp_path_factory, capsys,
+                                                      corruption):  # fmt: skip
+    """model.safetensors truncated anywhere, with bytes appended, with another header length or
+    replaced by other bytes: exit 1 with one line naming the file, before any export work, and
+    no OUT written."""
+    root = tmp_path_factory.mktemp("corrupt")
+    (root / "export").mkdir()
+    for name, data in small_export.items():
+        (root / "export" / name).write_bytes(data)
+    weights = root / "export" / "model.safetensors"
+    data, (kind, arg) = small_export["model.safetensors"], corruption
+    if kind == "truncated":
+        data = data[: int(len(data) * arg)]
+    elif kind == "appended":
+        data = data + arg
+    elif kind == "header length":
+        assume(arg != int.from_bytes(data[:8], "little"))
+        data = arg.to_bytes(8, "little") + data[8:]
+    else:
+        data = arg
+    weights.write_bytes(data)
+    assert main([str(root / "export"), str(root / "m.onnx"), "--no-check"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"onnx export failed: {weights}: not a readable safetensors file"), err
+    assert sorted(p.name for p in root.iterdir()) == ["export"]
