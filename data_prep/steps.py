@@ -314,13 +314,19 @@ def _limited(cfg: PrepConfig, source: Source) -> Iterator[str]:
 def resumed_tokenizer(out: str, info: dict[str, Any]) -> Any:
     """The workers' model (:func:`data_prep.packing.init_worker`) of the tokenizer an
     interrupted run saved in ``out`` (``info``: its manifest entry), checked unchanged."""
-    path = os.path.join(out, info.get("file", TOKENIZER))
-    if not os.path.isfile(path) or file_sha256(path) != info["sha256"]:
+    from linformer_ds.tokenizer_identity import TokenizerMismatch, of_data, read_checked
+
+    ref = of_data(out, {"tokenizer": info}, "the interrupted run's")
+    path = ref.path if ref else os.path.join(out, TOKENIZER)
+    try:  # the file the interrupted run recorded (the one identity check's reader)
+        data = read_checked(ref)[0] if ref and ref.sha256 else None
+    except TokenizerMismatch:
+        data = None
+    if data is None:
         raise DataPrepError(f"cannot resume: {path!r} changed since the interrupted run")
     if info.get("kind") == hft.KIND:
         return hft.saved(out, info)[0]
-    with open(path, "rb") as f:
-        return f.read()
+    return data
 
 
 def given_tokenizer(cfg: PrepConfig) -> tuple[Any, dict[str, Any]]:
