@@ -106,8 +106,8 @@ def _routed(
     tail = nb * bs - n
     m = min(top, nb)
     G, dev = B * h, q.device
-    acc = torch.promote_types(q.dtype, torch.float32)  # scores and softmax: at least fp32
-    neg = torch.finfo(acc).min
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax and the means: at least fp32
+    neg = torch.finfo(q.dtype).min  # scores stay in q's dtype (a GEMM's output) until softmax
     scale = 1.0 / math.sqrt(d)
 
     def heads(t: torch.Tensor) -> torch.Tensor:  # [B, n, h, d] -> [G, nb bs, d]
@@ -125,27 +125,30 @@ def _routed(
         k_blk, v_blk = (kh.view(G, nb, bs, d) * w).sum(2), (vh.view(G, nb, bs, d) * w).sum(2)
     else:
         k_blk, v_blk = kh.view(G, nb, bs, d).sum(2), vh.view(G, nb, bs, d).sum(2)
-    k_mean = k_blk / count.clamp(min=1)[..., None].to(k.dtype)  # unrotated key means
+    c_sum = count.view(G, nc, rr).sum(-1)  # [G, nc]: real tokens per summary block
+    k_cs, v_cs = k_blk.view(G, nc, rr, d).sum(2), v_blk.view(G, nc, rr, d).sum(2)
+    denom = c_sum.clamp(min=1)[..., None]
+    k_sum, v_sum = k_cs / denom.to(k.dtype), v_cs / denom.to(v.dtype)  # unrotated means
     qh = heads(q) * scale
+    s_sum = torch.bmm(qh, k_sum.transpose(1, 2))  # [G, nb bs, nc]: every query, every summary
+    if padded:
+        s_sum = s_sum.masked_fill(~(c_sum > 0)[:, None, :], neg)
     if rr == 1:  # the summaries are the routed blocks: their scores are the routing scores
-        v_sum = v_blk / count.clamp(min=1)[..., None].to(v.dtype)
-        s_sum = torch.bmm(qh, k_mean.transpose(1, 2)).to(acc).view(G, nb, bs, nb)
-        if padded:
-            s_sum = s_sum.masked_fill(~(count > 0).view(G, 1, 1, nb), neg)
-            route = s_sum.masked_fill(~real_g[..., None], neg).amax(2)  # [G, nb, nb]
-        else:
-            route = s_sum.amax(2)
+        route = s_sum.view(G, nb, bs, nb)
+        route = (route.masked_fill(~real_g[..., None], neg) if padded else route).amax(2)
     else:  # routed blocks inside the summary blocks: their own scores, without a gradient
-        route = _route(qh, k_mean, count > 0, real_g if padded else None).to(acc)
+        route = _route(qh, k_blk / count.clamp(min=1)[..., None].to(k.dtype), count > 0,
+                       real_g if padded else None)  # fmt: skip
     if padded:
         route = _no_query_order(route, real_g.any(-1))
     sel = route.topk(m, dim=-1).indices  # [G, nb, m]
-    picked = torch.zeros(G, nb, nb, dtype=torch.bool, device=dev).scatter(-1, sel, True)
     flat = (sel + torch.arange(G, device=dev).view(G, 1, 1) * nb).reshape(-1)
-    if rr == 1:
-        s_sum = s_sum.masked_fill(picked[:, :, None, :], neg).view(G * nb, bs, nb)
-    else:  # each summary block's mean over the tokens the query block does not read exactly
-        s_sum, fix = _unread_summaries(qh, k_blk, v_blk, count, sel, flat, rr, padded, neg, acc)
+    into = torch.div(sel, rr, rounding_mode="floor") if rr > 1 else sel  # the picks' summaries
+    # a summary block a query block picks from is read exactly: its whole mean is left out
+    read_c = torch.zeros(G, nb, nc, dtype=torch.bool, device=dev).scatter(-1, into, True)
+    s_sum = s_sum.view(G * nb, bs, nc).masked_fill(read_c.view(G * nb, 1, nc), neg)
+
+    q_sum = qh  # unrotated: the summaries' queries
     if rotary is not None:
         qh, kh = heads(rotate(q, rotary)) * scale, heads(rotate(k, rotary))
     # the blocks as rows of an embedding table: its backward (a sorted accumulation) is several
@@ -153,19 +156,25 @@ def _routed(
     kg = F.embedding(flat, kh.view(G * nb, bs * d)).view(G * nb, m * bs, d)
     vg = F.embedding(flat, vh.view(G * nb, bs * d)).view(G * nb, m * bs, d)
     qb = qh.view(G * nb, bs, d)
-    parts = [torch.bmm(qb, kg.transpose(1, 2)).to(acc)]  # [G nb, bs, m bs]
+    parts = [torch.bmm(qb, kg.transpose(1, 2))]  # [G nb, bs, m bs]
     if padded:
         ex_ok = real_g.view(G * nb, bs).index_select(0, flat).view(G * nb, 1, m * bs)
         parts[0] = parts[0].masked_fill(~ex_ok, neg)
     values = [vg]
     if r:  # the window: keys of the blocks before, at and after each query block, |offset| <= r
+        picked = torch.zeros(G, nb, nb, dtype=torch.bool, device=dev).scatter(-1, sel, True)
         kw, vw, win_ok = _window(kh.view(G, nb, bs, d), vh.view(G, nb, bs, d), real_g, picked, r)
-        s_win = torch.bmm(qb, kw.view(G * nb, 3 * bs, d).transpose(1, 2)).to(acc)
+        s_win = torch.bmm(qb, kw.view(G * nb, 3 * bs, d).transpose(1, 2))
         parts.insert(0, s_win.masked_fill(~win_ok.view(G * nb, bs, 3 * bs), neg))
         values.insert(0, vw.view(G * nb, 3 * bs, d))
+    if rr > 1:  # and the mean of its tokens that were not read: one column per picked summary
+        k_rest, v_rest, live = _unread_means(k_blk, v_blk, k_cs, v_cs, count, c_sum, sel, into)
+        s_rest = torch.bmm(q_sum.view(G * nb, bs, d), k_rest.transpose(1, 2))
+        parts.append(s_rest.masked_fill(~live, neg))  # [G nb, bs, m]
+        values.append(v_rest)
     parts.append(s_sum)
     scores = torch.cat(parts, dim=-1)
-    p = scores.softmax(dim=-1)
+    p = scores.softmax(dim=-1, dtype=acc)
     if padded:  # padding among padding: no output
         p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0)
     p = p.to(q.dtype)
@@ -177,66 +186,45 @@ def _routed(
     y = torch.bmm(p_parts[0], values[0])
     for pi, vi in zip(p_parts[1:-1], values[1:]):
         y = y + torch.bmm(pi, vi)
-    p_sum = p_parts[-1]
-    if rr > 1:  # the picks' summary blocks: their unread means in place of their whole means
-        into_q, dup, v_diff, v_sum = fix
-        y = y + torch.bmm(p_sum.gather(-1, into_q) / dup, v_diff)
-    y = y.view(G, nb * bs, d) + torch.bmm(p_sum.reshape(G, nb * bs, nc), v_sum)
+    y = y.view(G, nb * bs, d) + torch.bmm(p_parts[-1].reshape(G, nb * bs, nc), v_sum)
     return y[:, :n].view(B, h, n, d).transpose(1, 2)
 
 
-def _unread_summaries(
-    qh: torch.Tensor,
+def _unread_means(
     k_blk: torch.Tensor,
     v_blk: torch.Tensor,
+    k_cs: torch.Tensor,
+    v_cs: torch.Tensor,
     count: torch.Tensor,
+    c_sum: torch.Tensor,
     sel: torch.Tensor,
-    flat: torch.Tensor,
-    rr: int,
-    padded: bool,
-    neg: float,
-    acc: torch.dtype,
-) -> tuple[torch.Tensor, tuple]:
-    """The summary scores ``[G nb, bs, nc]`` when routed blocks (``rr`` to a summary block) are
-    read exactly: every query scores the summary blocks' means (one GEMM), then the at most
-    ``m`` columns of the blocks its query block picked (``sel [G, nb, m]``) are replaced by the
-    score of the mean over their unread tokens (the lowest score when none is left). Returns
-    those scores and what the weighted sum needs: the columns ``[G nb, bs, m]``, how many picks
-    share each column, and per pick the unread mean's value less the whole mean's, ``[G nb, m,
-    d]``, and the whole means ``[G, nc, d]``."""
+    into: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each pick (``sel [G, nb, m]``, in summary block ``into``) of each query block: the
+    mean key and value ``[G nb, m, d]`` of its summary block's real tokens that the query block
+    does not read exactly (from the routed blocks' sums ``k_blk [G, nb, d]`` and the summary
+    blocks' ``k_cs [G, nc, d]``), and whether that column is live ``[G nb, 1, m]``: tokens are
+    left and no earlier pick of the query block is in the same summary block (one column per
+    summary block)."""
     G, nb, d = k_blk.shape
-    nc, m, bs = nb // rr, sel.shape[-1], qh.shape[1] // nb
-    c_sum = count.view(G, nc, rr).sum(-1)  # [G, nc]: real tokens per summary block
-    denom = c_sum.clamp(min=1)[..., None]
-    k_cs, v_cs = k_blk.view(G, nc, rr, d).sum(2), v_blk.view(G, nc, rr, d).sum(2)
-    k_sum, v_sum = k_cs / denom.to(k_blk.dtype), v_cs / denom.to(v_blk.dtype)
-    s_sum = torch.bmm(qh, k_sum.transpose(1, 2)).to(acc)
-    if padded:  # summary blocks of padding alone: none
-        s_sum = s_sum.masked_fill(~(c_sum > 0)[:, None, :], neg)
-    s_sum = s_sum.view(G * nb, bs, nc)
-    into = torch.div(sel, rr, rounding_mode="floor")  # [G, nb, m]: the picks' summary blocks
-    into_q = into.view(G * nb, 1, m).expand(G * nb, bs, m)
-    flat_c = (into + torch.arange(G, device=sel.device).view(G, 1, 1) * nc).reshape(-1)
+    nc, m = k_cs.shape[1], sel.shape[-1]
+    acc = torch.promote_types(k_blk.dtype, torch.float32)
     same = (into[..., :, None] == into[..., None, :]).view(G * nb, m, m)  # picks of one column
-    same_a = same.to(acc)
-    c_pick = count.gather(-1, sel.view(G, nb * m)).view(G * nb, m, 1).to(acc)
-    c_col = c_sum.gather(-1, into.view(G, nb * m)).view(G * nb, m, 1).to(acc)
-    left = c_col - torch.bmm(same_a, c_pick)  # [G nb, m, 1]: unread tokens of each pick's column
-    k_pick = F.embedding(flat, k_blk.view(G * nb, d)).view(G * nb, m, d)  # the picks' key sums
-    s_pick = torch.bmm(qh.view(G * nb, bs, d), k_pick.transpose(1, 2)).to(acc)  # [G nb, bs, m]
-    s_col = s_sum.gather(-1, into_q) * c_col.transpose(1, 2)  # q . the columns' key sums
-    s_rest = (s_col - torch.bmm(s_pick, same_a)) / left.clamp(min=1).transpose(1, 2)
-    s_rest = s_rest.masked_fill((left < 0.5).transpose(1, 2), neg)
-    # picks that share a column write the same score; the gradient goes through the first one
-    first = ~(same & torch.ones(m, m, dtype=torch.bool, device=sel.device).tril(-1)).any(-1)
-    s_rest = torch.where(first[:, None, :], s_rest, s_rest.detach())
-    s_sum = s_sum.scatter(-1, into_q, s_rest)
-    v_pick = F.embedding(flat, v_blk.view(G * nb, d)).view(G * nb, m, d)
-    v_col = F.embedding(flat_c, v_cs.view(G * nc, d)).view(G * nb, m, d)
-    v_rest = (v_col - torch.bmm(same.to(v_blk.dtype), v_pick)) / left.clamp(min=1).to(v_blk.dtype)
-    v_diff = v_rest - F.embedding(flat_c, v_sum.view(G * nc, d)).view(G * nb, m, d)
-    dup = same.sum(-1).view(G * nb, 1, m).to(qh.dtype)  # a column is fixed once, not per pick
-    return s_sum, (into_q, dup, v_diff, v_sum)
+    earlier = torch.ones(m, m, dtype=torch.bool, device=sel.device).tril(-1)
+    first = ~(same & earlier).any(-1)  # [G nb, m]
+    same = same.to(acc)
+    flat = (sel + torch.arange(G, device=sel.device).view(G, 1, 1) * nb).reshape(-1)
+    flat_c = (into + torch.arange(G, device=sel.device).view(G, 1, 1) * nc).reshape(-1)
+    c_pick = count.view(-1).index_select(0, flat).view(G * nb, m, 1).to(acc)
+    left = c_sum.view(-1).index_select(0, flat_c).view(G * nb, m, 1).to(acc)
+    left = left - torch.bmm(same, c_pick)  # [G nb, m, 1]: unread tokens of each pick's column
+    out = []
+    for blk, col in ((k_blk, k_cs), (v_blk, v_cs)):
+        pick = F.embedding(flat, blk.view(G * nb, d)).view(G * nb, m, d).to(acc)
+        whole = F.embedding(flat_c, col.view(G * nc, d)).view(G * nb, m, d).to(acc)
+        out.append(((whole - torch.bmm(same, pick)) / left.clamp(min=1)).to(blk.dtype))
+    live = (first & (left[..., 0] > 0.5)).view(G * nb, 1, m)
+    return out[0], out[1], live
 
 
 def _route(
