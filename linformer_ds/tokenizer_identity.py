@@ -62,13 +62,12 @@ class TokenizerRef:
 
 # ====================================================================================== locating
 def kind_of(path: str) -> str:
-    """The kind of tokenizer file ``path`` (a directory: its tokenizer.json)."""
+    """The kind of tokenizer file ``path``: a vocab.txt / vocab.json, a tokenizer JSON (any
+    other ``.json``; a directory: its tokenizer.json), else a SentencePiece model."""
     name = os.path.basename(path)
-    if name == HF_FILE or os.path.isdir(path):
-        return HF_KIND
     if name in ("vocab.txt", "vocab.json"):
         return VOCAB_KIND
-    return SP_KIND
+    return HF_KIND if name.endswith(".json") or os.path.isdir(path) else SP_KIND
 
 
 def of_file(path: str, role: str = "", sha256: str | None = None) -> TokenizerRef:
