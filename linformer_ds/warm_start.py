@@ -580,7 +580,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", help="a data_prep output: its tokenizer must be the source's")
     p.add_argument("overrides", nargs="*", help="model.KEY=VALUE: the Linformer options "
                    "(max_seq_len, projection, k, sharing, projection_init, ...)")  # fmt: skip
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before, between or after the options
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:

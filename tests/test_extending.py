@@ -817,3 +817,15 @@ def test_overrides_anywhere_on_the_command_line(order):
     overrides = [p[0] for p in order if "=" in p[0]]
     assert args.plugin == plugins and args.overrides == overrides
     assert args.config == "c.yaml" and args.print_config
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(order=st.permutations([["--from", "hf:src"], ["--out", "w.yaml"], ["--overwrite"],
+                              ["model.k=8"], ["model.max_seq_len=32"]]))  # fmt: skip
+def test_convert_reads_overrides_anywhere(order):
+    """launch/convert.py likewise: its model overrides before, between or after the options."""
+    from linformer_ds.warm_start import parse_args
+
+    args = parse_args([tok for part in order for tok in part])
+    assert args.overrides == [p[0] for p in order if "=" in p[0]]
+    assert (args.source, args.out, args.overwrite) == ("hf:src", "w.yaml", True)
