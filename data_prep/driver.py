@@ -43,6 +43,7 @@ from data_prep.steps import (
     resumed_tokenizer,
     train_on_sample,
 )
+from data_prep.verify import check_sources, identity_summary, source_identity
 from linformer_ds import outdir
 from linformer_ds.fsio import atomic_write_json
 
@@ -60,6 +61,7 @@ class Run:
     state: dict[str, Any] | None = None  # progress.json of the run being resumed
     head: dict[str, Any] = field(default_factory=dict)  # rank 0's plan, sent to every rank
     disposable: bool = False  # a failure now removes the partial directory (nothing of value)
+    sources: list[dict[str, Any]] = field(default_factory=list)  # their identity (verify.py)
     model: Any = None  # what the workers encode with (packing.init_worker)
     tok_info: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = 0
@@ -162,7 +164,13 @@ def open_output(run: Run) -> None:
         if state is None or "tokenizer" not in state:
             state = None  # stopped before the tokenizer was saved: start from the beginning
             run.disposable = True
+        t0 = time.time()
+        if state is not None:  # (refused: the interrupted run stays as it was, resumable)
+            run.sources = check_sources(state.get("sources"), run.source, f"{work}/{PROGRESS}")
         run.state, run.cfg = state, dataclasses.replace(cfg, out=work)
+        if state is None:  # before any document is read
+            run.sources = source_identity(run.source)
+        _log(cfg, identity_summary(run.sources, time.time() - t0, resumed=state is not None))
         head = {"state": state, "work": work, **ctx.plan(run)}
     head = ctx.bcast(head, "output directory")
     run.head, run.state = head, head["state"]

@@ -26,11 +26,10 @@ the single-process run are the concatenation of the units' streams, the run goes
    then removes ``.units`` and ``progress.json``.
 
 A failed or dead rank fails every rank at its next wait (see :mod:`data_prep.distributed`) and no
-manifest is written; ``--resume`` (on any R) keeps the tokenizer, the finished units and shards.
+manifest is written; ``--resume`` (on any R) keeps the tokenizer and the finished units (checked).
 """
 
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -49,7 +48,8 @@ from data_prep.errors import DataPrepError
 from data_prep.shards import fsync_dir, npy_header, shard_name
 from data_prep.sources import Source, SourceStats
 from data_prep.steps import PROGRESS, PrepResult, _Encoder, _log, _tasks
-from data_prep.tokenizer import document_lines, file_sha256, split_long_line
+from data_prep.tokenizer import document_lines, split_long_line
+from data_prep.verify import json_record, same_bytes
 from linformer_ds.fsio import atomic_write_json
 
 UNITS_DIR = ".units"
@@ -268,7 +268,9 @@ class Ranks(Context):
                     f"cannot --resume: the sources now make {len(head['units'])} work units, "
                     f"the interrupted run had {state.get('units')}; rerun with --overwrite"
                 )
-            head["done"] = _finished_units(os.path.join(cfg.out, UNITS_DIR))
+            head["done"], redo = verified_units(os.path.join(cfg.out, UNITS_DIR))
+            for name in redo:
+                _log(cfg, f"work unit file {name} changed since it was written: encoding it again")
         return head
 
     def sample(self, run: Run, train: bool):
@@ -287,6 +289,7 @@ class Ranks(Context):
                     os.path.join(cfg.out, PROGRESS),
                     {
                         "fingerprint": cfg.fingerprint(),
+                        "sources": run.sources,
                         "mode": "units",
                         "unit_bytes": run.head["unit_bytes"],
                         "units": len(self.units),
@@ -424,15 +427,25 @@ class _Done:
         return list(self.shards)
 
 
-def _finished_units(units_dir: str) -> dict[int, dict[str, Any]]:
-    done = {}
-    if os.path.isdir(units_dir):
-        for name in os.listdir(units_dir):
-            if name.startswith("u") and name.endswith(".json"):
-                with open(os.path.join(units_dir, name)) as f:
-                    meta = json.load(f)
-                done[int(meta["index"])] = meta
-    return done
+def verified_units(units_dir: str) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """The finished units of an interrupted run whose stream files hold the bytes recorded
+    (sha256) as they were written, and a file of each that does not (or that an earlier
+    data_prep recorded no sha256 of): their records are removed, and the units encoded again
+    from their sources (checked unchanged; a unit is a fixed run of documents)."""
+    done, redo = {}, []
+    names = sorted(os.listdir(units_dir)) if os.path.isdir(units_dir) else []
+    for name in (n for n in names if n.startswith("u") and n.endswith(".json")):
+        stem = os.path.join(units_dir, name[: -len(".json")])
+        meta = json_record(stem + ".json")  # None: unreadable (encoded again too)
+        sums = (meta or {}).get("sha256") or {}
+        bad = [f"{stem}.{s}.bin" for s in pk.SPLITS]
+        bad = [p for p, s in zip(bad, pk.SPLITS) if not same_bytes(p, sums.get(s))]
+        if bad:
+            os.remove(stem + ".json")
+            redo.append(bad[0])
+        else:
+            done[int(meta["index"])] = meta
+    return done, redo
 
 
 # ---------------------------------------------------------------------------- phase: scan
@@ -564,6 +577,7 @@ def _tokenize(ctx: Ranks, run: Run) -> dict[int, dict[str, Any]]:
             docs = unit_docs(run.source, ctx.units[i], _unit_limit(plan, i))
             stem = os.path.join(units_dir, f"u{i:06d}")
             files = {s: open(f"{stem}.{s}.bin.tmp", "wb") for s in pk.SPLITS}
+            hashes = {s: hashlib.sha256() for s in pk.SPLITS}  # of the bytes as written
             meta: dict[str, Any] = {
                 "index": i,
                 "documents": 0,
@@ -575,7 +589,9 @@ def _tokenize(ctx: Ranks, run: Run) -> dict[int, dict[str, Any]]:
                     ctx.check_peers()
                     for s in pk.SPLITS:
                         part = result["splits"][s]
-                        files[s].write(np.ascontiguousarray(part["tokens"], dtype=dtype).tobytes())
+                        data = np.ascontiguousarray(part["tokens"], dtype=dtype).tobytes()
+                        files[s].write(data)
+                        hashes[s].update(data)
                         m = meta["splits"][s]
                         for key in ("documents", "content", "pad"):
                             m[key] += part[key]
@@ -592,7 +608,8 @@ def _tokenize(ctx: Ranks, run: Run) -> dict[int, dict[str, Any]]:
             st = run.source.stats
             meta.update(bytes=st.bytes, undecodable_bytes=st.undecodable_bytes,
                         binary_files=st.binary_files, binary_examples=st.binary_examples,
-                        undecodable_files=st.undecodable_files)  # fmt: skip
+                        undecodable_files=st.undecodable_files,
+                        sha256={s: h.hexdigest() for s, h in hashes.items()})  # fmt: skip
             for s in pk.SPLITS:
                 os.replace(f"{stem}.{s}.bin.tmp", f"{stem}.{s}.bin")
             atomic_write_json(f"{stem}.json", meta)
@@ -673,8 +690,7 @@ def _write_shard(run: Run, split: str, k: int, r0: int, r1: int, offsets) -> dic
     final = os.path.join(cfg.out, rel)
     nrows = r1 - r0
     header = npy_header(nrows, n, dtype)
-    if os.path.isfile(final) and os.path.getsize(final) == len(header) + nrows * n * dtype.itemsize:
-        return {"file": rel, "rows": nrows, "sha256": file_sha256(final)}  # done before a resume
+    # (a shard an interrupted run wrote is written again: its units are verified, it is not)
     if cfg.packing == "full":
         body = n - 1
         total = int(offsets[-1])

@@ -18,9 +18,10 @@ as they are complete. The output is identical for any ``workers`` and ``task_byt
 
 Resume: a checkpoint (``progress.json``) records, every ``checkpoint_seconds`` and at the end,
 the number of documents fully packed, the finished shards, the rows of each partial shard and
-the packer carry, in the partial directory. A rerun with ``resume=True`` truncates the partial
-shards to the recorded rows, skips the recorded documents and continues; the result is
-byte-identical to an uninterrupted run.
+the packer carry, in the partial directory. A rerun with ``resume=True`` checks the sources and
+the shards by content (:mod:`data_prep.verify`, :class:`data_prep.shards.ShardWriter`), truncates
+the partial shards to the recorded rows, skips the recorded documents and continues; the result
+is byte-identical to an uninterrupted run.
 """
 
 import os
@@ -90,8 +91,9 @@ def prepare(cfg: PrepConfig) -> PrepResult:
     except DataPrepError as e:
         if isinstance(e, PublishError):  # finished but not renamed to --out: kept for --resume
             raise
-        made = run.cfg.out != cfg.out  # the partial directory is this run's
-        if made and (isinstance(e, EmptySplitError) or _documents_done(work) == 0):
+        made = run.cfg.out != cfg.out  # past the checks of --out: the partial directory is used
+        fresh = made and run.state is None  # (a resume refused keeps the interrupted run's)
+        if made and isinstance(e, EmptySplitError) or fresh and _documents_done(work) == 0:
             shutil.rmtree(work, ignore_errors=True)  # nothing of value (or usable) was written
         raise
 
@@ -139,7 +141,11 @@ class Solo(Context):
 
     def start(self, run: Run) -> None:
         cfg, state = run.cfg, run.state
-        self.progress = {"fingerprint": cfg.fingerprint(), "tokenizer": run.tok_info}
+        self.progress = {
+            "fingerprint": cfg.fingerprint(),
+            "sources": run.sources,
+            "tokenizer": run.tok_info,
+        }
         run.counters = state["counters"] if state else _empty_counters()
         self.writers = {
             s: ShardWriter(cfg.out, s, cfg.seq_len, run.dtype, run.shard_rows,

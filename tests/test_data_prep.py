@@ -350,7 +350,7 @@ def test_interrupted_run_resumes_to_identical_output(corpus, tmp_path, monkeypat
         _interrupt_on_call(monkeypatch, pk, "encode_task", 9)
         kw["checkpoint_seconds"] = 0.0
     else:  # a crash after a shard was renamed but before any checkpoint recorded it
-        _interrupt_on_call(monkeypatch, shards_mod, "file_sha256", 3)
+        _interrupt_on_call(monkeypatch, shards_mod.ShardWriter, "read_back", 3)
         kw["checkpoint_seconds"] = 1e9
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, "r", [str(corpus["dir"])], **kw)

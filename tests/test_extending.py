@@ -700,7 +700,7 @@ def _installed_names() -> list[str]:
 FRESH = st.from_regex(r"[a-z][a-z0-9_]{3,10}", fullmatch=True).filter(lambda n: not _importable(n))
 PLUGIN_NAMES = st.one_of(
     st.sampled_from(sorted(n for n in sys.stdlib_module_names if n.isidentifier())),
-    st.sampled_from(_installed_names()),
+    st.deferred(lambda: st.sampled_from(_installed_names())),  # (listed when first drawn: ~1 s)
     st.sampled_from(["linformer_ds", "data_prep", "tests", "hypothesis"]),  # already imported
     FRESH,
     FRESH,
