@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ import yaml
 from linformer_ds.context_curve import write_result
 from linformer_ds.errors import LinformerError
 
-from .tasks import TASKS, TaskSpec, Vocab, make_rows
+from .tasks import TASKS, TaskSpec, Vocab, bag_accuracy, make_rows
 
 JSON_FILE, PNG_FILE = "probe.json", "probe.png"
 BASE_MODEL = {  # the probe model every kind starts from (--model changes it)
@@ -140,10 +140,29 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def curriculum_spec(spec: TaskSpec, vocab: Vocab, step: int, steps: int, curriculum: float,
+                    start: int) -> TaskSpec:  # fmt: skip
+    """The rows of training step ``step``: during the first ``curriculum`` fraction of the
+    steps, rows grow geometrically from ``start`` tokens to N, with items in proportion to
+    their length (the same task, shorter distances); then ``spec``."""
+    ramp = int(curriculum * steps)
+    if step >= ramp or start >= spec.seq_len:
+        return spec
+    n = int(round(start * (spec.seq_len / start) ** (step / ramp)))
+    items = max(1, round(spec.items * n / spec.seq_len))
+    short = replace(spec, seq_len=n, items=items)
+    while items > 1 and short.check(vocab):
+        items -= 1
+        short = replace(spec, seq_len=n, items=items)
+    return spec if short.check(vocab) else short
+
+
 def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr: float,
-          seed: int, log: Callable[[str], None] | None = None, label: str = ""
+          seed: int, log: Callable[[str], None] | None = None, label: str = "",
+          curriculum: float = 0.0, curriculum_start: int = 64
           ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
-    """The model of ``config`` trained ``steps`` AdamW steps on fresh rows of ``spec``."""
+    """The model of ``config`` trained ``steps`` AdamW steps on fresh rows of ``spec`` (shorter
+    rows first: :func:`curriculum_spec`)."""
     from linformer_ds.model import LinformerForMaskedLMPretraining
 
     torch.manual_seed(seed)
@@ -154,7 +173,8 @@ def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr:
     losses: list[float] = []
     model.train()
     for step in range(steps):
-        ids, labels, _ = make_rows(spec, vocab, batch, seed=(seed + 1) * 1_000_003 + step)
+        now_spec = curriculum_spec(spec, vocab, step, steps, curriculum, curriculum_start)
+        ids, labels, _ = make_rows(now_spec, vocab, batch, seed=(seed + 1) * 1_000_003 + step)
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, warmup)
         x, y = torch.from_numpy(ids), torch.from_numpy(labels)
@@ -168,7 +188,8 @@ def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr:
         if log is not None and (now - last > 15 or step + 1 == steps):
             last = now
             recent = float(np.mean(losses[-50:]))
-            log(f"[probe] {label} {spec.task} N={spec.seq_len}: step {step + 1}/{steps}, "
+            rows = f" (rows of {now_spec.seq_len})" if now_spec is not spec else ""
+            log(f"[probe] {label} {spec.task} N={spec.seq_len}: step {step + 1}/{steps}{rows}, "
                 f"loss {recent:.3f}, {now - t0:.0f} s")  # fmt: skip
     return model.eval(), {"train_seconds": time.monotonic() - t0,
                           "final_train_loss": float(np.mean(losses[-50:]))}  # fmt: skip
@@ -195,31 +216,36 @@ def evaluate(model: Any, spec: TaskSpec, vocab: Vocab, rows: int, seed: int, bat
     for low in buckets(spec.min_distance, spec.seq_len):
         sel = (d >= low) & (d < 2 * low)
         if sel.any():
+            acc = float(c[sel].mean())
             table.append({"from": low, "to": min(2 * low, spec.seq_len) - 1,
-                          "count": int(sel.sum()), "accuracy": float(c[sel].mean()),
+                          "count": int(sel.sum()), "accuracy": acc,
+                          "stderr": math.sqrt(acc * (1 - acc) / int(sel.sum())),
                           "loss": float(lo[sel].mean())})  # fmt: skip
     return {"accuracy": float(c.mean()), "loss": float(lo.mean()), "count": int(c.size),
-            "buckets": table}  # fmt: skip
+            "bag_accuracy": bag_accuracy(ids, labels, spec, vocab), "buckets": table}  # fmt: skip
 
 
 def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
               seq_lens: Sequence[int], steps: int, batch: int = 16, lr: float = 3e-3,
               seed: int = 0, eval_rows: int = 64, base: dict[str, Any] | None = None,
               vocab: Vocab | None = None, items: int = 4, min_distance: int = 16,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+              log: Callable[[str], None] | None = None, queries: int = 1,
+              curriculum: float = 0.0, curriculum_start: int = 64) -> dict[str, Any]:  # fmt: skip
     """Train and score every kind on every task and N: the probe's JSON (see the module doc)."""
     vocab = vocab or Vocab()
     base = {**BASE_MODEL, **(base or {})}
     runs = []
     for n in seq_lens:
         for task in tasks:
-            spec = TaskSpec(task=task, seq_len=n, items=items, min_distance=min_distance)
+            spec = TaskSpec(task=task, seq_len=n, items=items, min_distance=min_distance,
+                            queries=queries)  # fmt: skip
             problem = spec.check(vocab)
             if problem:
                 raise ProbeError(problem)
             for label, overrides in kinds:
                 config = kind_config(base, overrides, n, vocab)
-                model, stats = train(config, spec, vocab, steps, batch, lr, seed, log, label)
+                model, stats = train(config, spec, vocab, steps, batch, lr, seed, log, label,
+                                     curriculum, curriculum_start)  # fmt: skip
                 t0 = time.monotonic()
                 got = evaluate(model, spec, vocab, eval_rows, seed)
                 runs.append({"kind": label, "overrides": overrides, "task": task, "seq_len": n,
@@ -230,7 +256,9 @@ def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
                         "by distance " + " ".join(f"{x['from']}+:{x['accuracy']:.2f}"
                                                   for x in got["buckets"]))  # fmt: skip
     return {"seed": seed, "steps": steps, "batch": batch, "lr": lr, "eval_rows": eval_rows,
-            "items": items, "min_distance": min_distance, "vocab": asdict(vocab),
+            "items": items, "queries": queries, "min_distance": min_distance,
+            "curriculum": curriculum, "curriculum_start": curriculum_start,
+            "vocab": asdict(vocab),
             "base_model": base, "torch_threads": torch.get_num_threads(),
             "chance": {t: TaskSpec(task=t).chance(vocab) for t in tasks},
             "kinds": [{"kind": k, "overrides": o} for k, o in kinds], "runs": runs}  # fmt: skip
@@ -254,8 +282,13 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         for r in result["runs"]:
             if (r["task"], r["seq_len"]) == (task, n):
                 xs = [b["from"] for b in r["buckets"]]
-                ax.plot(xs, [b["accuracy"] for b in r["buckets"]], "o-", label=r["kind"])
+                ax.errorbar(xs, [b["accuracy"] for b in r["buckets"]],
+                            yerr=[b.get("stderr", 0.0) for b in r["buckets"]], fmt="o-",
+                            capsize=2, label=r["kind"])  # fmt: skip
         ax.axhline(result["chance"][task], color="grey", ls="--", label="chance")
+        bag = [r["bag_accuracy"] for r in result["runs"] if (r["task"], r["seq_len"]) == (task, n)]
+        if bag and "bag_accuracy" in result["runs"][0]:
+            ax.axhline(bag[0], color="grey", ls=":", label="bag of tokens")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("distance (tokens, bucket start)")
@@ -278,7 +311,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--items", type=int, default=4, help="pairs or spans per row (default 4)")
+    p.add_argument("--queries", type=int, default=1,
+                   help="queries (copy: repeats) of every item, each at its own distance")  # fmt: skip
     p.add_argument("--min-distance", type=int, default=16)
+    p.add_argument("--curriculum", type=float, default=0.0,
+                   help="the fraction of the steps whose rows grow from --curriculum-start "
+                   "tokens to N (items in proportion)")  # fmt: skip
+    p.add_argument("--curriculum-start", type=int, default=64)
+    p.add_argument("--keys", type=int, default=Vocab.keys, help="key tokens (recall, induction)")
+    p.add_argument("--values", type=int, default=Vocab.values, help="value tokens")
+    p.add_argument("--filler", type=int, default=Vocab.filler,
+                   help="filler tokens (the background of every row, and copy's spans)")  # fmt: skip
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", action="append", default=[], metavar="OPTION=VALUE",
@@ -296,14 +339,21 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
         lens = [int(x) for x in split_top(args.seq_len, ",")]
     except ValueError:
         raise ProbeError(f"--seq-len {args.seq_len!r}: not numbers") from None
-    for name in ("steps", "batch", "items", "eval_rows", "min_distance"):
+    for name in ("steps", "batch", "items", "queries", "eval_rows", "min_distance", "keys",
+                 "values", "filler"):  # fmt: skip
         if getattr(args, name) < 1:
             raise ProbeError(f"--{name.replace('_', '-')}: must be at least 1")
+    if not 0 <= args.curriculum <= 1:
+        raise ProbeError(f"--curriculum {args.curriculum}: must be in [0, 1]")
+    if args.curriculum_start < 16:
+        raise ProbeError(f"--curriculum-start {args.curriculum_start}: must be at least 16")
     base = dict(parse_option(x, "--model") for x in args.model)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ProbeError(f"--out {args.out}: exists and is not a directory")
+    vocab = Vocab(args.keys, args.values, args.filler)
     result = run_probe(kinds, tasks, lens, args.steps, args.batch, args.lr, args.seed,
-                       args.eval_rows, base, None, args.items, args.min_distance, log)  # fmt: skip
+                       args.eval_rows, base, vocab, args.items, args.min_distance, log,
+                       args.queries, args.curriculum, args.curriculum_start)  # fmt: skip
     return write_result(result, args.out, JSON_FILE, PNG_FILE, lambda p: plot(result, p))
 
 
