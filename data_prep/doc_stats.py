@@ -46,6 +46,36 @@ def split_documents(out: str, shards: list[dict[str, Any]], packing: str, ids: d
                     seq_len: int) -> dict[str, Any]:  # fmt: skip
     """The ``documents_in_rows`` record of one split: ``rows``, ``single_document_rows``,
     ``single_document_share`` and ``document_tokens`` (:func:`length_summary`)."""
+    rows, single, all_lengths = _scan(out, shards, packing, ids, seq_len)
+    return {
+        "rows": rows,
+        "single_document_rows": single,
+        "single_document_share": single / rows if rows else 0.0,
+        "document_tokens": length_summary(all_lengths),
+    }
+
+
+def document_lengths(out: str, shards: list[dict[str, Any]], packing: str, ids: dict[str, int],
+                     seq_len: int) -> np.ndarray:  # fmt: skip
+    """The length in tokens (without the sep) of every document of one split, in order."""
+    return _scan(out, shards, packing, ids, seq_len)[2]
+
+
+def whole_rows(out: str, shards: list[dict[str, Any]], ids: dict[str, int]) -> int:
+    """Rows of one split whose N tokens all belong to one document: no sep before the last
+    position (document isolation starts a document after every sep) and no pad. The rows that
+    ``python -m linformer_ds.context_curve`` (window N) and ``python -m linformer_ds.capability
+    copy`` (a view of N) can score under document isolation; either packing."""
+    sep, pad = int(ids["sep"]), int(ids["pad"])
+    count = 0
+    for block in _rows(out, shards):
+        count += int((~(block[:, :-1] == sep).any(axis=1) & ~(block == pad).any(axis=1)).sum())
+    return count
+
+
+def _scan(out: str, shards: list[dict[str, Any]], packing: str, ids: dict[str, int],
+          seq_len: int) -> tuple[int, int, np.ndarray]:  # fmt: skip
+    """``(rows, single-document rows, document lengths)`` of one split (see the module)."""
     cls, sep, pad = int(ids["cls"]), int(ids["sep"]), int(ids["pad"])
     lengths: list[np.ndarray] = []
     rows = single = 0
@@ -85,12 +115,7 @@ def split_documents(out: str, shards: list[dict[str, Any]], packing: str, ids: d
     if carry:
         lengths.append(np.array([carry]))
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-    return {
-        "rows": rows,
-        "single_document_rows": single,
-        "single_document_share": single / rows if rows else 0.0,
-        "document_tokens": length_summary(all_lengths),
-    }
+    return rows, single, all_lengths
 
 
 def summary_line(split: str, rec: dict[str, Any]) -> str:

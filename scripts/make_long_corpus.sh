@@ -15,6 +15,12 @@
 #    --valid-fraction 0.05; any data_prep option given after OUT overrides these). data_prep's
 #    summary and the manifest's documents_in_rows record say which share of rows holds a single
 #    document and the document length distribution (min / median / p90 / max tokens).
+# 4. checks the valid split (scripts/long_split.py): warns with counts when documents are
+#    shorter than N, and counts the valid rows whose N tokens are one document (what
+#    context_curve and capability copy score: up to 64 and 16 by default). Fewer than 64 and no
+#    --valid-fraction given: data_prep runs again (--overwrite) with the larger fraction the
+#    corpus's whole rows call for, at most 0.25 of the documents; a --valid-fraction given is
+#    kept and the script says what to pass. Exit 1 when the valid split has no such row.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/make_long_corpus.sh OUT [--source SRC ...] [data_prep options]}
@@ -46,5 +52,22 @@ if [ "$own_source" = 0 ]; then
   python scripts/long_corpus.py "$OUT/text"
   set -- --source "$OUT/text/long.jsonl" --text-column text "$@"
 fi
-python -m data_prep --out "$OUT/data" --seq-len 4096 --vocab-size 8000 --packing full \
-  --valid-fraction 0.05 "$@"
+fixed=  # a --valid-fraction of the user's is kept (long_split.py then only advises)
+rerun=()  # the user's options for a rerun (--resume dropped: a rerun starts over)
+for a in "$@"; do
+  case "$a" in --valid-fraction|--valid-fraction=*) fixed=--fixed ;; esac
+  [ "$a" = "--resume" ] || rerun+=("$a")
+done
+fraction=0.05
+prep() {
+  python -m data_prep --out "$OUT/data" --seq-len 4096 --vocab-size 8000 --packing full \
+    --valid-fraction "$fraction" "$@"
+}
+prep "$@"
+for _ in 1 2 3 4 5; do  # the fraction grows 1.5x or more per rerun, up to 0.25: 4 at most
+  rc=0
+  next=$(python scripts/long_split.py "$OUT/data" $fixed) || rc=$?
+  [ -n "$next" ] || exit "$rc"
+  fraction=$next
+  prep --overwrite ${rerun[@]+"${rerun[@]}"}
+done
