@@ -14,7 +14,18 @@ calls :func:`arm` before its first heavy import (under ``python -m`` already
   runs (staging directories removed, locks released) and the command prints its own line; a
   KeyboardInterrupt that escapes ``main`` is the line ``PROG: interrupted (Ctrl-C)`` here;
 * once ``main`` has returned: SIGINT is ignored, so that the exit code is main's (the work is
-  published) and no interrupt lands in the interpreter's shutdown.
+  published) and no interrupt lands in the interpreter's shutdown;
+* a SIGINT that lands where Python cannot raise it (a finalizer, a weakref callback: importing a
+  module runs the import system's lock callbacks, so a Ctrl-C inside a lazy import in ``main``
+  often lands there) was printed as ``Exception ignored in ...`` with a traceback and then lost,
+  ``main`` going on to its end: while ``main`` runs, ``sys.unraisablehook`` takes such a
+  KeyboardInterrupt and delivers the signal again, from a thread, once the callback has returned,
+  so ``main`` sees it as a KeyboardInterrupt like any other;
+* a ``main`` that was interrupted (exit 130: its cleanup has run, its line is written) ends the
+  process with ``os._exit`` after flushing stdout and stderr: no interpreter shutdown runs after it. A
+  shutdown under a native thread the interrupt left running (SentencePiece's C++ trainer, which
+  calls back into Python for its sentences) aborted the process (SIGABRT, rc -6), and the exit
+  hooks of a module whose import the interrupt cut short can fail with a traceback.
 
 Standard library only (``linformer_ds/__init__`` imports no torch): importing this module is
 milliseconds. ``launch/pretrain.py`` keeps its own start-up handler (exit 75, SIGTERM and SIGUSR1
@@ -24,12 +35,15 @@ too: the trainer's contract with the scheduler).
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _prog = "linformer_ds"
+_interrupted = False  # a SIGINT reached main (see run)
 
 
 def _before_main(signum, frame) -> None:
@@ -74,14 +88,59 @@ def arm_under_m() -> None:
             return
 
 
+_in_hook = False  # inside _unraisable (until the signal is sent again)
+REDELIVER_S = 0.005  # how long after the callback the signal is sent again
+
+
+def _during_main(signum, frame) -> None:
+    """SIGINT while main runs: noted (see :func:`run`), then Python's own KeyboardInterrupt (sent
+    again later when it comes while :func:`_unraisable` runs)."""
+    global _interrupted
+    _interrupted = True
+    if _in_hook:
+        _redeliver()
+        return
+    raise KeyboardInterrupt
+
+
+def _unraisable(unraisable) -> None:
+    """``sys.unraisablehook`` while main runs: our KeyboardInterrupt raised inside a finalizer or
+    a weakref callback (where Python can only print it and go on) is sent again, from a thread,
+    to land in the code main runs; anything else goes to the hook as it was."""
+    global _in_hook
+    if not (_interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+        _previous_hook(unraisable)
+        return
+    _in_hook = True  # (reset by the thread, just before it sends the signal)
+    _redeliver()
+
+
+def _redeliver() -> None:
+    def send() -> None:
+        global _in_hook
+        time.sleep(REDELIVER_S)
+        _in_hook = False
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=send, name="sigint-again", daemon=True).start()
+
+
+_previous_hook = sys.unraisablehook
+
+
 def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
     """``sys.exit(main())`` with SIGINT as a KeyboardInterrupt while ``main`` runs (one line and
     exit 130 if it escapes ``main``) and ignored once ``main`` has ended, however it ended
-    (a return, SystemExit from argparse, an exception's traceback)."""
+    (a return, SystemExit from argparse, an exception's traceback). When a SIGINT reached
+    ``main``, the process ends with ``os._exit(main's code)`` once stdout and stderr are
+    flushed: nothing runs after main's own cleanup (see the module). A main that ended on its own
+    despite a SIGINT (one that came as it returned) ends as usual, with its own code."""
+    global _previous_hook
     prog = prog or _prog
+    _previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     try:
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, _during_main)
         code = main()
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: not in the line below
@@ -89,4 +148,20 @@ def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
         code = EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.unraisablehook = _previous_hook
+    if _interrupted and code == EXIT_INTERRUPTED:
+        _exit_now(code)
     sys.exit(code)
+
+
+def _exit_now(code: int | str | None) -> NoReturn:
+    """``sys.exit(code)``'s status and message, without the interpreter's shutdown."""
+    if isinstance(code, str):  # sys.exit("text"): the text on stderr, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed, or a broken pipe: nothing to keep
+            pass
+    os._exit(0 if code is None else int(code))
