@@ -19,9 +19,9 @@ and :func:`data_prep.parallel.verified_units` (ranks).
 import hashlib
 import json
 import os
-import sys
 from typing import Any
 
+from data_prep import console
 from data_prep.errors import DataPrepError
 from data_prep.sources import FilesKind, HFKind, Source, _walk, parse_hf
 
@@ -177,11 +177,9 @@ def check_sources(recorded: Any, source: Source, where: str) -> list[dict[str, A
                     f"run started (same size, other bytes: sha256 {f['sha256'][:12]} -> "
                     f"{got[:12]}){redo}"
                 )
-    if unchecked:
-        print(
-            f"data_prep: warning: {', '.join(unchecked)} has no local file to check: resumed "
-            "on the assumption that it is unchanged since the interrupted run started",
-            file=sys.stderr,
-            flush=True,
+    if unchecked:  # (WARNING: data_prep.console)
+        console.warning(
+            f"{', '.join(unchecked)} has no local file to check: resumed on the assumption that "
+            "it is unchanged since the interrupted run started"
         )
     return recorded
