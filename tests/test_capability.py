@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from linformer_ds.capability.__main__ import main
 from linformer_ds.capability.copy_distance import JSON_FILE, TAIL
-from linformer_ds.capability.probe import ProbeError, kind_config, parse_kinds
-from linformer_ds.capability.tasks import MASK, TaskSpec, Vocab, make_rows
+from linformer_ds.capability.probe import ProbeError, curriculum_spec, kind_config, parse_kinds
+from linformer_ds.capability.tasks import MASK, TaskSpec, Vocab, bag_accuracy, make_rows
 from linformer_ds.data.shards import ShardDataset
 from tests.test_context_curve import N, export_dir, one_doc_rows, tiny_model, write_data
 
@@ -84,24 +84,60 @@ def test_copy_figures_equal_the_model_on_rows_built_here(tmp_path, capsys):
     assert checked_without >= 1
 
 
-def test_probe_rows_hold_their_pairs_and_copies_at_the_stated_distance():
-    vocab = Vocab()
-    for task in ("recall", "induction", "copy"):
-        spec = TaskSpec(task=task, seq_len=256, items=8, min_distance=16)
-        ids, labels, dist = make_rows(spec, vocab, 6, seed=1)
-        assert ids.shape == labels.shape == (6, 256) and (ids[:, 0] == 2).all()
-        r, q = np.nonzero(labels != -100)
-        assert len(r) >= 6 * 8 * (4 if task == "copy" else 1) * 0.9
-        assert (dist[r, q] >= 16).all() and (dist[labels == -100] == -1).all()
-        for row, pos in zip(r, q):
-            d, lab = int(dist[row, pos]), int(labels[row, pos])
-            src = [p for p in (pos - d, pos + d) if 0 <= p < 256]
-            if task == "recall":  # the bound token of the query's key carries the label
-                key = int(ids[row, pos]) - vocab.query0
-                pair = vocab.pair0 + key * vocab.values + lab - vocab.value0
-                assert pair in [int(ids[row, p]) for p in src]
-            else:  # the token at the distance (induction: the value after the key) is the label
-                assert ids[row, pos] == MASK and lab in [int(ids[row, p]) for p in src]
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("task", ["recall", "induction", "lookup", "copy"])
+def test_probe_rows_hold_their_pairs_and_copies_at_the_stated_distance(task, queries):
+    vocab = Vocab(filler=1 if queries == 3 else 64)
+    spec = TaskSpec(task=task, seq_len=256, items=3 if task == "copy" else 8, min_distance=16,
+                    queries=queries)  # fmt: skip
+    ids, labels, dist = make_rows(spec, vocab, 6, seed=1)
+    assert ids.shape == labels.shape == (6, 256) and (ids[:, 0] == 2).all()
+    r, q = np.nonzero(labels != -100)
+    per_item = spec.span // spec.mask_every if task == "copy" else 1
+    assert len(r) >= 6 * spec.items * per_item * queries * 0.8
+    assert (dist[r, q] >= 16).all() and (dist[labels == -100] == -1).all()
+    for row, pos in zip(r, q):
+        d, lab = int(dist[row, pos]), int(labels[row, pos])
+        src = [p for p in (pos - d, pos + d) if 0 <= p < 256]
+        assert vocab.value0 <= lab < vocab.value0 + vocab.values
+        if task == "recall":  # the bound token of the query's key carries the label
+            key = int(ids[row, pos]) - vocab.query0
+            pair = vocab.pair0 + key * vocab.values + lab - vocab.value0
+            assert pair in [int(ids[row, p]) for p in src]
+        elif task == "lookup":  # the query is the key; the pair's key d away, its value after it
+            assert [p for p in src if ids[row, p] == ids[row, pos] and ids[row, p + 1] == lab]
+        else:  # the token at the distance (induction: the value after the key) is the label
+            assert ids[row, pos] == MASK and lab in [int(ids[row, p]) for p in src]
+    if task in ("induction", "lookup"):  # every key once as a pair, `queries` times queried
+        for row in range(6):
+            keys = ids[row][(ids[row] >= vocab.key0) & (ids[row] < vocab.key0 + vocab.keys)]
+            assert set(np.bincount(keys)[np.unique(keys)]) <= {1 + queries, 1 + queries - 1}
+
+
+def test_bag_accuracy_is_the_best_guess_from_the_rows_value_counts():
+    """Against a guess computed here: the most frequent value of the row (ties shared)."""
+    vocab = Vocab(keys=32)
+    for items, seed in ((4, 0), (16, 1), (32, 2)):
+        spec = TaskSpec(task="induction", seq_len=512, items=items)
+        ids, labels, _ = make_rows(spec, vocab, 20, seed=seed)
+        hits = []
+        for row, lab in zip(ids, labels):
+            values = [int(t) for t in row if vocab.value0 <= t < vocab.value0 + vocab.values]
+            counts = {v: values.count(v) for v in set(values)}
+            best = [v for v, c in counts.items() if c == max(counts.values())]
+            hits += [(int(t) in best) / len(best) for t in lab[lab != -100]]
+        assert bag_accuracy(ids, labels, spec, vocab) == pytest.approx(np.mean(hits))
+    assert bag_accuracy(ids, labels, TaskSpec(task="recall"), vocab) == 1.0
+
+
+def test_curriculum_rows_grow_to_the_task_with_items_in_proportion():
+    spec, vocab = TaskSpec(task="induction", seq_len=512, items=32), Vocab(keys=32)
+    seen = [curriculum_spec(spec, vocab, s, 100, 0.4, 64) for s in range(100)]
+    lens = [x.seq_len for x in seen]
+    assert lens[0] == 64 and lens == sorted(lens) and all(x is spec for x in seen[40:])
+    assert all(x.check(vocab) is None and x.items == max(1, round(32 * x.seq_len / 512))
+               for x in seen[:40])  # fmt: skip
+    assert curriculum_spec(spec, vocab, 0, 100, 0.0, 64) is spec
 
 
 def test_kind_syntax_takes_any_registered_kind_and_per_kind_options():

@@ -78,9 +78,15 @@ def parse_option(item: str, where: str) -> tuple[str, Any]:
     if name not in {f.name for f in fields(ModelConfig)}:
         raise ProbeError(f"{where}: {name!r} is not a model option (linformer_ds.model.config)")
     try:
-        return name, yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         raise ProbeError(f"{where}: {item!r}: the value is not YAML") from None
+    if isinstance(parsed, str) and parsed[:1].isdigit():  # YAML 1.1 reads 1e8 as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    return name, parsed
 
 
 def parse_kinds(text: str) -> list[tuple[str, dict[str, Any]]]:
