@@ -55,6 +55,7 @@ from linformer_ds.data.masking import MLMMasking, document_positions
 from linformer_ds.errors import LinformerError
 from linformer_ds.log import LogLevelError, get_logger, info_to, setup_logging
 from linformer_ds.metrics import top1
+from linformer_ds.outdir import error_line
 
 DEFAULT_WINDOWS = "128,512,1024,2048,N"
 GAIN_FROM = 512  # long_context_gain = loss(512) - loss(longest)
@@ -346,8 +347,12 @@ def load_model(path: str, tag: str | None = None) -> tuple[Any, dict[str, Any]]:
         from safetensors.torch import load_file
 
         model = LinformerForMaskedLM(mc)
-        state = {k: v.float() if v.is_floating_point() else v
-                 for k, v in load_file(weights).items()}  # fmt: skip
+        try:  # a truncated or overwritten file: one line naming it, not safetensors' traceback
+            stored = load_file(weights)
+        except Exception as e:  # noqa: BLE001  (SafetensorError, OSError, ...)
+            raise ContextCurveError(f"MODEL {weights}: not a readable safetensors file "
+                                    f"({error_line(e)})") from None  # fmt: skip
+        state = {k: v.float() if v.is_floating_point() else v for k, v in stored.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = ["lm_head.decoder.weight"] if mc.tie_word_embeddings else []
         if unexpected or sorted(missing) != tied:

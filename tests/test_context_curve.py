@@ -208,7 +208,8 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "case", ["no_model", "not_a_model", "no_data", "short_rows", "windows", "device", "no_device"]
+    "case",
+    "no_model not_a_model no_data short_rows windows device no_device corrupt_weights".split(),
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
     rng = np.random.default_rng(4)
@@ -216,6 +217,9 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
                                                   "valid": one_doc_rows(rng, 2)})  # fmt: skip
     exp = export_dir(tmp_path / "export", tiny_model())
     (tmp_path / "empty").mkdir()
+    if case == "corrupt_weights":  # truncated: safetensors' own error was a traceback
+        weights = exp / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-9])
     args = {
         "no_model": [str(tmp_path / "missing"), str(data)],
         "not_a_model": [str(tmp_path / "empty"), str(data)],
@@ -225,6 +229,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, case):
         "device": [str(exp), str(data), "--device", "bogus"],
         # a CPU-only torch (an AssertionError before) or a GPU machine without a 100th GPU
         "no_device": [str(exp), str(data), "--device", "cuda:99"],
+        "corrupt_weights": [str(exp), str(data)],
     }[case]
     assert main([*args, "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err.strip()
