@@ -62,6 +62,7 @@ class Run:
     head: dict[str, Any] = field(default_factory=dict)  # rank 0's plan, sent to every rank
     disposable: bool = False  # a failure now removes the partial directory (nothing of value)
     sources: list[dict[str, Any]] = field(default_factory=list)  # their identity (verify.py)
+    sources_line: str = ""  # what hashing them took, said once the corpus is known not empty
     model: Any = None  # what the workers encode with (packing.init_worker)
     tok_info: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = 0
@@ -170,7 +171,7 @@ def open_output(run: Run) -> None:
         run.state, run.cfg = state, dataclasses.replace(cfg, out=work)
         if state is None:  # before any document is read
             run.sources = source_identity(run.source)
-        _log(cfg, identity_summary(run.sources, time.time() - t0, resumed=state is not None))
+        run.sources_line = identity_summary(run.sources, time.time() - t0, state is not None)
         head = {"state": state, "work": work, **ctx.plan(run)}
     head = ctx.bcast(head, "output directory")
     run.head, run.state = head, head["state"]
@@ -218,10 +219,12 @@ def tokenizer(run: Run) -> None:
     if run.state is not None:
         info = run.state["tokenizer"]
         if ctx.rank == 0:
+            _log(cfg, run.sources_line)
             model = resumed_tokenizer(cfg.out, info)
     else:
         sample = ctx.sample(run, train=cfg.tokenizer is None)
         if ctx.rank == 0 and cfg.tokenizer is not None:
+            _log(cfg, run.sources_line)
             model, info = given_tokenizer(cfg)
         elif ctx.rank == 0:
             sentences, sampled, t0, st = sample
@@ -236,6 +239,7 @@ def tokenizer(run: Run) -> None:
                         else ""
                     )
                 )
+            _log(cfg, run.sources_line)  # (after the empty corpus's one line)
             if ctx.size > 1:
                 _log(cfg, f"tokenizer sample drawn across {ctx.size} ranks")
             model, info = train_on_sample(cfg, sentences, sampled, t0)
