@@ -308,10 +308,11 @@ def _routed_traced(
         ok = ok | (near[None] & real_g[:, None, :] & ~read)
     # each summary block less what the query reads exactly: sums, counts and scores
     pq = picked_q.to(acc)
-    left = torch.matmul(count, one)[:, None, :] - torch.matmul(pq * count[:, None, :], one)
-    k_sum = torch.matmul(one.t().to(k.dtype), k_blk)  # [G, nc, d]
-    v_sum = torch.matmul(one.t().to(v.dtype), v_blk)
-    s_sum = torch.bmm(qs, k_sum.transpose(1, 2)).to(acc) - torch.matmul(s_blk * pq, one)
+    one_g = one[None].expand(G, nb, nc)  # batched products (no folding that guards the length)
+    left = torch.bmm(count[:, None, :], one_g) - torch.bmm(pq * count[:, None, :], one_g)
+    k_sum = torch.bmm(one_g.transpose(1, 2).to(k.dtype), k_blk)  # [G, nc, d]
+    v_sum = torch.bmm(one_g.transpose(1, 2).to(v.dtype), v_blk)
+    s_sum = torch.bmm(qs, k_sum.transpose(1, 2)).to(acc) - torch.bmm(s_blk * pq, one_g)
     s_sum = (s_sum / left.clamp(min=1)).masked_fill(left < 0.5, neg)  # [G, n, nc]
     qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
     s_tok = torch.bmm(heads(qr) * scale, heads(kr).transpose(1, 2)).to(acc)
@@ -320,7 +321,9 @@ def _routed_traced(
     p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0)
     p_tok, p_sum = p.split([n, nc], dim=-1)
     p_sum = p_sum / left.clamp(min=1)
-    p_blk = torch.matmul(p_sum, one.t()) * pq  # [G, n, nb]: the picked blocks' sums, taken off
+    p_blk = (
+        torch.bmm(p_sum, one_g.transpose(1, 2)) * pq
+    )  # [G, n, nb]: the picked blocks' sums, taken off
     y = torch.bmm(p_tok.to(q.dtype), vh) + torch.bmm(p_sum.to(q.dtype), v_sum)
     y = y - torch.bmm(p_blk.to(q.dtype), v_blk)
     return y.view(B, h, n, d).transpose(1, 2)
