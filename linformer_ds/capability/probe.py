@@ -40,10 +40,10 @@ from linformer_ds.errors import LinformerError
 from .tasks import TASKS, TaskSpec, Vocab, bag_accuracy, make_rows
 
 JSON_FILE, PNG_FILE = "probe.json", "probe.png"
-BASE_MODEL = {  # the probe model every kind starts from (--model changes it)
-    "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,
+BASE_MODEL = {  # the probe model every kind starts from (--model changes it; docs/capability.md)
+    "hidden_size": 64, "num_layers": 2, "num_heads": 1, "intermediate_size": 256,
     "dropout": 0.0, "attention_dropout": 0.0, "k": 128, "sharing": "layerwise",
-    "positions": "rope", "local_mixer": "layers",
+    "positions": "rope", "rope_base": 1e8, "initializer_range": 0.1, "local_mixer": "layers",
 }  # fmt: skip
 
 
@@ -232,11 +232,11 @@ def evaluate(model: Any, spec: TaskSpec, vocab: Vocab, rows: int, seed: int, bat
 
 
 def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
-              seq_lens: Sequence[int], steps: int, batch: int = 16, lr: float = 3e-3,
+              seq_lens: Sequence[int], steps: int, batch: int = 8, lr: float = 3e-3,
               seed: int = 0, eval_rows: int = 64, base: dict[str, Any] | None = None,
-              vocab: Vocab | None = None, items: int = 4, min_distance: int = 16,
+              vocab: Vocab | None = None, items: int = 32, min_distance: int = 16,
               log: Callable[[str], None] | None = None, queries: int = 1,
-              curriculum: float = 0.0, curriculum_start: int = 64) -> dict[str, Any]:  # fmt: skip
+              curriculum: float = 0.3, curriculum_start: int = 64) -> dict[str, Any]:  # fmt: skip
     """Train and score every kind on every task and N: the probe's JSON (see the module doc)."""
     vocab = vocab or Vocab()
     base = {**BASE_MODEL, **(base or {})}
@@ -313,14 +313,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated LABEL[:OPTION=VALUE...] (see the module doc)")  # fmt: skip
     p.add_argument("--tasks", default="induction", help=f"of {', '.join(TASKS)}")
     p.add_argument("--seq-len", default="512", help="N, comma-separated (e.g. 512,1024)")
-    p.add_argument("--steps", type=int, default=1500, help="AdamW steps per kind (default 1500)")
-    p.add_argument("--batch", type=int, default=16, help="rows per step (default 16)")
+    p.add_argument("--steps", type=int, default=800, help="AdamW steps per kind (default 800)")
+    p.add_argument("--batch", type=int, default=8, help="rows per step (default 8)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--items", type=int, default=4, help="pairs or spans per row (default 4)")
+    p.add_argument("--items", type=int, default=32, help="pairs or spans per row (default 32)")
     p.add_argument("--queries", type=int, default=1,
                    help="queries (copy: repeats) of every item, each at its own distance")  # fmt: skip
     p.add_argument("--min-distance", type=int, default=16)
-    p.add_argument("--curriculum", type=float, default=0.0,
+    p.add_argument("--curriculum", type=float, default=0.3,
                    help="the fraction of the steps whose rows grow from --curriculum-start "
                    "tokens to N (items in proportion)")  # fmt: skip
     p.add_argument("--curriculum-start", type=int, default=64)

@@ -38,9 +38,9 @@ TASKS = ("recall", "induction", "lookup", "copy")
 
 @dataclass(frozen=True)
 class Vocab:
-    keys: int = 16
+    keys: int = 32
     values: int = 16
-    filler: int = 64
+    filler: int = 1
 
     @property
     def key0(self) -> int:
@@ -71,7 +71,7 @@ class Vocab:
 class TaskSpec:
     task: str = "recall"
     seq_len: int = 512
-    items: int = 8  # pairs (recall) or spans (copy) per row
+    items: int = 32  # pairs (recall, induction, lookup) or spans (copy) per row
     min_distance: int = 16
     span: int = 8  # copy: tokens per span
     mask_every: int = 2  # copy: every mask_every-th token of the repeat is masked
