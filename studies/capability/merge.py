@@ -19,9 +19,10 @@ def merge(dirs: list[str]) -> dict:
         for r in res["runs"]:
             runs.append({**r, "source": os.path.basename(os.path.normpath(d)),
                          "batch": res["batch"], "items": res["items"],
+                         "eval_rows": res["eval_rows"], "curriculum": res.get("curriculum", 0.0),
                          "queries": res.get("queries", 1)})  # fmt: skip
     first = results[0]
-    same = ("seed", "lr", "eval_rows", "min_distance", "vocab", "base_model")
+    same = ("seed", "lr", "min_distance", "vocab", "base_model")
     for res in results[1:]:
         for key in same:
             if res.get(key) != first.get(key):
