@@ -26,7 +26,8 @@ LENGTHS = (17, SEQ)  # 17: conv blocks of stride 4 with a partial last one; SEQ:
 
 def _export(root: Path, sharing: str) -> Path:
     """A randomly initialised MLM export: one linear, one conv (stride 4), one dense and one
-    routed layer (blocks of 4, two read exactly)."""
+    routed layer (blocks of 4, two read exactly; with ``sharing="none"`` routed blocks of 2
+    inside the summary blocks of 4, ``routed_block``'s traced form)."""
     from linformer_ds.export import TIED_KEY, write_model_dir
     from linformer_ds.model import LinformerForMaskedLM, ModelConfig
 
@@ -34,7 +35,7 @@ def _export(root: Path, sharing: str) -> Path:
     mc = ModelConfig(
         vocab_size=VOCAB, max_seq_len=SEQ, hidden_size=32, num_layers=4, num_heads=2,
         intermediate_size=64, k=16, layer_projections=["linear", "conv", "dense", "routed"],
-        routed_blocks=2,
+        routed_blocks=2, routed_block=2 if sharing == "none" else None,
         sharing=sharing, dropout=0.1, attention_dropout=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
