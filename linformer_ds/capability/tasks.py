@@ -3,12 +3,14 @@
 Vocabulary (:class:`Vocab`): the five specials (pad 0, unk 1, cls 2, sep 3, mask 4), then
 ``keys`` key tokens, ``keys`` query tokens (one per key), ``values`` value tokens,
 ``keys * values`` bound tokens (one per (key, value)) and ``filler`` filler tokens. A row is
-``[cls]`` then N - 1 tokens of random filler with the task written over it; only the probe's
-positions carry a label (-100 elsewhere).
+``[cls]`` then N - 1 tokens of filler (drawn from ``filler`` tokens; one by default: a constant
+background) with the task written over it; only the probe's positions carry a label (-100
+elsewhere).
 
-Tasks (each row holds ``items`` of them; ``distance``: how far the query or the copy lies from
-what it needs, drawn log-uniform in ``[min_distance, N - 4]`` and placed at random, before or
-after, so that every distance bucket is as well represented as the next):
+Tasks (each row holds ``items`` of them, each queried ``queries`` times; ``distance``: how far
+the query or the copy lies from what it needs, drawn log-uniform in ``[min_distance, N - 4]``
+and placed at random, before or after, so that every distance bucket is about as well
+represented as the next):
 
 * ``induction`` (associative recall, two-hop): pairs ``key value`` (adjacent tokens, distinct
   keys, a random value each) anywhere in the row; a query ``key [MASK]`` elsewhere, labelled with
@@ -16,13 +18,14 @@ after, so that every distance bucket is as well represented as the next):
   or the local mixer), then find the position whose left neighbour is the same key (hop 2).
 * ``recall`` (one-hop): each pair is one bound token; the query is one position whose input is
   the key's query token (the query names the key), labelled with the value.
-* ``copy``: a span of ``span`` random filler tokens repeated ``distance`` tokens later (or
+* ``lookup``: as ``induction``, but the query is the key token alone, labelled with the value.
+* ``copy``: a span of ``span`` random value tokens repeated ``distance`` tokens later (or
   earlier); every other token of the repeat (``mask_every``: 2) is masked and labelled. The
   unmasked neighbours locate the original; the masked tokens are read from it.
 
-``chance``: the accuracy of a guess among the answers the task allows (1 / values for recall,
-1 / filler for copy); a model that only knows which values the row holds reaches about
-1 / items (recall, induction).
+``chance``: the accuracy of a guess among the answers the task allows (1 / values);
+:func:`bag_accuracy`: what the bag of a row's tokens gives without retrieving (the row's most
+frequent value).
 """
 
 from collections.abc import Callable
