@@ -138,7 +138,7 @@ def copy_tokenizer(path: str, out: str, vocab: Any) -> tuple[HFPayload, dict[str
 def saved(out: str, want: dict[str, Any]) -> tuple[HFPayload, dict[str, Any]]:
     """The payload and manifest entry of the copy in ``OUT/tokenizer/``, checked to have the
     special ids and size in ``want`` (the given tokenizer's, or a resumed run's record)."""
-    from data_prep.tokenizer import file_sha256
+    from linformer_ds.fsio import file_sha256
 
     dest = os.path.join(out, HF_DIR)
     tok = load(dest, "saved tokenizer")

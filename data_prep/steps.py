@@ -29,7 +29,6 @@ from data_prep.tokenizer import (
     MODEL_TYPES,
     SPECIAL_IDS,
     SPECIAL_PIECES,
-    file_sha256,
     load_tokenizer,
     round_trip,
     tokenizer_info,
@@ -38,7 +37,7 @@ from data_prep.tokenizer import (
 from data_prep.unk_rate import unk_record
 from linformer_ds import outdir
 from linformer_ds.context_meter import counts_record
-from linformer_ds.fsio import atomic_write_json
+from linformer_ds.fsio import atomic_write_json, file_sha256
 
 FORMAT_VERSION = 1
 MIN_SEQ_LEN = 8

@@ -8,7 +8,6 @@ Documents are encoded line by line (``text.split("\\n")``, blank lines dropped) 
 the lines concatenated; training samples lines the same way.
 """
 
-import hashlib
 import io
 import os
 import random
@@ -20,6 +19,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as pb
 
 from data_prep.errors import DataPrepError
+from linformer_ds.fsio import file_sha256
 from linformer_ds.special_tokens import (  # noqa: F401  (re-exported to data_prep's modules)
     CLS_ID,
     MASK_ID,
@@ -43,15 +43,6 @@ LARGE_ALPHABET_COVERAGE = 0.9995
 def document_lines(text: str) -> list[str]:
     """The lines of a document that are encoded (non-blank lines, in order)."""
     return [line for line in text.split("\n") if line.strip()]
-
-
-def file_sha256(path: str) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> list[str]:

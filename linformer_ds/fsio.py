@@ -1,5 +1,5 @@
 """File helpers shared by the trainer, data_prep and the tools: atomic writes and the
-JSON-lines reader. Standard library only (data_prep's worker processes import it).
+JSON-lines reader, a file's sha256. Standard library only (data_prep's worker processes import it).
 
 An atomic write goes to ``PATH.tmp.<pid>`` in the same directory, is fsynced and renamed over
 ``PATH``: a reader sees the old file or the new one, never a torn one, and a crash leaves at
@@ -7,12 +7,22 @@ most a ``.tmp.<pid>`` file behind (removed here when the write itself fails).
 """
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def file_sha256(path: PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fsync_dir(path: PathLike) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from linformer_ds.errors import LinformerError
+from linformer_ds.fsio import file_sha256
 
 SP_KIND = "sentencepiece"
 HF_KIND = "huggingface"  # = the manifest's tokenizer.kind of a Hugging Face tokenizer directory
@@ -150,14 +151,6 @@ def _json(path: str) -> Any:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ===================================================================================== content

@@ -1,7 +1,6 @@
 """The shard dataset written by ``data_prep`` (memory-mapped, checked against its manifest at
 open) and the checks of datasets against the model and against each other (tokenizer, N)."""
 
-import hashlib
 import json
 import os
 from bisect import bisect_right
@@ -15,6 +14,7 @@ import torch
 
 from linformer_ds.data.splits import empty_split_fix
 from linformer_ds.errors import LinformerError
+from linformer_ds.fsio import file_sha256
 from linformer_ds.special_tokens import SPECIAL_IDS, SPECIAL_PIECES
 from linformer_ds.tokenizer_identity import (
     TokenizerMismatch,
@@ -204,13 +204,10 @@ class ShardDataset(torch.utils.data.Dataset):
         if tok.get("sha256") and (self.path / tok.get("file", "tokenizer.model")).is_file():
             items.append((str(self.path / tok.get("file", "tokenizer.model")), tok["sha256"]))
         for path, want in items:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() != want:
+            got = file_sha256(path)
+            if got != want:
                 raise DataError(
-                    f"{path} is corrupt: sha256 {h.hexdigest()} does not match the manifest's {want}"
+                    f"{path} is corrupt: sha256 {got} does not match the manifest's {want}"
                 )
 
     # ----------------------------------------------------------------------------- access
@@ -274,14 +271,6 @@ def check_compatible(dataset: ShardDataset, model_config: Any, init_from: str | 
             f"{dataset.path}: dataset pad id {dataset.pad_id} != model pad_token_id {pad}"
         )
     check_tokenizer(dataset, vocab)
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_tokenizer(dataset: ShardDataset, model_vocab: int) -> None:
