@@ -165,10 +165,12 @@ def curriculum_spec(spec: TaskSpec, vocab: Vocab, step: int, steps: int, curricu
 
 def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr: float,
           seed: int, log: Callable[[str], None] | None = None, label: str = "",
-          curriculum: float = 0.0, curriculum_start: int = 64
+          curriculum: float = 0.0, curriculum_start: int = 64, curriculum_batch: str = "rows"
           ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The model of ``config`` trained ``steps`` AdamW steps on fresh rows of ``spec`` (shorter
-    rows first: :func:`curriculum_spec`)."""
+    rows first: :func:`curriculum_spec`; ``curriculum_batch``: "rows", ``batch`` rows of every
+    length, or "tokens", ``batch`` rows' worth of tokens, so a short row's step holds as many
+    labels as a full one's)."""
     from linformer_ds.model import LinformerForMaskedLMPretraining
 
     torch.manual_seed(seed)
@@ -180,7 +182,10 @@ def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr:
     model.train()
     for step in range(steps):
         now_spec = curriculum_spec(spec, vocab, step, steps, curriculum, curriculum_start)
-        ids, labels, _ = make_rows(now_spec, vocab, batch, seed=(seed + 1) * 1_000_003 + step)
+        rows = batch
+        if curriculum_batch == "tokens" and now_spec is not spec:
+            rows = max(batch, batch * spec.seq_len // now_spec.seq_len)
+        ids, labels, _ = make_rows(now_spec, vocab, rows, seed=(seed + 1) * 1_000_003 + step)
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, warmup)
         x, y = torch.from_numpy(ids), torch.from_numpy(labels)
@@ -236,7 +241,8 @@ def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
               seed: int = 0, eval_rows: int = 64, base: dict[str, Any] | None = None,
               vocab: Vocab | None = None, items: int = 32, min_distance: int = 16,
               log: Callable[[str], None] | None = None, queries: int = 1,
-              curriculum: float = 0.3, curriculum_start: int = 64) -> dict[str, Any]:  # fmt: skip
+              curriculum: float = 0.3, curriculum_start: int = 64,
+              curriculum_batch: str = "rows") -> dict[str, Any]:  # fmt: skip
     """Train and score every kind on every task and N: the probe's JSON (see the module doc)."""
     vocab = vocab or Vocab()
     base = {**BASE_MODEL, **(base or {})}
@@ -251,7 +257,7 @@ def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
             for label, overrides in kinds:
                 config = kind_config(base, overrides, n, vocab)
                 model, stats = train(config, spec, vocab, steps, batch, lr, seed, log, label,
-                                     curriculum, curriculum_start)  # fmt: skip
+                                     curriculum, curriculum_start, curriculum_batch)  # fmt: skip
                 t0 = time.monotonic()
                 got = evaluate(model, spec, vocab, eval_rows, seed)
                 runs.append({"kind": label, "overrides": overrides, "task": task, "seq_len": n,
@@ -264,6 +270,7 @@ def run_probe(kinds: Sequence[tuple[str, dict[str, Any]]], tasks: Sequence[str],
     return {"seed": seed, "steps": steps, "batch": batch, "lr": lr, "eval_rows": eval_rows,
             "items": items, "queries": queries, "min_distance": min_distance,
             "curriculum": curriculum, "curriculum_start": curriculum_start,
+            "curriculum_batch": curriculum_batch,
             "vocab": asdict(vocab),
             "base_model": base, "torch_threads": torch.get_num_threads(),
             "chance": {t: TaskSpec(task=t).chance(vocab) for t in tasks},
@@ -324,6 +331,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fraction of the steps whose rows grow from --curriculum-start "
                    "tokens to N (items in proportion)")  # fmt: skip
     p.add_argument("--curriculum-start", type=int, default=64)
+    p.add_argument("--curriculum-batch", choices=("rows", "tokens"), default="rows",
+                   help="during the ramp: --batch rows of every length (rows), or --batch full "
+                   "rows' worth of tokens (tokens: as many labels a step as a full row's)")  # fmt: skip
     p.add_argument("--keys", type=int, default=Vocab.keys, help="key tokens (recall, induction)")
     p.add_argument("--values", type=int, default=Vocab.values, help="value tokens")
     p.add_argument("--filler", type=int, default=Vocab.filler,
@@ -359,7 +369,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     vocab = Vocab(args.keys, args.values, args.filler)
     result = run_probe(kinds, tasks, lens, args.steps, args.batch, args.lr, args.seed,
                        args.eval_rows, base, vocab, args.items, args.min_distance, log,
-                       args.queries, args.curriculum, args.curriculum_start)  # fmt: skip
+                       args.queries, args.curriculum, args.curriculum_start,
+                       args.curriculum_batch)  # fmt: skip
     return write_result(result, args.out, JSON_FILE, PNG_FILE, lambda p: plot(result, p))
 
 

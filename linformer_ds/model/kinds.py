@@ -8,6 +8,8 @@
 * ``routed``: content-routed block attention (``routed.py``): block summaries plus an exact
   read of the ``routed_blocks`` blocks (of ``routed_block`` tokens) each query block's scores
   pick; it retrieves.
+* ``selective``: each query reads its own ``routed_blocks`` best blocks exactly, beside the
+  means of the rest (``selective.py``).
 
 A new kind is one file (its module or attention function) and one call here (or in a plugin
 module: :func:`register_projection`, docs/extending.md).
@@ -26,6 +28,7 @@ from .projections import (
 )
 from .registry import Config, projection_names, register_projection
 from .routed import routed_attention, routed_check, routed_flops
+from .selective import selective_attention, selective_check, selective_flops
 
 
 def _linear(config: Config, layer_idx: int, heads: int) -> nn.Module:
@@ -116,6 +119,12 @@ register_projection(
 register_projection(
     "routed", attend=routed_attention, check=routed_check, flops=routed_flops,
     num_parameters=lambda c, i: 0,
+    isolation_under_sp=False, isolation_sp_reason="not implemented",
+)  # fmt: skip
+
+register_projection(
+    "selective", attend=selective_attention, check=selective_check, flops=selective_flops,
+    windowed=False, num_parameters=lambda c, i: 0,
     isolation_under_sp=False, isolation_sp_reason="not implemented",
 )  # fmt: skip
 
