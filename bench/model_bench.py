@@ -55,6 +55,8 @@ VARIANTS = (
     "routed",
     "routed_b4",
     "routed_b8",
+    "selective",
+    "selective_b8",
     "modern",
     "dense",
 )  # every --variants
@@ -65,6 +67,9 @@ ROUTED = {
     "routed_b4": {"routed_block": 4, "routed_blocks": 8},
     "routed_b8": {"routed_block": 8, "routed_blocks": 4},
 }
+# selective (each query reads its own best blocks exactly): blocks of N / k tokens (--k), and
+# blocks of 8 tokens (k = N / 8 summaries), both reading 8 blocks
+SELECTIVE_BLOCK = {"selective": None, "selective_b8": 8}
 DEFAULT_VARIANTS = ("linear", "conv", "hybrid", "dense")
 PRECISIONS = ("autocast", "bf16")
 DEFAULT_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -111,7 +116,10 @@ class BenchConfig(ModelSizes):
             if (
                 n < 1
                 or n % self.k
-                and any(v in ("conv", "hybrid", "routed", *ROUTED) for v in self.variants)
+                and any(
+                    v in ("conv", "hybrid", "routed", *ROUTED, *SELECTIVE_BLOCK)
+                    for v in self.variants
+                )
             ):
                 raise BenchError(
                     f"--seq-lens: N={n} must be >= 1 and a multiple of k={self.k} "
@@ -144,6 +152,10 @@ def bench_model_config(bc: BenchConfig, variant: str, n: int) -> Any:
     """:func:`bench.common.model_config`, with the routed variants of :data:`ROUTED`."""
     if variant in ROUTED:
         return replace(model_config(bc, "routed", n), **ROUTED[variant])
+    if variant in SELECTIVE_BLOCK:
+        block = SELECTIVE_BLOCK[variant]
+        cfg = model_config(bc, "selective", n)
+        return cfg if block is None else replace(cfg, k=n // block)
     return model_config(bc, variant, n)
 
 
