@@ -271,7 +271,7 @@ def test_trainer_p2_isolated_equals_one_rank(tmp_path):
         ("p2", ["deepspeed.zero.stage=3", "parallel.sequence_parallel_size=2",
                 "parallel.shard_sequence_parameters=false"], 2),
     ]:  # fmt: skip
-        launcher = "deepspeed" if nproc > 1 else "python"  # one rank: one process
+        launcher = "torchrun" if nproc > 1 else "python"  # one rank: one process
         proc = run_pretrain(data, tmp_path / name, over + extra, nproc=nproc, launcher=launcher)
         assert "isolation=on" in proc.stdout, proc.stdout[-2000:]
         runs[name] = (read_metrics(tmp_path / name), read_metrics(tmp_path / name, "eval"))
