@@ -40,16 +40,17 @@ def test_format1_export_loads_with_its_own_code_and_with_todays(tmp_path):
 
 def test_package_export_of_long_context_kinds_loads_in_transformers(tmp_path):
     """Today's export ships the model package file for file: a model with every new kind
-    (window, local, dynamic, routed, rotary positions) loads through transformers' remote code with the
-    logits of the training classes."""
+    (window, local, dynamic, routed, selective, rotary positions) loads through transformers'
+    remote code with the logits of the training classes."""
     from transformers import AutoModelForMaskedLM
 
     from linformer_ds.model_dir import MODEL_FILES, write_model_dir
 
     torch.manual_seed(0)
     cfg = ModelConfig(
-        vocab_size=300, max_seq_len=64, hidden_size=16, num_layers=4, num_heads=2,
-        intermediate_size=32, layer_projections=["local", "dynamic", "dense", "routed"], k=8,
+        vocab_size=300, max_seq_len=64, hidden_size=16, num_layers=5, num_heads=2,
+        intermediate_size=32, k=8,
+        layer_projections=["local", "dynamic", "dense", "routed", "selective"],
         routed_blocks=2,
         sharing="headwise", local_window=8, positions="rope", dropout=0.0,
         attention_dropout=0.0,

@@ -16,8 +16,11 @@ read is trained through its summary's share of the softmax, a read one through i
 scores (whose mean is the summary's). Cost per query: ``n / C`` summaries and ``m C`` exact
 keys, O(n (k + m C) d) for the layer; memory holds the ``m C`` keys and values each query reads.
 No window (``model.local_window`` does not apply; the local mixer gives the neighbours).
-Document isolation: each document alone (its own blocks). Sequence parallelism: not supported
-(a query's pick may lie on any rank). Registered in ``kinds.py``.
+Document isolation: each document alone (its own blocks). Padding: blocks of padding are never
+read or summarised; a padding query picks the first blocks (its output is ignored; so the
+exported graph and PyTorch agree on it). ``torch.export`` / ONNX: :func:`_selective_traced`,
+the same function with ``[n, n]`` masks. Sequence parallelism: not supported (a query's pick
+may lie on any rank). Registered in ``kinds.py``.
 """
 
 import math
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .documents import Documents
+from .registry import tracing
 from .rotary import rotate
 from .window import LocalContext
 
@@ -78,6 +82,8 @@ def _selective(
     ``[B, n, h, d]`` with blocks of ``cs`` tokens. Heads and rows are one batch dimension
     (``G = B h``): the block scores ``[G, n, c]`` are one GEMM; each query's read is a gather of
     its blocks' rows ``[G n, m cs, d]`` and a batched product."""
+    if tracing():
+        return _selective_traced(q, k, v, mask, rotary, cs, top)
     B, n, h, d = q.shape
     nc = -(-n // cs)
     tail = nc * cs - n
@@ -106,7 +112,8 @@ def _selective(
     s_sum = torch.bmm(qs, k_sum.transpose(1, 2))  # [G, L, nc]: every query, every block
     if padded:
         s_sum = s_sum.masked_fill(~(count > 0)[:, None, :], neg)
-    sel = s_sum.detach().topk(m, dim=-1).indices  # [G, L, m]: each query's blocks
+    route = _padding_picks_first(s_sum.detach(), real_g.view(G, L)) if padded else s_sum.detach()
+    sel = route.topk(m, dim=-1).indices  # [G, L, m]: each query's blocks
     picked = torch.zeros(G, L, nc, dtype=torch.bool, device=dev).scatter(-1, sel, True)
     s_sum = s_sum.masked_fill(picked, neg)  # a block read exactly: its mean left out
     if rotary is not None:
@@ -129,6 +136,63 @@ def _selective(
     p_ex, p_sum = (t.contiguous() for t in p.split([m * cs, nc], dim=-1))
     y = torch.bmm(p_ex.view(G * L, 1, m * cs), vg).view(G, L, d) + torch.bmm(p_sum, v_sum)
     return y[:, :n].view(B, h, n, d).transpose(1, 2)
+
+
+def _selective_traced(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    cs: int,
+    top: int,
+) -> torch.Tensor:
+    """:func:`_selective` for ``torch.export`` (one row = one document): the same function with
+    no branch or view on the length. A block is a one-hot column of each token ``[n, c]``; the
+    block scores get ``top`` empty columns, so ``top`` can always be picked; what a query reads
+    is a comparison of its picks with the blocks (no scatter), spread to an ``[n, n]`` mask of
+    the exact scores."""
+    B, n, h, d = q.shape
+    G, dev = B * h, q.device
+    acc = torch.promote_types(q.dtype, torch.float32)
+    neg = torch.finfo(acc).min
+    scale = 1.0 / math.sqrt(d)
+    blk = torch.div(torch.arange(n, device=dev), cs, rounding_mode="floor")  # [n]
+    nc = (n + cs - 1) // cs
+    cols = torch.arange(nc, device=dev)
+    real = torch.ones(B, n, dtype=torch.bool, device=dev) if mask is None else mask.bool()
+    real_g = real.repeat_interleave(h, dim=0)  # [G, n]
+    member = (blk[:, None] == cols[None, :])[None] & real_g[..., None]  # [G, n, c]
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [B, n, h, d] -> [G, n, d]
+        return t.permute(0, 2, 1, 3).reshape(G, n, d)
+
+    w = member.to(k.dtype).transpose(1, 2)  # [G, c, n]
+    count = member.to(acc).sum(1)[..., None]  # [G, c, 1]
+    k_sum = (torch.bmm(w, heads(k)) / count.clamp(min=1).to(k.dtype)).transpose(1, 2)
+    v_sum = torch.bmm(w, heads(v)) / count.clamp(min=1).to(v.dtype)  # [G, c, d]
+    s_sum = torch.bmm(heads(q) * scale, k_sum).to(acc)  # [G, n, c]
+    s_sum = s_sum.masked_fill(~(count[..., 0] > 0)[:, None, :], neg)
+    route = _padding_picks_first(s_sum.detach(), real_g)
+    sel = F.pad(route, (0, top), value=neg).topk(top, dim=-1).indices  # [G, n, top]
+    picked = (sel[..., None] == cols).any(-2)  # [G, n, c]: each query's blocks
+    ok = picked.index_select(2, blk) & real_g[:, None, :]  # [G, n, n]: the keys it reads
+    qr, kr = (q, k) if rotary is None else (rotate(q, rotary), rotate(k, rotary))
+    s_tok = torch.bmm(heads(qr) * scale, heads(kr).transpose(1, 2)).to(acc)
+    scores = torch.cat([s_tok.masked_fill(~ok, neg), s_sum.masked_fill(picked, neg)], dim=-1)
+    p = scores.softmax(dim=-1)
+    p = p.masked_fill(~(scores.amax(-1, keepdim=True) > neg), 0.0).to(q.dtype)
+    p_tok, p_sum = p.split([n, nc], dim=-1)
+    y = torch.bmm(p_tok, heads(v)) + torch.bmm(p_sum, v_sum)
+    return y.view(B, h, n, d).transpose(1, 2)
+
+
+def _padding_picks_first(scores: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The block scores ``[G, n, c]`` a query picks by: a padding query (``real [G, n]`` False)
+    picks the first blocks, not whichever its near-equal scores put first (its output is
+    discarded, but the exported graph and PyTorch must agree on it)."""
+    order = -torch.arange(scores.shape[-1], device=scores.device, dtype=scores.dtype)
+    return torch.where(real[..., None], scores, order)
 
 
 def selective_check(config: object, layer_idx: int) -> str | None:
