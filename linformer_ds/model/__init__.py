@@ -9,9 +9,9 @@ Files (flat: the export ships them as they are):
 * ``registry``: the attention kinds' registry: what every kind answers about itself.
 * ``kinds``: the built-in kinds, one registration each.
 * ``projections``: the summary modules (linear E/F, conv, local, dynamic).
-* ``dense``: dense attention; ``routed``: routed block attention; ``window``: the exact
-  sliding window (local + global); ``rotary``: rotary positions; ``kernels``: the
-  short-attention kernel rule.
+* ``dense``: dense attention; ``routed``: routed block attention; ``selective``: per-query
+  selective block attention; ``window``: the exact sliding window (local + global); ``rotary``:
+  rotary positions; ``kernels``: the short-attention kernel rule.
 * ``attention``: one layer's attention, dispatched by its kind; ``layers``: FFN, local mixer,
   encoder layer; ``documents``: document isolation in packed rows; ``encoder``.
 * ``config``: options and validation; ``heads``: task models; ``losses``, ``init`` (weight
@@ -28,6 +28,8 @@ Attention kinds (per layer, see ``ModelConfig.projection_schedule``; more: ``reg
 * ``dense``: full softmax attention (the baseline), through ``scaled_dot_product_attention``.
 * ``routed``: content-routed block attention: block-mean summaries plus an exact read of the
   ``routed_blocks`` blocks each block of queries scores best (it can look things up).
+* ``selective``: each query reads its own ``routed_blocks`` best blocks (of ``N_max / k``
+  tokens) exactly, beside the means of the blocks it does not read.
 * ``linear``, ``conv`` and ``dynamic`` layers also attend through the window when
   ``local_window`` is set (Transformer-LS's local + global).
 

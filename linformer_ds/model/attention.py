@@ -1,8 +1,8 @@
 """Multi-head self-attention of one layer, of the kind its schedule names (the registry,
-``registry.py``): a kind that attends itself (``attend``: dense, routed) is called with the
-layer's queries, keys and values; otherwise the queries attend to the kind's projected summaries
-of the keys and values (linear, conv, dynamic, registered kinds), optionally joined by the exact
-sliding window (``window.py``, local + global attention, Transformer-LS).
+``registry.py``): a kind that attends itself (``attend``: dense, routed, selective) is called
+with the layer's queries, keys and values; otherwise the queries attend to the kind's projected
+summaries of the keys and values (linear, conv, dynamic, registered kinds), optionally joined by
+the exact sliding window (``window.py``, local + global attention, Transformer-LS).
 
 Every per-kind question (which summaries hold padding, how the summaries of a document are laid
 out) is answered by the kind or its projection module (:class:`~.projections.Projection`): no
@@ -50,7 +50,7 @@ class LinformerSelfAttention(nn.Module):
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_dropout
         kind = get_projection(self.kind)
-        self.attend = kind.attend  # the kind attends itself (dense, routed), or None
+        self.attend = kind.attend  # the kind attends itself (dense, routed, selective), or None
         self.windowed = kind.windowed and config.local_window > 0
         self.masked_projection = kind.masked
         self.summarised = kind.summaries and kind.factory is not None

@@ -39,8 +39,9 @@ class ProjectionKind:
       when shared by all heads); the layer's queries attend to them (and to the window). None:
       the kind has no projection module.
     * ``attend(layer, qkv, mask, documents, local, dropout_p) -> [B, n, D]``: the kind computes
-      the attention itself (dense; routed) from the layer's ``qkv [B, n, 3D]``; the layer applies
-      its output projection. None: summaries (and the window) through the generic path.
+      the attention itself (dense; routed; selective) from the layer's ``qkv [B, n, 3D]``; the
+      layer applies its output projection. None: summaries (and the window) through the generic
+      path.
 
     Its rules (each the kind's answer; nothing else decides them):
 
