@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# The mlflow extra, beside the environment (scripts/setup_env.sh): importable here, where the
-# tracker test reads its store back; not in the commands the tests start (only the runs that load
-# tests.extending_plugin put it on their path), whose `import deepspeed` would import it too.
-sys.path.append(os.path.join(sys.prefix, "mlflow-site"))
+# The mlflow extra, beside the environment (scripts/setup_env.sh), is on the path only where it
+# is used: tests/test_extending.py's tests (a module fixture there) and the runs that load
+# tests.extending_plugin. Not here: `import deepspeed` imports mlflow when it can (+1.5 s), in
+# the test process and in every process it spawns (they inherit sys.path: bench.sp_bench's
+# ranks, the trainer and peer benchmarks' arms).
 # One torch (OpenMP/MKL) thread in the test process and in the commands it starts (the trainer
 # ranks of tests/pretrain_utils already had it): the tests' models are tiny, and two threads
 # that spin on a 2-core machine, beside another process, stalled them (the isolation property

@@ -55,6 +55,21 @@ from tests.pretrain_utils import (
 )
 from tests.test_data_prep import make_docs, shard_hashes, write_text_corpus
 
+MLFLOW_SITE = str(Path(sys.prefix) / "mlflow-site")  # the mlflow extra (scripts/setup_env.sh)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mlflow_importable() -> Iterator[None]:
+    """The mlflow extra on this process's path for this module's tests (the tracker tests read
+    its store back and check the sink), and off it again after them: with mlflow importable,
+    every `import deepspeed` imports it too (+1.5 s), in this process and in the processes it
+    spawns (they inherit sys.path), so the rest of the suite goes without it."""
+    saved = list(sys.path)
+    if MLFLOW_SITE not in sys.path:
+        sys.path.append(MLFLOW_SITE)
+    yield
+    sys.path[:] = saved
+
 
 # ============================================================================ a data source kind
 class ZipKind(SourceKind):
