@@ -43,9 +43,14 @@ LAYOUTS: dict[str, tuple[int, int, int, list[str]]] = {
     "dp2_sp2": (4, 2, 1, []),
 }
 STAGES = (0, 1, 2, 3)
-# The routed kind (content-routed block attention) in the same launches: one rank under ZeRO-0
-# against two data-parallel ranks under ZeRO-3 with activation checkpointing and a window
-ROUTED = ["model.projection=routed", "model.routed_blocks=2", "model.local_window=8"]
+# The kinds that pick what they read, routed (content-routed block attention, a window) then
+# selective (each query its own blocks), in the same launches: one rank under ZeRO-0 against two
+# data-parallel ranks under ZeRO-3 with activation checkpointing
+ROUTED = [
+    "model.layer_projections=[routed,selective]",
+    "model.routed_blocks=2",
+    "model.local_window=8",
+]
 ROUTED_RUNS = {
     "routed_1rank_z0": (1, 1, 1, ROUTED, 0),
     "routed_dp2_z3": (2, 1, 1, [*ROUTED, "deepspeed.activation_checkpointing.enabled=true"], 3),
@@ -146,9 +151,10 @@ def test_every_layout_trains_the_same_model(trained):
 
 @pytest.mark.slow  # in the launches above
 def test_the_routed_kind_trains_the_same_model_under_zero3_and_checkpointing(trained):
-    """routed (top-2 blocks, a window): two data-parallel ranks under ZeRO-3 with activation
-    checkpointing train what one rank trains under ZeRO-0 (the block choice is recomputed
-    identically in the backward pass)."""
+    """A routed layer (top-2 blocks, a window) then a selective one (each query its top-2
+    blocks): two data-parallel ranks under ZeRO-3 with activation checkpointing train what one
+    rank trains under ZeRO-0 (the block choices are recomputed identically in the backward
+    pass)."""
     ref = trained / "routed_1rank_z0"
     ref_train = read_metrics(ref)
     assert ref_train[STEPS]["loss"] < ref_train[1]["loss"]
