@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 from linformer_ds.capability.__main__ import main
 from linformer_ds.capability.copy_distance import JSON_FILE, TAIL
-from linformer_ds.capability.probe import ProbeError, curriculum_spec, kind_config, parse_kinds
+from linformer_ds.capability.probe import (
+    ProbeError,
+    curriculum_rows,
+    curriculum_spec,
+    kind_config,
+    parse_kinds,
+)
 from linformer_ds.capability.tasks import MASK, TaskSpec, Vocab, bag_accuracy, make_rows
 from linformer_ds.data.shards import ShardDataset
 from tests.test_context_curve import N, export_dir, one_doc_rows, tiny_model, write_data
@@ -138,6 +144,12 @@ def test_curriculum_rows_grow_to_the_task_with_items_in_proportion():
     assert all(x.check(vocab) is None and x.items == max(1, round(32 * x.seq_len / 512))
                for x in seen[:40])  # fmt: skip
     assert curriculum_spec(spec, vocab, 0, 100, 0.0, 64) is spec
+    # --curriculum-batch tokens: a short row's step holds a full step's tokens (so as many
+    # labels, items being in proportion), never fewer rows than --batch
+    for x in seen:
+        rows = curriculum_rows(2, 512, x.seq_len, "tokens")
+        assert rows * x.seq_len <= 2 * 512 < (rows + 1) * x.seq_len and rows >= 2
+        assert curriculum_rows(2, 512, x.seq_len, "rows") == 2
 
 
 def test_kind_syntax_takes_any_registered_kind_and_per_kind_options():

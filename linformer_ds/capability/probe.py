@@ -2,6 +2,7 @@
 
     python -m linformer_ds.capability probe --kinds "dense,linear:k=8" [--tasks recall,copy]
         [--seq-len 512] [--steps S] [--batch B] [--seed S] [--out DIR]
+        [--curriculum F] [--curriculum-batch rows|tokens]
 
 Every kind trains the same small MLM model from scratch (the same base options, data, seed,
 steps, AdamW and schedule; plain PyTorch, no DeepSpeed) on rows of :mod:`.tasks`, then is scored
@@ -163,6 +164,15 @@ def curriculum_spec(spec: TaskSpec, vocab: Vocab, step: int, steps: int, curricu
     return spec if short.check(vocab) else short
 
 
+def curriculum_rows(batch: int, seq_len: int, row_len: int, mode: str) -> int:
+    """Rows of a training step whose rows hold ``row_len`` of the task's ``seq_len`` tokens:
+    ``batch`` ("rows"), or as many as hold ``batch`` full rows' tokens ("tokens"), at least
+    ``batch``."""
+    if mode == "tokens":
+        return max(batch, batch * seq_len // row_len)
+    return batch
+
+
 def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr: float,
           seed: int, log: Callable[[str], None] | None = None, label: str = "",
           curriculum: float = 0.0, curriculum_start: int = 64, curriculum_batch: str = "rows"
@@ -182,9 +192,7 @@ def train(config: Any, spec: TaskSpec, vocab: Vocab, steps: int, batch: int, lr:
     model.train()
     for step in range(steps):
         now_spec = curriculum_spec(spec, vocab, step, steps, curriculum, curriculum_start)
-        rows = batch
-        if curriculum_batch == "tokens" and now_spec is not spec:
-            rows = max(batch, batch * spec.seq_len // now_spec.seq_len)
+        rows = curriculum_rows(batch, spec.seq_len, now_spec.seq_len, curriculum_batch)
         ids, labels, _ = make_rows(now_spec, vocab, rows, seed=(seed + 1) * 1_000_003 + step)
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, warmup)
