@@ -144,6 +144,18 @@ def _group(nodeid: str) -> str:
     return SHARED_GROUPS.get(path, path)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller (it runs no test and starts no rank) gets the mlflow extra on its
+    path: a worker's warnings come back pickled with their category's module, and one from the
+    extra's packages (a sqlalchemy warning in test_extending.py) is imported there to be shown;
+    without the path that import failed and took the whole run down (INTERNALERROR, a worker
+    'node down'). The workers start from the path the controller had at start-up, before this."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption("numprocesses", None):
+        site = os.path.join(sys.prefix, "mlflow-site")
+        if site not in sys.path:
+            sys.path.append(site)
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist runs too
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's types)
     """``--dist loadfile`` with SHARED_GROUPS' modules merged into one unit each (xdist's own
