@@ -223,10 +223,12 @@ class ModelConfig:
                 _bad("local_window", f"{w} is wider than max_seq_len={self.max_seq_len}")
             if not any(kind.windowed for kind in kinds):
                 takes = [name for name in projection_names() if get_projection(name).windowed]
+                # the layers' kinds in schedule order: a message that does not hang on their names
+                here = list(dict.fromkeys(k.name for k in kinds))
                 _bad(
                     "local_window",
                     f"applies to the layers of windowed kinds {takes} and no layer is one "
-                    f"({sorted({k.name for k in kinds})}): set it to 0 or change the schedule",
+                    f"({here}): set it to 0 or change the schedule",
                 )
         else:
             for kind in kinds:
