@@ -1,6 +1,7 @@
 """Document isolation in packed rows: the documents of a batch (:func:`document_spans`), their
 chunking for batched per-document work (:func:`document_chunks`) and the dense block mask."""
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,29 @@ class Documents(NamedTuple):
         if size not in plans:
             plans[size] = document_chunks(self.spans, size, tokens, device)
         return plans[size]
+
+
+def each_document(
+    fn: Callable[..., torch.Tensor],
+    documents: "Documents",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``fn(q, k, v, mask, rotary)`` on each document alone (``q, k, v [B, n, h, d]`` -> each
+    span's ``[1, L, h, d]``, its mask when padded, its slice of the rotary tables ``[B or 1, n,
+    ...]``); the outputs concatenated in row-major order ``[B n, h, d]``."""
+    ys = []
+    for s, qi, ki, vi in zip(documents.spans, *(documents.split(t) for t in (q, k, v))):
+        mi = mask[s.row, s.start : s.end][None] if mask is not None and s.padded else None
+        rot = None
+        if rotary is not None:
+            row = s.row if rotary[0].shape[0] > 1 else 0
+            rot = tuple(t[row, s.start : s.end][None] for t in rotary)
+        ys.append(fn(qi[None], ki[None], vi[None], mi, rot)[0])
+    return torch.cat(ys)
 
 
 class DocumentChunks(NamedTuple):

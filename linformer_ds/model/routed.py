@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .documents import Documents
+from .documents import Documents, each_document
 from .registry import tracing
 from .rotary import rotate
 from .window import LocalContext
@@ -59,16 +59,11 @@ def routed_attention(
     if documents is None:
         y = _routed(q, k, v, mask, local.rotary, bs, cs, top, radius, dropout_p)
         return y.reshape(b, n, h * d)
-    ys = []
-    for s, qi, ki, vi in zip(documents.spans, *(documents.split(t) for t in (q, k, v))):
-        mi = mask[s.row, s.start : s.end][None] if mask is not None and s.padded else None
-        rot = None
-        if local.rotary is not None:
-            row = s.row if local.rotary[0].shape[0] > 1 else 0
-            rot = tuple(t[row, s.start : s.end][None] for t in local.rotary)
-        y = _routed(qi[None], ki[None], vi[None], mi, rot, bs, cs, top, radius, dropout_p)
-        ys.append(y[0])
-    return torch.cat(ys).view(b, n, h * d)
+    y = each_document(
+        lambda *t: _routed(*t, bs, cs, top, radius, dropout_p), documents, q, k, v, mask,
+        local.rotary,
+    )  # fmt: skip
+    return y.view(b, n, h * d)
 
 
 def routed_sizes(config: object, layer_idx: int) -> tuple[int, int]:

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .documents import Documents
+from .documents import Documents, each_document
 from .registry import tracing
 from .rotary import rotate
+from .routed import _no_query_order
 from .window import LocalContext
 
 
@@ -52,15 +53,10 @@ def selective_attention(
     q, k, v = qkv.view(b, n, 3, h, d).unbind(2)  # [B, n, h, d]
     if documents is None:
         return _selective(q, k, v, mask, local.rotary, cs, top, dropout_p).reshape(b, n, h * d)
-    ys = []
-    for s, qi, ki, vi in zip(documents.spans, *(documents.split(t) for t in (q, k, v))):
-        mi = mask[s.row, s.start : s.end][None] if mask is not None and s.padded else None
-        rot = None
-        if local.rotary is not None:
-            row = s.row if local.rotary[0].shape[0] > 1 else 0
-            rot = tuple(t[row, s.start : s.end][None] for t in local.rotary)
-        ys.append(_selective(qi[None], ki[None], vi[None], mi, rot, cs, top, dropout_p)[0])
-    return torch.cat(ys).view(b, n, h * d)
+    y = each_document(
+        lambda *t: _selective(*t, cs, top, dropout_p), documents, q, k, v, mask, local.rotary
+    )
+    return y.view(b, n, h * d)
 
 
 def selective_block(config: object, layer_idx: int) -> int:
@@ -112,7 +108,7 @@ def _selective(
     s_sum = torch.bmm(qs, k_sum.transpose(1, 2))  # [G, L, nc]: every query, every block
     if padded:
         s_sum = s_sum.masked_fill(~(count > 0)[:, None, :], neg)
-    route = _padding_picks_first(s_sum.detach(), real_g.view(G, L)) if padded else s_sum.detach()
+    route = _no_query_order(s_sum.detach(), real_g.view(G, L)) if padded else s_sum.detach()
     sel = route.topk(m, dim=-1).indices  # [G, L, m]: each query's blocks
     picked = torch.zeros(G, L, nc, dtype=torch.bool, device=dev).scatter(-1, sel, True)
     s_sum = s_sum.masked_fill(picked, neg)  # a block read exactly: its mean left out
@@ -173,7 +169,7 @@ def _selective_traced(
     v_sum = torch.bmm(w, heads(v)) / count.clamp(min=1).to(v.dtype)  # [G, c, d]
     s_sum = torch.bmm(heads(q) * scale, k_sum).to(acc)  # [G, n, c]
     s_sum = s_sum.masked_fill(~(count[..., 0] > 0)[:, None, :], neg)
-    route = _padding_picks_first(s_sum.detach(), real_g)
+    route = _no_query_order(s_sum.detach(), real_g)
     sel = F.pad(route, (0, top), value=neg).topk(top, dim=-1).indices  # [G, n, top]
     picked = (sel[..., None] == cols).any(-2)  # [G, n, c]: each query's blocks
     ok = picked.index_select(2, blk) & real_g[:, None, :]  # [G, n, n]: the keys it reads
@@ -185,14 +181,6 @@ def _selective_traced(
     p_tok, p_sum = p.split([n, nc], dim=-1)
     y = torch.bmm(p_tok, heads(v)) + torch.bmm(p_sum, v_sum)
     return y.view(B, h, n, d).transpose(1, 2)
-
-
-def _padding_picks_first(scores: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The block scores ``[G, n, c]`` a query picks by: a padding query (``real [G, n]`` False)
-    picks the first blocks, not whichever its near-equal scores put first (its output is
-    discarded, but the exported graph and PyTorch must agree on it)."""
-    order = -torch.arange(scores.shape[-1], device=scores.device, dtype=scores.dtype)
-    return torch.where(real[..., None], scores, order)
 
 
 def selective_check(config: object, layer_idx: int) -> str | None:
