@@ -52,6 +52,7 @@ from bench.common import (
 from bench.model_bench import ADAMW, MasterWeightAdamW
 from bench.peer_bench import full_logits_loss
 from linformer_ds.ds_config import merge_extra
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.model import (
     LinformerForMaskedLM,
     LinformerForMaskedLMPretraining,
@@ -229,6 +230,7 @@ class TrainerStep:
         ds = merge_extra(deepspeed_json(job, world_size=1), extra)
         self.ds_config = ds
         params = param_groups(model, job.optimizer.weight_decay)
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
         self.optimizer_class = type(self.engine.optimizer).__name__
         inner = getattr(self.engine.optimizer, "optimizer", None)

@@ -67,6 +67,7 @@ from bench.common import (
 )
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.fsio import read_jsonl
 
 PHASES = ("comm", "memory", "frontier", "trainer")
@@ -355,6 +356,7 @@ def rank_worker(rank: int, bc_dict: dict[str, Any], case_dict: dict[str, Any], p
             functools.partial(checkpoint, use_reentrant=False), granularity=case.ac_granularity
         )
     params = param_groups(model, job.optimizer.weight_decay)
+    import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, **kwargs)
     # sharded: the replicated parameters' gradients are summed over the SP group in backward,
     # in the training dtype (counted after initialize: bf16 runs cast the parameters there)

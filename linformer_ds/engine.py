@@ -2,6 +2,9 @@
 and the engine itself (the model's layout is applied before, by
 linformer_ds.parallel.parallelize)."""
 
+import functools
+import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +126,7 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: dict[str, An
 
     kwargs: dict[str, Any] = {} if mpu is None else {"mpu": mpu}
     s = cfg.scheduler
+    import_muon_lazily()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optimizer.weight_decay),
@@ -136,6 +140,52 @@ def build_engine(model: torch.nn.Module, cfg: JobConfig, ds_config: dict[str, An
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         keep_fp32_grad_norm(engine)
     return engine
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_lazily() -> None:
+    """Import DeepSpeed's Muon optimizer with its ``torch.compile`` put off to the first call.
+
+    DeepSpeed's ZeRO and bf16 optimizers import their Muon module in ``deepspeed.initialize``
+    (to ask ``isinstance(optimizer, MuonWithAuxAdam)``) and in every gradient reduction of
+    ZeRO 1-2, whatever the optimizer. That module decorates three functions with
+    ``deepspeed.runtime.compiler.compile()`` (``torch.compile``), which imports inductor
+    when applied: 0.9 CPU-s of every rank's start-up (BENCHMARKS.md), for an optimizer this
+    trainer never builds (it is always AdamW). Here the module is imported once with that
+    decorator made lazy: each function is compiled by the same ``torch.compile`` on its first
+    call, outside a compiled region (inside one it runs as written, to be traced with the rest,
+    which is what dynamo does with a compiled function it meets). A process that imported the
+    module already keeps it as it is."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    real = compiler.compile
+
+    def lazy_compile():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if torch.compiler.is_compiling():
+                    return fn(*args, **kwargs)
+                if compiled is None:
+                    compiled = real()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = lazy_compile
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        compiler.compile = real
 
 
 def keep_fp32_grad_norm(engine) -> None:

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from bench.sp_collectives import count_collectives
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.model import LinformerForMaskedLMPretraining, ModelConfig, labelled_positions
 
 N, B = 1024, 2
@@ -80,6 +81,7 @@ def _states_case(precision: str, stage: int, deepspeed) -> dict:  # noqa: ANN001
     cfg = deepspeed_config(job, world_size=2)
     torch.manual_seed(0)
     model = LinformerForMaskedLMPretraining(job.model)
+    import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ids = torch.randint(1, 512, (cfg["train_micro_batch_size_per_gpu"], 64))
     labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)

@@ -49,3 +49,52 @@ def test_fused_and_loop_adamw_agree():
         out.append((p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+MUON_PROBE = r"""
+import sys, torch
+from linformer_ds.engine import MUON_MODULE, import_muon_lazily
+
+real, compiled = torch.compile, []
+
+def recording_compile(fn, **kwargs):  # what deepspeed.runtime.compiler.compile() hands out
+    compiled.append(fn.__name__)
+    return real(fn, backend="eager", **kwargs)  # dynamo itself, without inductor's code gen
+
+torch.compile = recording_compile
+import_muon_lazily()
+import_muon_lazily()  # a second call keeps the module it imported
+assert MUON_MODULE in sys.modules and "torch._inductor.compile_fx" not in sys.modules
+assert compiled == [], compiled
+from deepspeed.runtime.zero.muon import original_muon as om
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # the isinstance checks
+
+ns = om.zeropower_via_newtonschulz5
+g = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+expected = ns.__wrapped__(g, 5)  # the function as written, not compiled
+torch.compiler.is_compiling = lambda: True  # met inside a compiled region: runs as written
+assert torch.equal(ns(g, 5), expected) and compiled == [], compiled
+torch.compiler.is_compiling = lambda: False
+first, second = ns(g, 5), ns(g, 5)  # compiled on its first call, once
+assert compiled == ["zeropower_via_newtonschulz5"], compiled
+assert torch.allclose(first, expected, atol=1e-6) and torch.equal(first, second)
+assert "torch._inductor.compile_fx" not in sys.modules
+print("ok")
+"""
+
+
+def test_muon_module_imports_without_inductor_and_compiles_on_first_call():
+    """``engine.import_muon_lazily`` (run before every ``deepspeed.initialize`` of the trainer):
+    DeepSpeed's Muon module is imported without inductor, its decorated functions compile with
+    the same ``torch.compile`` on their first call (once), and inside a compiled region they
+    run as written. In a fresh interpreter: this one may have imported either already."""
+    import subprocess
+    import sys
+
+    from tests.pretrain_utils import REPO, child_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", MUON_PROBE],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from linformer_ds.dist_env import free_port, without_launcher_vars
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.model_dir import MODEL_FILES
 from tests.pretrain_utils import child_env, init_gloo_rank
 
@@ -74,6 +75,7 @@ def _worker(rank: int, world: int, port: int, spec_path: str) -> None:
             "zero_optimization": {"stage": stage},
             "steps_per_print": 10**6,
         }
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
@@ -150,6 +152,7 @@ def _reload_worker(rank: int, world: int, port: int, spec_path: str) -> None:
         ds_config["train_batch_size"] = world
         ds_config.pop("gradient_accumulation_steps", None)
         model = LinformerForMaskedLM(model_config)
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, 0.01), config=ds_config
         )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from linformer_ds.dist_env import free_port
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.model import ModelConfig
 from linformer_ds.parallel.checks import isolation_errors
 from linformer_ds.parallel.sharding import shard_batch
@@ -173,6 +174,7 @@ def _zero(rank: int, world: int, deepspeed) -> dict:
         }  # fmt: skip
         par.apply_sequence_parallel(model, groups.sp_group)
         par.partition_for_zero3(model, groups, ds)
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds,
             mpu=grp.SequenceParallelMPU(groups),

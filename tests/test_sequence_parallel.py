@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from bench.sp_collectives import collective_bytes_per_layer, count_collectives
 from linformer_ds.dist_env import free_port
+from linformer_ds.engine import import_muon_lazily
 from linformer_ds.loss import LossScaling
 from linformer_ds.model import ModelConfig
 from linformer_ds.parallel.checks import SequenceParallelConfigError, check_config, config_errors
@@ -279,6 +280,7 @@ def _deepspeed_worker(rank: int, world: int, out: Path, deepspeed, sp_size: int)
             if partition:
                 par.partition_for_zero3(model, groups, cfg)
             kwargs["mpu"] = grp.SequenceParallelMPU(groups)
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, **kwargs
         )
@@ -349,6 +351,7 @@ def _exact_scale_worker(rank: int, world: int, deepspeed) -> dict:
             par.partition_for_zero3(model, groups, cfg)
             rule = LossScaling(world, sp_size=world, zero_stage=stage)
             mpu, scale = grp.SequenceParallelMPU(groups), rule.backward_scale
+        import_muon_lazily()  # as the trainer: no inductor import for DeepSpeed's Muon
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu
         )
