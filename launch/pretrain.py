@@ -6,9 +6,16 @@ srun python launch/pretrain.py --config ...      (ranks from SLURM variables)
 mpirun -np 2 python launch/pretrain.py --config ...
 """
 
+import gc
 import os
 import signal
 import sys
+
+# Start-up without the cyclic garbage collector: importing torch, DeepSpeed and dynamo allocates
+# hundreds of thousands of long-lived objects and little garbage, and the collector's passes
+# over them took 0.6 of a tiny one-rank run's 3.6 CPU-s (BENCHMARKS.md). start_trainer
+# (linformer_ds.train) turns it back on once the trainer is built.
+gc.disable()
 
 
 class _EarlySignals:

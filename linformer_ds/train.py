@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input (one line: ``config error: ...`` or ``error: ...
 """
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -99,8 +100,18 @@ def start_process(cfg: JobConfig) -> Process:
 
 def start_trainer(cfg: JobConfig, stages: list[Stage] | None = None) -> Trainer:
     """The Trainer as the command line runs it: with the process's side (:func:`start_process`)
-    and the test hooks the job config's ``debug.*`` keys ask for."""
-    return Trainer(cfg, stages, start_process=start_process, hooks=trainer_hooks(cfg))
+    and the test hooks the job config's ``debug.*`` keys ask for.
+
+    A process that paused the cyclic garbage collector for its start-up (launch/pretrain.py
+    does, before importing torch) gets it back here: one collection of the start-up's garbage,
+    what is left frozen (it lives as long as the process: the collector does not scan it
+    again), the collector on. A caller with the collector on keeps it as it was."""
+    trainer = Trainer(cfg, stages, start_process=start_process, hooks=trainer_hooks(cfg))
+    if not gc.isenabled():
+        gc.collect()
+        gc.freeze()
+        gc.enable()
+    return trainer
 
 
 # ========================================================================================= main

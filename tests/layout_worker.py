@@ -15,10 +15,12 @@ A run with ``"zero3_holdings": true`` prints, once its trainer is built, what ea
 the shared projections (``[zero3] rank R holds n/N of NAME``).
 """
 
+import gc
 import json
 import os
 import sys
 
+gc.disable()  # as launch/pretrain.py: the start-up without the collector (start_trainer)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

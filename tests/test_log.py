@@ -3,6 +3,7 @@ prefixes. The prefix ``[rank R] `` on every line of a rank R > 0 of several, non
 (nor on rank 0); one handler however often the set-up runs; levels and streams (INFO: stdout,
 WARNING and up: stderr, ``LINFORMER_DS_LOG_LEVEL``); a real one-rank run's lines unchanged."""
 
+import gc
 import logging
 import os
 import random
@@ -206,9 +207,16 @@ def test_one_rank_run_lines_are_unchanged(tiny_corpus, tmp_path, capsys, _clean_
 
     run = tmp_path / "run"
     before = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
-    rc = train.main(["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
-                     f"logging.dir={run}", "train.max_steps=2", "train.eval_interval=2",
-                     "train.eval_batches=1", "deepspeed.precision=fp32"])  # fmt: skip
+    frozen = gc.get_freeze_count()
+    gc.disable()  # as launch/pretrain.py starts: start_trainer turns the collector back on
+    try:
+        rc = train.main(["--config", TINY_CONFIG, *TEST_OVERRIDES, f"data.path={tiny_corpus}",
+                         f"logging.dir={run}", "train.max_steps=2", "train.eval_interval=2",
+                         "train.eval_batches=1", "deepspeed.precision=fp32"])  # fmt: skip
+        assert gc.isenabled() and gc.get_freeze_count() > frozen, gc.get_freeze_count()
+    finally:
+        gc.enable()
+        gc.unfreeze()  # this process's objects collectable again
     got = capsys.readouterr()
     assert rc == 0, got.err[-3000:]
     # the caller's process has its signal handling back (the trainer's flag no longer eats them)
