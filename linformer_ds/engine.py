@@ -4,6 +4,7 @@ linformer_ds.parallel.parallelize)."""
 
 import functools
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -152,17 +153,20 @@ def import_muon_lazily() -> None:
     (to ask ``isinstance(optimizer, MuonWithAuxAdam)``) and in every gradient reduction of
     ZeRO 1-2, whatever the optimizer. That module decorates three functions with
     ``deepspeed.runtime.compiler.compile()`` (``torch.compile``), which imports inductor
-    when applied: 0.9 CPU-s of every rank's start-up (BENCHMARKS.md), for an optimizer this
-    trainer never builds (it is always AdamW). Here the module is imported once with that
-    decorator made lazy: each function is compiled by the same ``torch.compile`` on its first
-    call, outside a compiled region (inside one it runs as written, to be traced with the rest,
-    which is what dynamo does with a compiled function it meets). A process that imported the
-    module already keeps it as it is."""
-    if MUON_MODULE in sys.modules:
+    when applied (a tiny one-rank run: 3.40-3.75 CPU-s with it, 2.73-2.95 without; BENCHMARKS.md),
+    for an optimizer this trainer never builds (it is always AdamW). Here the module is imported
+    once with that decorator made lazy: each function is compiled by the same ``torch.compile``
+    on its first call, outside a compiled region (inside one it runs as written, to be traced
+    with the rest, which is what dynamo does with a compiled function it meets). A process that
+    imported the module already keeps it as it is; a DeepSpeed without the module or the
+    decorator (an untested release, ``LINFORMER_DS_UNTESTED_DEPS``) is left alone."""
+    if MUON_MODULE in sys.modules or importlib.util.find_spec(MUON_MODULE) is None:
         return
     from deepspeed.runtime import compiler
 
-    real = compiler.compile
+    real = getattr(compiler, "compile", None)
+    if real is None:
+        return
 
     def lazy_compile():
         def decorate(fn):

@@ -2,6 +2,8 @@
 fp32 partition) is the default, the same update as the single-tensor loop within fp32 rounding;
 DeepSpeed's own optimizers (``torch_adam=false``) get no ``fused`` key."""
 
+import sys
+
 import torch
 
 from linformer_ds.config import load_config
@@ -89,7 +91,6 @@ def test_muon_module_imports_without_inductor_and_compiles_on_first_call():
     the same ``torch.compile`` on their first call (once), and inside a compiled region they
     run as written. In a fresh interpreter: this one may have imported either already."""
     import subprocess
-    import sys
 
     from tests.pretrain_utils import REPO, child_env
 
@@ -98,3 +99,17 @@ def test_muon_module_imports_without_inductor_and_compiles_on_first_call():
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_muon_lazily_leaves_a_deepspeed_without_the_module_alone(monkeypatch):
+    """A DeepSpeed release without the Muon module (``LINFORMER_DS_UNTESTED_DEPS``): nothing is
+    imported and DeepSpeed's ``compile`` stays its own; the trainer starts as before."""
+    from deepspeed.runtime import compiler
+
+    from linformer_ds import engine
+
+    before = compiler.compile
+    monkeypatch.setattr(engine, "MUON_MODULE", "deepspeed.runtime.zero.muon.not_there")
+    engine.import_muon_lazily()
+    assert compiler.compile is before
+    assert "deepspeed.runtime.zero.muon.not_there" not in sys.modules
